@@ -1,0 +1,21 @@
+# aerie: prompt datasets -> target responses -> token ids + loss masks -> target hidden states
+#        -> draft vocab -> EAGLE-3 drafter -> benchmark against the no-drafter baseline.
+# Stages live in rules/<stage>.smk; logic lives in the aerie package; scripts/ are thin entry points.
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prompts.smk"
+include: "rules/responses.smk"
+include: "rules/tokens.smk"
+include: "rules/hidden.smk"
+include: "rules/drafter.smk"
+include: "rules/bench.smk"
+
+
+rule all:
+    input:
+        get_final_outputs(),
+    default_target: True

@@ -1,0 +1,130 @@
+"""Reading and writing aerie's artifacts: atomic publication and versioned packed shards.
+
+Every declared output is written to a temporary name in the same folder and published with
+``os.replace``, so an interrupted job never leaves a half-written file that a later run would take
+for finished work. Formats are documented in docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class FormatError(ValueError):
+    """An artifact is missing, of another format version, or inconsistent."""
+
+
+def _tmp_path(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+    """Save a packed shard: tensors + metadata (non-string values JSON-encoded), atomically."""
+    path = Path(path)
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    tmp = _tmp_path(path)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_packed(path: str | Path, expected_format: str, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load a packed shard, refusing a different format version. Metadata JSON values are decoded."""
+    path = Path(path)
+    if not path.exists():
+        raise FormatError(f"{path}: file not found")
+    with safe_open(str(path), framework="pt") as f:
+        raw = f.metadata() or {}
+        fmt = raw.get("format")
+        if fmt != expected_format:
+            raise FormatError(f"{path}: format {fmt!r}, expected {expected_format!r}")
+        keys = list(f.keys()) if names is None else names
+        missing = [k for k in keys if k not in f.keys()]
+        if missing:
+            raise FormatError(f"{path}: missing tensors {missing}")
+        tensors = {k: f.get_tensor(k) for k in keys}
+    meta: dict[str, Any] = {}
+    for k, v in raw.items():
+        try:
+            meta[k] = json.loads(v)
+        except json.JSONDecodeError:
+            meta[k] = v
+    return tensors, meta
+
+
+def split_packed(values: torch.Tensor, seq_offsets: torch.Tensor) -> list[torch.Tensor]:
+    """Split a packed [T, ...] tensor into per-sequence views using ``seq_offsets`` [N+1]."""
+    bounds = seq_offsets.tolist()
+    return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def pack_sequences(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate sequences along dim 0 and return (packed, seq_offsets int64 [N+1])."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return torch.cat(seqs) if seqs else torch.zeros(0), offsets
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield (line number, object) for every non-blank line of a JSONL (or .jsonl.gz) file.
+
+    A missing file, a malformed line or a non-object line raises FormatError naming file:line.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        fh = opener(path, "rt", encoding="utf-8")
+    except FileNotFoundError:
+        raise FormatError(f"{path}: file not found") from None
+    with fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise FormatError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise FormatError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    return [obj for _, obj in iter_jsonl(path)]
+
+
+def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))

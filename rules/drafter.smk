@@ -1,0 +1,41 @@
+# Stage 5: draft vocabulary from loss-masked token frequencies, then EAGLE-3 drafter training.
+
+
+rule draft_vocab:
+    input:
+        tokens=get_shards("tokens", "safetensors"),
+        target=get_target_input(),
+    output:
+        "results/vocab/draft_vocab.safetensors",
+    params:
+        vocab=config["vocab"],
+        target=TARGET,
+    log:
+        "results/logs/vocab/draft_vocab.log",
+    conda:
+        "../envs/aerie.yaml"
+    script:
+        "../scripts/draft_vocab.py"
+
+
+rule drafter:
+    input:
+        hidden=get_shards("hidden", "safetensors"),
+        vocab="results/vocab/draft_vocab.safetensors",
+        target=get_target_input(),
+    output:
+        directory("results/drafter/{run}"),
+    params:
+        drafter=config["drafter"],
+        target=TARGET,
+    threads: workflow.cores
+    resources:
+        gpu=gpus("drafter"),
+    log:
+        "results/logs/drafter/{run}.log",
+    benchmark:
+        "results/benchmarks/drafter/{run}.tsv"
+    conda:
+        "../envs/aerie.yaml"
+    script:
+        "../scripts/drafter.py"

@@ -1,0 +1,33 @@
+# Stage 1: prompt sources -> fixed-size shards (+ the held-out benchmark prompts).
+
+
+rule prompts:
+    input:
+        get_prompt_source,
+    output:
+        "results/{dataset}/prompts/shard-{shard}.jsonl",
+    params:
+        dataset=lambda w: config["datasets"][w.dataset],
+        range=lambda w: PLANS[w.dataset].shard_range(int(w.shard)),
+    log:
+        "results/logs/{dataset}/prompts/shard-{shard}.log",
+    conda:
+        "../envs/aerie.yaml"
+    script:
+        "../scripts/prompts.py"
+
+
+rule bench_prompts:
+    input:
+        get_prompt_source,
+    output:
+        "results/{dataset}/prompts/bench.jsonl",
+    params:
+        dataset=lambda w: config["datasets"][w.dataset],
+        range=lambda w: PLANS[w.dataset].bench_range(),
+    log:
+        "results/logs/{dataset}/prompts/bench.log",
+    conda:
+        "../envs/aerie.yaml"
+    script:
+        "../scripts/prompts.py"

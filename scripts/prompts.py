@@ -1,0 +1,11 @@
+"""Rules prompts / bench_prompts: write one slice of a dataset's prompts (aerie.prompts)."""
+
+from pathlib import Path
+
+from aerie.prompts import write_prompts
+from aerie.rulelog import open_rule_log
+
+log = open_rule_log(snakemake.log[0])
+start, stop = snakemake.params.range
+n = write_prompts(snakemake.wildcards.dataset, snakemake.params.dataset, start, stop, Path(snakemake.output[0]))
+log(f"{snakemake.output[0]}: {n} prompts ({start}..{stop})")

@@ -1,0 +1,19 @@
+"""Rule tokens: exact token ids + loss masks for one responses shard (aerie.tokens)."""
+
+from pathlib import Path
+
+from aerie.rulelog import open_rule_log
+from aerie.tokens import tokenize_shard
+
+log = open_rule_log(snakemake.log[0])
+cfg = snakemake.params.tokens
+tokenize_shard(
+    Path(snakemake.input.responses),
+    Path(snakemake.output.tokens),
+    Path(snakemake.output.report),
+    snakemake.params.target,
+    max_seq_len=cfg["max_seq_len"],
+    overlong=cfg["overlong"],
+    drop_truncated=cfg["drop_truncated"],
+    log=log,
+)
