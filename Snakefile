@@ -2,7 +2,13 @@
 #        -> draft vocab -> EAGLE-3 drafter -> benchmark against the no-drafter baseline.
 # Stages live in rules/<stage>.smk; logic lives in the aerie package; scripts/ are thin entry points.
 
-configfile: "config/config.yaml"
+import os
+
+
+# The embedded demo is the default; `--configfile FILE` replaces it (it is not merged into it).
+if not workflow.overwrite_configfiles:
+
+    configfile: os.path.join(workflow.basedir, "config", "config.yaml")
 
 
 include: "rules/common.smk"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aerie.artifacts import atomic_write_text, iter_jsonl
+from aerie.artifacts import FormatError, atomic_write_text, iter_jsonl
 
 PROMPTS_FORMAT = "aerie.prompts/1"
 
@@ -158,11 +158,10 @@ def iter_prompts(name: str, dataset: dict[str, Any]) -> Iterator[dict[str, Any]]
 def plan_dataset(name: str, dataset: dict[str, Any]) -> DatasetPlan:
     """Count (and so validate) every prompt of a dataset, then split it into shards + bench set."""
     total = sum(1 for _ in iter_prompts(name, dataset))
+    if total == 0:
+        raise PromptSourceError(f"datasets.{name}: the source holds no prompts")
+    # A dataset may be benchmark-only (bench_prompts >= its size): it then has no training shards.
     bench = min(dataset["bench_prompts"], total)
-    if total - bench <= 0:
-        raise PromptSourceError(
-            f"datasets.{name}: {total} prompts leave none for training after bench_prompts={dataset['bench_prompts']}"
-        )
     return DatasetPlan(name=name, total=total, train=total - bench, bench=bench, shard_size=dataset["shard_size"])
 
 
@@ -182,6 +181,6 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     records = []
     for lineno, obj in iter_jsonl(Path(path)):
         if obj.get("format") != PROMPTS_FORMAT:
-            raise PromptSourceError(f"{path}:{lineno}: not an {PROMPTS_FORMAT} record (format={obj.get('format')!r})")
+            raise FormatError(f"{path}:{lineno}: not an {PROMPTS_FORMAT} record (format={obj.get('format')!r})")
         records.append(obj)
     return records

@@ -1,0 +1,36 @@
+"""Shared test helpers: paths, the ../shared folder rule, and running snakemake as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared; skip when it is absent, except under CI where it must be there."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        if os.environ.get("CI") == "true":
+            raise AssertionError(f"{path} is missing, and CI must run every test")
+        pytest.skip(f"{path} not present (a user's clone has no ../shared)")
+    return path
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run this checkout's workflow in ``workdir`` with the current interpreter's snakemake."""
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path) -> Path:
+    d = tmp_path / "work"
+    d.mkdir()
+    return d
