@@ -34,6 +34,9 @@ def check_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> lis
         raise ValueError(f"aux layer ids {bad} out of range for a target with {num_hidden_layers} decoder layers")
     if len(set(ids)) != len(ids):
         raise ValueError(f"aux layer ids {ids} contain duplicates: the drafter would see the same layer twice")
+    if ids != sorted(ids):
+        # SGLang concatenates captured layers in execution order; any other order would not line up.
+        raise ValueError(f"aux layer ids {ids} must be ascending (SGLang concatenates them in layer order)")
     return ids
 
 

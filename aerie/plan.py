@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aerie.capture import check_aux_layer_ids, default_aux_layer_ids
 from aerie.prompts import DatasetPlan, plan_dataset
 
 
@@ -53,12 +54,14 @@ def check_config(config: dict[str, Any]) -> None:
 
     ids = config["hidden"].get("aux_layer_ids")
     layers = target.get("num_hidden_layers") or _local_num_layers(target)
-    if ids and layers:
-        bad = [i for i in ids if i >= layers]
-        if bad:
-            raise ConfigError(f"hidden.aux_layer_ids: {bad} out of range for a target with {layers} decoder layers")
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"hidden.aux_layer_ids: {ids} contains duplicates")
+    if "demo" in target:
+        layers = DemoTargetConfig(**target["demo"] or {}).num_hidden_layers
+    if ids or layers:
+        try:
+            check_aux_layer_ids(ids or default_aux_layer_ids(layers), layers or max(ids) + 1)
+        except ValueError as e:
+            hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
+            raise ConfigError(f"hidden.aux_layer_ids: {e}{hint}") from None
 
     if not any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values()):
         raise ConfigError("datasets: no dataset reserves bench_prompts, so the benchmark would have no prompts")

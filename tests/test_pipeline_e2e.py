@@ -1,0 +1,122 @@
+"""End to end: the demo pipeline (shrunk to run in a few minutes) through Snakemake, as a user runs it.
+
+Checks the artifacts of every stage, that a second run has nothing to do, that code edits re-run
+nothing, and that a removed shard is recomputed alone from what is already on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def small_demo_config() -> dict:
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["target"]["demo"] = {**(config["target"].get("demo") or {}), "train_steps": 40, "tokenizer_examples": 1500,
+                                "eval_prompts": 8}
+    config["datasets"]["tasks"]["source"]["count"] = 20
+    config["datasets"]["tasks"]["shard_size"] = 9
+    config["datasets"]["tasks"]["bench_prompts"] = 2
+    config["datasets"]["humaneval"]["max_prompts"] = 10
+    config["datasets"]["humaneval"]["shard_size"] = 4
+    config["datasets"]["humaneval"]["bench_prompts"] = 2
+    config["responses"]["max_new_tokens"] = 48
+    config["tokens"]["drop_truncated"] = False  # a barely trained target often runs to the token cap
+    config["hidden"]["min_next_token_agreement"] = 0.9
+    config["drafter"] = {**(config.get("drafter") or {}), "epochs": 1}
+    config["bench"].update({"max_new_tokens": 16, "max_prompts": 3, "warmup": 0})
+    return config
+
+
+def dry_run_counts(workdir: Path, configfile: Path) -> tuple[dict[str, int], str]:
+    proc = snakemake(workdir, "-n", "--configfile", str(configfile))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    return {k: int(v) for k, v in re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M)}, out
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> tuple[Path, Path]:
+    workdir = tmp_path_factory.mktemp("demo")
+    configfile = workdir / "config.yaml"
+    configfile.write_text(yaml.safe_dump(small_demo_config()))
+    proc = snakemake(workdir, "--cores", "2", "--configfile", str(configfile), timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    return workdir, configfile
+
+
+def test_every_stage_wrote_its_artifacts(demo_run) -> None:
+    workdir, _ = demo_run
+    results = workdir / "results"
+    assert (results / "demo-target" / "config.json").exists()
+    assert json.loads((results / "demo-target" / "aerie_demo_target.json").read_text())
+    for dataset, shards in (("tasks", 2), ("humaneval", 2)):
+        for stage, ext in (("prompts", "jsonl"), ("responses", "jsonl"), ("tokens", "safetensors"),
+                           ("tokens", "report.json"), ("hidden", "safetensors")):
+            files = sorted((results / dataset / stage).glob(f"shard-*.{ext}"))
+            assert len(files) == shards, (dataset, stage, files)
+        assert (results / dataset / "prompts" / "bench.jsonl").exists()
+    assert (results / "vocab" / "draft_vocab.safetensors").exists()
+    drafter = results / "drafter" / "demo"
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (drafter / "model.safetensors").exists() and (drafter / "eval.json").exists()
+    for rule_log in ("demo_target.log", "drafter/demo.log", "bench/demo.log"):
+        assert (results / "logs" / rule_log).exists()
+
+
+def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
+    workdir, _ = demo_run
+    bench = json.loads((workdir / "results" / "bench" / "demo.json").read_text())
+    assert bench["format"] == "aerie.bench/1"
+    assert bench["prompts"] == 3
+    base, spec = bench["baseline"]["tokens_per_s"], bench["speculative"]["tokens_per_s"]
+    assert base > 0 and spec > 0
+    assert bench["speedup"] == pytest.approx(spec / base, rel=1e-6)
+    assert bench["acceptance_length"] >= 1.0
+    assert len(bench["acceptance_per_position"]) == bench["num_draft_steps"]
+    assert bench["lossless"] is True
+
+
+def test_second_run_has_nothing_to_do_and_code_edits_rerun_nothing(demo_run) -> None:
+    workdir, configfile = demo_run
+    counts, out = dry_run_counts(workdir, configfile)
+    assert "Nothing to be done" in out, out
+    # Touch every script and library module: code changes must never re-run finished (paid, GPU) work.
+    now = time.time() + 5
+    for path in [*REPO.glob("scripts/*.py"), *REPO.glob("aerie/**/*.py"), *REPO.glob("rules/*.smk")]:
+        os.utime(path, (now, now))
+    counts, out = dry_run_counts(workdir, configfile)
+    assert "Nothing to be done" in out, out
+    # A changed parameter does not re-run finished shards either.
+    config = yaml.safe_load(configfile.read_text())
+    config["responses"]["batch_size"] = 5
+    changed = workdir / "changed.yaml"
+    changed.write_text(yaml.safe_dump(config))
+    counts, out = dry_run_counts(workdir, changed)
+    assert "Nothing to be done" in out, out
+
+
+def test_removed_shard_is_recomputed_alone(demo_run) -> None:
+    workdir, configfile = demo_run
+    removed = "results/humaneval/hidden/shard-00001.safetensors"
+    (workdir / removed).unlink()
+    # Everything downstream is complete, so a plain run leaves the gap alone ...
+    counts, out = dry_run_counts(workdir, configfile)
+    assert "Nothing to be done" in out, out
+    # ... and asking for the shard recomputes exactly it, from the tokens already on disk.
+    proc = snakemake(workdir, "-n", "--configfile", str(configfile), removed)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    counts = {k: int(v) for k, v in re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M)}
+    assert counts == {"hidden": 1, "total": 1}, out

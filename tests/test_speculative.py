@@ -1,0 +1,411 @@
+"""Speculative decoding: lossless vs. greedy, eos/budget handling, acceptance accounting, the benchmark JSON.
+
+Everything runs on a tiny random Llama built in-test (fp32, CPU), so it is fast and needs no files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from aerie.bench.speculative import (
+    EagleProposer,
+    _target_forward,
+    NgramProposer,
+    SpecResult,
+    crop_cache,
+    first_mismatch,
+    greedy_generate,
+    speculative_generate,
+)
+from aerie.capture import AuxHiddenCapture
+from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+
+VOCAB = 300
+AUX_IDS = [1, 3, 4]
+MAX_NEW = 40
+
+
+def _tiny_llama(seed: int = 0, eos_token_id: int | None = None) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=eos_token_id,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_drafter(target: LlamaForCausalLM, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    draft_vocab = 200
+    ids = torch.randperm(VOCAB)[:draft_vocab].sort().values  # a random, ascending draft vocab
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[ids] = True
+    d2t = ids - torch.arange(draft_vocab)
+    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX_IDS)
+    return Eagle3Drafter.from_target(target, cfg, d2t, t2d).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # A 64-wide model gains nothing from threads, and on a shared CPU a second thread that waits for a
+    # busy core makes every tiny forward ~10x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return _tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> Eagle3Drafter:
+    return _tiny_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, VOCAB, (1, n), generator=g) for n in (1, 7, 19)]
+
+
+@pytest.fixture(scope="module")
+def refs(target, prompts) -> list[list[int]]:
+    """Greedy continuations without eos: the ground truth every speculative run must reproduce."""
+    return [greedy_generate(target, p, MAX_NEW) for p in prompts]
+
+
+class ScriptedProposer:
+    """Proposes the target's true greedy continuation, with only the first ``pattern[call]`` drafts
+    right and the rest wrong: exercises full acceptance (+bonus), rejection at every position, and crops."""
+
+    aux_layer_ids = None
+
+    def __init__(self, full: Sequence[int], pattern: Sequence[int]):
+        self.full, self.pattern = list(full), list(pattern)
+        self.expected_accepts: list[int] = []
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.expected_accepts = []
+
+    def scripted(self, tokens: Sequence[int], max_drafts: int) -> list[int]:
+        truth = self.full[len(tokens) : len(tokens) + max_drafts]
+        assert len(truth) == max_drafts, "the engine asked for drafts past its budget"
+        n_ok = min(self.pattern[self.calls % len(self.pattern)], max_drafts)
+        self.calls += 1
+        self.expected_accepts.append(n_ok)
+        return truth[:n_ok] + [(t + 1) % VOCAB for t in truth[n_ok:]]
+
+    def propose(self, tokens, aux, max_drafts):
+        return self.scripted(tokens, max_drafts)
+
+
+class ScriptedEagleProposer(EagleProposer):
+    """The real EAGLE proposer (drafter forwards, cache crops, catch-up) with scripted drafts on top,
+    so long accepted prefixes reach the drafter's catch-up path. It also checks that the incremental
+    drafter state equals a fresh forward over all TRUE target features."""
+
+    def __init__(self, drafter: Eagle3Drafter, target, script: ScriptedProposer):
+        self.target, self.script = target, script
+        super().__init__(drafter)
+
+    def reset(self) -> None:
+        super().reset()
+        self.script.reset()
+        self.seen: list[torch.Tensor] = []
+
+    def _forward(self, hidden, ids, start):
+        logits, h = super()._forward(hidden, ids, start)
+        self.step_logits.append(logits[:, -1])  # [0]: the catch-up forward, then one per chained draft
+        return logits, h
+
+    def propose(self, tokens, aux, max_drafts):
+        self.seen.append(aux)
+        self.step_logits: list[torch.Tensor] = []
+        own = super().propose(tokens, aux, max_drafts)
+        if max_drafts == 0:
+            return own
+        assert len(own) == max_drafts
+        assert self.true_len == len(tokens) - 1
+        assert len(self.cache) == self.true_len + max_drafts - 1  # true positions + chained drafts
+        feats = torch.cat(self.seen, dim=1)
+        # The engine handed over exactly the target's features of the committed positions...
+        with AuxHiddenCapture(self.target, self.aux_layer_ids) as cap:
+            self.target(input_ids=torch.tensor([list(tokens[:-1])]))
+            fresh = cap.aux_hidden_states()
+        torch.testing.assert_close(feats, fresh, atol=1e-4, rtol=1e-4)
+        # ...the cropped, caught-up drafter cache equals a fresh uncached forward over them, and the
+        # cached draft chain equals re-running everything uncached, one more row per draft
+        # (row j: the previous row's hidden_out, the previous draft, the next position).
+        hidden, ids, pos = self.drafter.project_aux(fresh), list(tokens[1:]), list(range(len(tokens) - 1))
+        chain: list[int] = []
+        while True:
+            logits, out = self.drafter(hidden, torch.tensor([ids]), torch.tensor([pos]))
+            torch.testing.assert_close(self.step_logits[len(chain)], logits[:, -1], atol=1e-4, rtol=1e-4)
+            chain.append(int(self.drafter.draft_to_target(logits[:, -1].argmax(-1))))
+            if len(chain) == max_drafts:
+                break
+            hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+            ids.append(chain[-1])
+            pos.append(pos[-1] + 1)
+        assert own == chain
+        return self.script.scripted(tokens, max_drafts)
+
+
+def check_accounting(res: SpecResult) -> None:
+    """Invariants of SpecResult that the benchmark's acceptance figures rely on."""
+    k = res.num_draft_steps
+    steps = res.verify_steps
+    assert len(res.drafted_per_step) == len(res.accepted_per_step) == steps
+    if res.tokens:
+        # The prefill's token belongs to no verify step; every other token to exactly one.
+        assert sum(res.committed_per_step) == len(res.tokens) - 1
+    if steps:
+        assert res.acceptance_length == pytest.approx((len(res.tokens) - 1) / steps)
+        assert 1 <= res.acceptance_length <= k + 1
+    else:
+        assert res.acceptance_length is None
+    for i, (d, a, c) in enumerate(zip(res.drafted_per_step, res.accepted_per_step, res.committed_per_step)):
+        assert 0 <= a <= d <= k
+        last = i == steps - 1
+        assert c == a + 1 or (last and a <= c <= a + 1)  # only the final step may lose its bonus
+    for i in range(k):
+        assert res.drafted_per_position[i] == sum(d > i for d in res.drafted_per_step)
+        assert res.accepted_per_position[i] == sum(a > i for a in res.accepted_per_step)
+    # Chain drafting: position i is accepted only if every earlier position was.
+    assert all(x >= y for x, y in zip(res.accepted_per_position, res.accepted_per_position[1:]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lossless
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_lossless_with_untrained_drafter(target, drafter, prompts, refs, k):
+    for p, ref in zip(prompts, refs):
+        res = speculative_generate(target, drafter, p, MAX_NEW, [], num_draft_steps=k)
+        assert res.tokens == ref, f"diverges at {first_mismatch(res.tokens, ref)}"
+        assert res.finish_reason == "length"
+        check_accounting(res)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_lossless_with_scripted_eagle_proposer(target, drafter, prompts, refs, k):
+    """Long accepted prefixes through the real drafter: its cache crop and catch-up stay exact."""
+    pattern = [k, 0, k, 1, 2, k, k]
+    for p, ref in zip(prompts, refs):
+        script = ScriptedProposer(p[0].tolist() + ref, pattern)
+        res = speculative_generate(target, ScriptedEagleProposer(drafter, target, script), p, MAX_NEW, [], k)
+        assert res.tokens == ref
+        assert res.accepted_per_step == script.expected_accepts
+        check_accounting(res)
+
+
+def test_perfect_proposer_commits_k_plus_one(target, prompts, refs):
+    k = 4
+    p, ref = prompts[1], refs[1]
+    res = speculative_generate(target, ScriptedProposer(p[0].tolist() + ref, [k]), p, MAX_NEW, [], k)
+    assert res.tokens == ref
+    # 39 tokens after the prefill: 7 full steps of k+1 = 35, then the budget caps the drafts (3 -> 4 tokens).
+    assert res.committed_per_step == [5] * 7 + [4]
+    assert res.drafted_per_step == [4] * 7 + [3]
+    assert res.acceptance_length == pytest.approx(39 / 8)
+    check_accounting(res)
+
+
+def test_lossless_with_ngram_proposer(target, prompts, refs):
+    for p, ref in zip(prompts, refs):
+        res = speculative_generate(target, NgramProposer(max_ngram=3), p, MAX_NEW, [], 3)
+        assert res.tokens == ref
+        check_accounting(res)
+
+
+def test_ngram_proposer_lookup():
+    ng = NgramProposer(max_ngram=3)
+    assert ng.propose([1, 2, 3, 9, 8, 1, 2], None, 3) == [3, 9, 8]  # longest suffix "1 2" matched
+    assert ng.propose([5, 1, 7, 1], None, 2) == [7, 1]  # latest earlier "1"
+    assert ng.propose([1, 2, 3], None, 4) == []  # no repeat: no guess
+    assert ng.propose([4, 4], None, 0) == []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# eos and budget
+
+
+def test_eos_stops_exactly(target, drafter, prompts, refs):
+    p, ref = prompts[2], refs[2]
+    k = 4
+    # A perfect proposer commits tokens 1+5s .. 5+5s in step s; pick an eos that first appears at a
+    # draft position (not a bonus), so the engine must cut an accepted run short.
+    j = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i] and (i - 1) % (k + 1) != k)
+    eos = ref[j]
+    expected = ref[: j + 1]
+    assert greedy_generate(target, p, MAX_NEW, [eos]) == expected
+    for proposer in (drafter, ScriptedProposer(p[0].tolist() + ref, [k])):
+        res = speculative_generate(target, proposer, p, MAX_NEW, [eos, VOCAB + 5], k)
+        assert res.tokens == expected
+        assert res.finish_reason == "stop"
+        check_accounting(res)
+    assert res.accepted_per_step[-1] == res.committed_per_step[-1] == (j - 1) % (k + 1) + 1  # bonus dropped
+
+
+def test_eos_as_first_token(target, drafter, prompts, refs):
+    p, ref = prompts[0], refs[0]
+    assert greedy_generate(target, p, MAX_NEW, [ref[0]]) == [ref[0]]
+    res = speculative_generate(target, drafter, p, MAX_NEW, [ref[0]], 3)
+    assert res.tokens == [ref[0]] and res.verify_steps == 0 and res.acceptance_length is None
+    assert res.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2, 3, 6, 11])
+def test_max_new_tokens_exact(target, drafter, prompts, refs, budget):
+    p, ref = prompts[1], refs[1]
+    assert greedy_generate(target, p, budget) == ref[:budget]
+    for proposer in (drafter, ScriptedProposer(p[0].tolist() + ref, [4])):
+        res = speculative_generate(target, proposer, p, budget, [], 4)
+        assert res.tokens == ref[:budget]
+        check_accounting(res)
+
+
+def test_bad_inputs(target, drafter):
+    with pytest.raises(ValueError):
+        speculative_generate(target, drafter, torch.tensor([[1, 2], [3, 4]]), 4, [], 3)
+    with pytest.raises(ValueError):
+        speculative_generate(target, drafter, torch.tensor([[1, 2]]), 4, [], 0)
+    with pytest.raises(ValueError):
+        greedy_generate(target, torch.zeros(1, 0, dtype=torch.long), 4)
+
+
+def test_crop_cache(target):
+    cache = DynamicCache()
+    _target_forward(target, torch.tensor([[5, 6, 7, 8, 9]]), cache, last_only=True)
+    crop_cache(cache, 5)  # no-op (a bare crop(0) would empty a 4.x cache)
+    assert cache.get_seq_length() == 5
+    crop_cache(cache, 3)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError):
+        crop_cache(cache, 4)
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# benchmark
+
+
+def _save_tiny_target(folder: Path) -> LlamaForCausalLM:
+    """A save_pretrained target folder with a character-level tokenizer and a chat template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="<|end|>",
+        chat_template=(
+            "{% for m in messages %}{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        ),
+    )
+    model = _tiny_llama(seed=3, eos_token_id=vocab["<|end|>"])
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bench_files(tmp_path_factory) -> Path:
+    """A saved target (with tokenizer), a saved drafter and a prompts file, in one folder."""
+    folder = tmp_path_factory.mktemp("bench")
+    target = _save_tiny_target(folder / "target")
+    _tiny_drafter(target).save_pretrained(folder / "drafter")
+    texts = ["sort 3 1 2", "what is 12+30?", "hello there", "unused: cut by max_prompts"]
+    (folder / "bench.jsonl").write_text("".join(
+        json.dumps({"format": "aerie.prompts/1", "id": f"demo/{i}", "dataset": "demo",
+                    "messages": [{"role": "user", "content": t}], "source": {"kind": "test"}}) + "\n"
+        for i, t in enumerate(texts)
+    ))
+    return folder
+
+
+def _bench(folder: Path, out: Path, lines: list[str] | None = None) -> dict:
+    from aerie.bench.run import run_benchmark
+
+    threads_before = torch.get_num_threads()
+    try:
+        return run_benchmark(
+            folder / "target", folder / "drafter", [folder / "bench.jsonl"], out,
+            max_new_tokens=12, num_draft_steps=3, repeats=2, warmup=1, threads=1, max_prompts=3,
+            log=(lines if lines is not None else []).append,
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
+    out = tmp_path / "bench" / "demo.json"
+    lines: list[str] = []
+    report = _bench(bench_files, out, lines)
+
+    on_disk = json.loads(out.read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert [p.name for p in out.parent.iterdir()] == ["demo.json"]  # no temporary file left behind
+    documented = ["format", "target", "drafter", "prompts", "num_draft_steps", "max_new_tokens", "baseline",
+                  "speculative", "speedup", "acceptance_length", "acceptance_per_position", "lossless", "per_prompt"]
+    assert not [f for f in documented if f not in on_disk]
+    assert on_disk["format"] == "aerie.bench/1"
+    assert on_disk["prompts"] == 3 and len(on_disk["per_prompt"]) == 3
+    assert on_disk["num_draft_steps"] == 3 and on_disk["max_new_tokens"] == 12
+    base, spec = on_disk["baseline"]["tokens_per_s"], on_disk["speculative"]["tokens_per_s"]
+    assert base > 0 and spec > 0
+    assert on_disk["speedup"] == pytest.approx(spec / base)
+    assert on_disk["lossless"] is True and all(p["lossless"] for p in on_disk["per_prompt"])
+    assert len(on_disk["acceptance_per_position"]) == 3
+    assert all(0 <= a <= 1 for a in on_disk["acceptance_per_position"])
+    steps = on_disk["speculative"]["verify_steps"]
+    gen = sum(p["generated_tokens"] for p in on_disk["per_prompt"])
+    assert on_disk["acceptance_length"] == pytest.approx((gen - 3) / steps)  # one prefill token per prompt
+    assert on_disk["baseline"]["tokens"] == on_disk["speculative"]["tokens"] == 2 * gen  # 2 repeats
+    assert on_disk["threads"] == 1 and on_disk["cpu_count"] == os.cpu_count()
+    for p in on_disk["per_prompt"]:
+        assert len(p["baseline_s"]) == len(p["speculative_s"]) == 2
+        assert p["speedup"] == pytest.approx(p["speculative_tokens_per_s"] / p["baseline_tokens_per_s"])
+    assert any("speedup" in line for line in lines)
+
+
+def test_run_benchmark_reports_a_divergence(bench_files, tmp_path, monkeypatch):
+    """A speculative output that differs from greedy is flagged, located and given the target's margin."""
+    import aerie.bench.run as run_mod
+
+    real = run_mod.speculative_generate
+
+    def corrupted(*args, **kwargs):
+        res = real(*args, **kwargs)
+        res.tokens[-1] = (res.tokens[-1] + 1) % VOCAB
+        return res
+
+    monkeypatch.setattr(run_mod, "speculative_generate", corrupted)
+    report = _bench(bench_files, tmp_path / "bad.json")
+    assert report["lossless"] is False
+    for p in report["per_prompt"]:
+        assert p["lossless"] is False
+        assert p["first_mismatch"] == p["generated_tokens"] - 1
+        assert p["mismatch_logit_gap"] >= 0
