@@ -63,12 +63,13 @@ def humaneval_path() -> Path:
 
 
 def source_file(source: dict[str, Any]) -> Path | None:
-    """The file a source reads (a Snakemake input, so a changed file re-shards), or None."""
-    kind = source["kind"]
-    if kind == "jsonl":
+    """The user's prompt file (a Snakemake input, so a newer file re-shards), or None.
+
+    HumanEval's file lives inside whichever environment has the package: its path changes with the
+    environment, and tracking it would re-run every finished (paid) stage after a reinstall.
+    """
+    if source["kind"] == "jsonl":
         return Path(source["path"])
-    if kind == "humaneval":
-        return humaneval_path()
     return None
 
 

@@ -115,7 +115,8 @@ def test_removed_shard_is_recomputed_alone(demo_run) -> None:
     counts, out = dry_run_counts(workdir, configfile)
     assert "Nothing to be done" in out, out
     # ... and asking for the shard recomputes exactly it, from the tokens already on disk.
-    proc = snakemake(workdir, "-n", "--configfile", str(configfile), removed)
+    # The target goes before --configfile, which takes several values.
+    proc = snakemake(workdir, removed, "-n", "--configfile", str(configfile))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     counts = {k: int(v) for k, v in re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M)}
