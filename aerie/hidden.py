@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import FormatError, load_packed, save_packed, split_packed
+from aerie.artifacts import load_packed, save_packed, split_packed
 from aerie.capture import AuxHiddenCapture, check_aux_layer_ids, default_aux_layer_ids
 from aerie.target import load_target, set_threads
 from aerie.tokens import TOKENS_FORMAT
@@ -161,23 +161,3 @@ def capture_shard(
     }
     log(f"{out_path.name}: {summary}")
     return summary
-
-
-def read_hidden_meta(path: Path) -> dict[str, Any]:
-    """Metadata of a hidden shard (format-checked) without loading its tensors."""
-    _, meta = load_packed(path, HIDDEN_FORMAT, names=[])
-    return meta
-
-
-def check_same_layers(paths: Sequence[Path]) -> list[int]:
-    """All hidden shards must share one aux layer list; return it or fail naming the odd shard."""
-    first: list[int] | None = None
-    for p in paths:
-        ids = read_hidden_meta(p)["aux_layer_ids"]
-        if first is None:
-            first = ids
-        elif ids != first:
-            raise FormatError(f"{p}: aux_layer_ids {ids} differ from {paths[0]}'s {first}")
-    if first is None:
-        raise FormatError("no hidden shards given")
-    return first

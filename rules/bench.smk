@@ -10,7 +10,7 @@ rule bench:
         "results/bench/{run}.json",
     params:
         bench=config["bench"],
-        target=TARGET,
+        target=config["target"],
     threads: workflow.cores
     resources:
         gpu=gpus("bench"),

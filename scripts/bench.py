@@ -7,8 +7,9 @@ from aerie.rulelog import open_rule_log, snakemake_threads
 
 log = open_rule_log(snakemake.log[0])
 cfg = snakemake.params.bench
+target = snakemake.params.target
 run_benchmark(
-    Path(snakemake.params.target),
+    Path(target["path"]),
     Path(snakemake.input.drafter),
     [Path(p) for p in snakemake.input.prompts],
     Path(snakemake.output[0]),
@@ -18,5 +19,7 @@ run_benchmark(
     warmup=cfg["warmup"],
     threads=snakemake_threads(snakemake),
     max_prompts=cfg.get("max_prompts"),
+    device=target["device"],
+    dtype=target["dtype"],
     log=log,
 )

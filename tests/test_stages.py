@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from aerie.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
 from aerie.capture import default_aux_layer_ids
 from aerie.demo_target.tokenizer import train_tokenizer, tokenizer_corpus
-from aerie.hidden import HIDDEN_FORMAT, HiddenStateError, capture_shard, resolve_aux_layer_ids, check_captured, check_same_layers
+from aerie.hidden import HIDDEN_FORMAT, HiddenStateError, capture_shard, resolve_aux_layer_ids, check_captured
 from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
 from aerie.responses import generate_hf, split_generated
 from aerie.target import special_token_id
@@ -244,14 +244,6 @@ def test_states_from_another_target_fail_the_agreement_check(pipeline_dir, tiny_
         capture_shard(pipeline_dir["tokens"], tmp_path / "h.safetensors", str(other), aux_layer_ids=[1, 3, 4],
                       threads=1, min_next_token_agreement=0.9, log=lambda m: None)
     assert not (tmp_path / "h.safetensors").exists()
-
-
-def test_mismatched_layers_across_shards_refused(pipeline_dir, tiny_target, tmp_path) -> None:
-    other = tmp_path / "other.safetensors"
-    capture_shard(pipeline_dir["tokens"], other, str(tiny_target), aux_layer_ids=[0, 3, 5], threads=1,
-                  storage_dtype="float32", log=lambda m: None)
-    with pytest.raises(FormatError, match="aux_layer_ids"):
-        check_same_layers([pipeline_dir["hidden"], other])
 
 
 def test_draft_vocab_semantics(pipeline_dir, tmp_path) -> None:

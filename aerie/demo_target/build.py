@@ -17,9 +17,10 @@ import torch
 from transformers import GenerationConfig
 
 from aerie.demo_target.pretrain import (
-    TOKENIZER_SEED_OFFSET, DemoTargetConfig, build_model, evaluate, pretrain, set_threads,
+    TOKENIZER_SEED_OFFSET, DemoTargetConfig, build_model, evaluate, pretrain,
 )
 from aerie.demo_target.tokenizer import END_OF_TURN, special_token_ids, tokenizer_corpus, train_tokenizer
+from aerie.target import set_threads
 
 REPORT_FILE = "aerie_demo_target.json"
 REPORT_FORMAT = "aerie.demo-target/1"

@@ -74,10 +74,6 @@ class DemoTargetConfig:
     latency_steps: int = 48
 
 
-def set_threads(n: int) -> None:
-    torch.set_num_threads(max(1, n))
-
-
 def build_model(cfg: DemoTargetConfig, tokenizer) -> LlamaForCausalLM:
     ids = special_token_ids(tokenizer)
     config = LlamaConfig(
