@@ -25,3 +25,7 @@ rule all:
     input:
         get_final_outputs(),
     default_target: True
+
+
+onstart:
+    refuse_over_budget()

@@ -48,9 +48,16 @@ def check_config(config: dict[str, Any]) -> None:
         _check_dataclass_keys("target.demo", target["demo"] or {}, DemoTargetConfig)
     _check_dataclass_keys("drafter", config.get("drafter") or {}, TrainConfig)
 
-    responses = config["responses"]
-    if responses["backend"] != "hf" and not responses.get("model"):
-        raise ConfigError(f"responses.model: required for the '{responses['backend']}' backend (the API model name)")
+    for name in config["datasets"]:
+        responses = responses_config(config, name)
+        where = "responses" if "responses" not in config["datasets"][name] else f"datasets.{name}.responses"
+        backend = responses["backend"]
+        if backend in ("openrouter", "openai") and not responses.get("model") and not responses.get("serve"):
+            raise ConfigError(f"{where}.model: required for the '{backend}' backend (the API model name)")
+        if backend != "hf" and not responses.get("base_url") and not responses.get("serve"):
+            raise ConfigError(f"{where}.base_url: required for the '{backend}' backend")
+        if responses.get("serve") and backend != "openai":
+            raise ConfigError(f"{where}.serve: starts an OpenAI-compatible server, so backend must be 'openai'")
 
     ids = config["hidden"].get("aux_layer_ids")
     layers = target.get("num_hidden_layers") or _local_num_layers(target)
@@ -65,6 +72,31 @@ def check_config(config: dict[str, Any]) -> None:
 
     if not any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values()):
         raise ConfigError("datasets: no dataset reserves bench_prompts, so the benchmark would have no prompts")
+
+
+def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
+    """The responses settings of one dataset: the global section with the dataset's overrides.
+
+    Overrides are checked against the responses schema (unknown keys and bad values name the dataset).
+    """
+    import jsonschema
+
+    override = config["datasets"][dataset].get("responses") or {}
+    merged = {**config["responses"], **override}
+    if override:
+        schema = _schema()["properties"]["responses"]
+        try:
+            jsonschema.validate(merged, schema)
+        except jsonschema.ValidationError as e:
+            path = ".".join(str(p) for p in e.absolute_path)
+            raise ConfigError(f"datasets.{dataset}.responses{'.' + path if path else ''}: {e.message}") from None
+    return merged
+
+
+def _schema() -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load((Path(__file__).resolve().parent.parent / "config" / "schema.yaml").read_text())
 
 
 def _local_num_layers(target: dict[str, Any]) -> int | None:

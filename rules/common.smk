@@ -14,7 +14,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
 )
 
-from aerie.plan import check_config, plan_datasets  # noqa: E402
+from aerie.plan import check_config, plan_datasets, responses_config  # noqa: E402
 
 
 validate(config, schema=workflow.source_path("../config/schema.yaml"))
@@ -70,3 +70,56 @@ def get_final_outputs():
 
 def gpus(rule_key):
     return config["resources"][f"{rule_key}_gpus"]
+
+
+def get_responses_config(wildcards):
+    return responses_config(config, wildcards.dataset)
+
+
+def get_responses_target(wildcards):
+    """The target folder when the job reads it (in-process, a loopback server, or ids for sglang)."""
+    r = get_responses_config(wildcards)
+    return get_target_input() if r["backend"] in ("hf", "sglang") or r.get("serve") else []
+
+
+def get_responses_threads(wildcards):
+    """An API client needs one core; in-process generation and a loopback server take them all."""
+    r = get_responses_config(wildcards)
+    return workflow.cores if r["backend"] == "hf" or r.get("serve") else 1
+
+
+def get_responses_gpus(wildcards):
+    r = get_responses_config(wildcards)
+    return gpus("responses") if r["backend"] == "hf" or r.get("serve") else 0
+
+
+def cost_preview():
+    """Text, pending USD, budget and spend of the API work still to do (None without API datasets)."""
+    from aerie.api.shard import cost_preview as preview
+
+    try:
+        return preview(config, PLANS, Path("results"))
+    except ValueError as e:
+        raise WorkflowError(f"bad configuration: {e}") from None
+
+
+# `snakemake -n` shows what the pending API work will cost before anything is spent.
+if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
+    _preview = cost_preview()
+    if _preview is not None:
+        print(_preview[0], file=sys.stderr)
+
+
+def refuse_over_budget():
+    """Called from onstart (real runs only): refuse to start when the estimate exceeds the budget."""
+    result = cost_preview()
+    if result is None:
+        return
+    text, pending, budget, spent = result
+    print(text, file=sys.stderr)
+    if budget is not None and pending > budget - spent and not config["responses"]["allow_over_budget"]:
+        raise WorkflowError(
+            f"the pending API work is estimated at ${pending:.2f} but only ${budget - spent:.2f} of "
+            f"responses.budget_usd ${budget:.2f} remains; raise the budget, reduce the prompts, or set "
+            "responses.allow_over_budget: true to run until the budget stops it"
+        )

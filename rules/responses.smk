@@ -1,18 +1,19 @@
-# Stage 2: the target answers every prompt (in-process here; API backends write the same records).
+# Stage 2: the target answers every prompt: in-process (hf), or through an API (openrouter, openai,
+# sglang) with a journal next to the shard so a restarted job never pays twice for a finished sample.
 
 
 rule responses:
     input:
         prompts="results/{dataset}/prompts/shard-{shard}.jsonl",
-        target=get_target_input(),
+        target=get_responses_target,
     output:
         "results/{dataset}/responses/shard-{shard}.jsonl",
     params:
-        responses=config["responses"],
-        target=config["target"],
-    threads: workflow.cores
+        config=config,
+        responses=get_responses_config,
+    threads: get_responses_threads
     resources:
-        gpu=gpus("responses") if config["responses"]["backend"] in ("hf", "sglang") else 0,
+        gpu=get_responses_gpus,
     log:
         "results/logs/{dataset}/responses/shard-{shard}.log",
     benchmark:

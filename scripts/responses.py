@@ -2,28 +2,36 @@
 
 from pathlib import Path
 
-from aerie.responses import API_BACKENDS, generate_hf
+from aerie.api.backends import API_BACKENDS
+from aerie.api.client import RegenerationStopped
+from aerie.api.shard import regenerate_api_shard
+from aerie.responses import generate_hf
 from aerie.rulelog import open_rule_log, snakemake_threads
 
 log = open_rule_log(snakemake.log[0])
 cfg = snakemake.params.responses
-target = snakemake.params.target
+config = snakemake.params.config
+target = config["target"]
+out = Path(snakemake.output[0])
 if cfg["backend"] in API_BACKENDS:
-    raise SystemExit(
-        f"responses.backend '{cfg['backend']}': API backends are not in this version of aerie yet; "
-        "use backend 'hf' (in-process) for now"
+    try:
+        regenerate_api_shard(Path(snakemake.input.prompts), out, config, snakemake.wildcards.dataset,
+                             results_dir=out.parent.parent.parent, log=log)
+    except (RegenerationStopped, RuntimeError) as e:
+        log(f"{out}: not finished: {e}")
+        raise SystemExit(f"responses {out}: {e}") from None
+else:
+    generate_hf(
+        Path(snakemake.input.prompts),
+        out,
+        target["path"],
+        temperature=cfg["temperature"],
+        top_p=cfg["top_p"],
+        max_new_tokens=cfg["max_new_tokens"],
+        batch_size=cfg["batch_size"],
+        seed=cfg["seed"],
+        device=target["device"],
+        dtype=target["dtype"],
+        threads=snakemake_threads(snakemake),
+        log=log,
     )
-generate_hf(
-    Path(snakemake.input.prompts),
-    Path(snakemake.output[0]),
-    target["path"],
-    temperature=cfg["temperature"],
-    top_p=cfg["top_p"],
-    max_new_tokens=cfg["max_new_tokens"],
-    batch_size=cfg["batch_size"],
-    seed=cfg["seed"],
-    device=target["device"],
-    dtype=target["dtype"],
-    threads=snakemake_threads(snakemake),
-    log=log,
-)

@@ -1,0 +1,352 @@
+"""The async regeneration client: one aiohttp session, thousands of requests in flight, nothing paid twice.
+
+``regenerate_shard`` asks the target (through OpenRouter, any OpenAI-compatible server, or SGLang's
+``/generate``) for a response to every prompt of one shard that its journal does not already hold:
+
+- one ``aiohttp.ClientSession``; ``concurrency`` worker coroutines (no task per sample, no semaphore
+  churn); connect and read timeouts; the request body serialized once;
+- retries with exponential backoff and full jitter on 408/429/5xx, connection resets, torn bodies,
+  timeouts and errors delivered inside HTTP 200; ``Retry-After`` honoured; 402 in-flight budget
+  waited out; 400/401/403, credits/key-limit 402 and "no endpoints" stop the run with the server's
+  message (in-flight requests still land in the journal: they are paid for);
+- every finished sample goes to the journal at once (aerie.api.journal); the declared shard output is
+  published atomically only when the journal holds every sample;
+- money: a global dollar budget and a per-dataset output-token cap are checked before each request is
+  admitted, counting what is in flight at the expected per-sample cost, so the overshoot is bounded
+  by the requests already in flight; other shards' journals are followed while running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from aerie.api.backends import (
+    BackendSettings,
+    FatalError,
+    RetryableError,
+    classify_http_error,
+    parse_chat_completion,
+    parse_sglang_generate,
+    request_body,
+)
+from aerie.api.journal import Journal, journal_path, messages_key, read_journal
+from aerie.artifacts import write_jsonl
+
+RESPONSES_FORMAT = "aerie.responses/1"
+
+
+@dataclass
+class ClientLimits:
+    concurrency: int = 64
+    connect_timeout: float = 30.0
+    read_timeout: float = 600.0  # a long reasoning answer is one silent wait: be generous
+    max_attempts: int = 8
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    progress_interval: float = 10.0
+
+
+@dataclass
+class MoneyGuard:
+    """Budget and caps, with what was already spent before this process started."""
+
+    budget_usd: float | None = None
+    spent_before: float = 0.0  # every journal of the run (this shard's included)
+    expected_cost: float = 0.0  # per sample, until this run has measured its own
+    token_cap: int | None = None  # this dataset's output-token cap
+    tokens_before: int = 0  # this dataset's journaled output tokens
+    expected_tokens: float = 0.0
+    others: "LedgerWatcher | None" = None  # other shards' journals, followed live
+
+
+class LedgerWatcher:
+    """Follows other journals incrementally (only appended bytes are read) for live spend."""
+
+    def __init__(self, paths_glob: Callable[[], list[Path]], exclude: Path, dataset_dir: Path):
+        self._glob, self._exclude, self._dataset_dir = paths_glob, exclude.resolve(), dataset_dir.resolve()
+        self._offsets: dict[Path, int] = {}
+        self.cost = 0.0  # growth since the watcher started
+        self.dataset_tokens = 0
+
+    def prime(self) -> None:
+        """Start from the current ends: what is already there is in MoneyGuard.*_before."""
+        for p in self._glob():
+            self._offsets[p.resolve()] = p.stat().st_size
+
+    def poll(self) -> None:
+        for p in self._glob():
+            rp = p.resolve()
+            if rp == self._exclude:
+                continue
+            start = self._offsets.get(rp, 0)
+            size = p.stat().st_size
+            if size <= start:
+                continue
+            with open(rp, "rb") as fh:
+                fh.seek(start)
+                chunk = fh.read(size - start)
+            end = chunk.rfind(b"\n") + 1  # a line still being written is read next time
+            self._offsets[rp] = start + end
+            for line in chunk[:end].split(b"\n"):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                self.cost += float(rec.get("cost") or 0.0)
+                if rp.parent == self._dataset_dir:
+                    self.dataset_tokens += int((rec.get("usage") or {}).get("completion_tokens") or 0)
+
+
+@dataclass
+class RunStats:
+    total: int = 0
+    already: int = 0
+    done: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    cost: float = 0.0
+    completion_tokens: int = 0
+    retries: Counter = field(default_factory=Counter)
+    final_errors: Counter = field(default_factory=Counter)
+    flags: Counter = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+
+    def line(self, name: str, guard: MoneyGuard) -> str:
+        n = self.already + self.done
+        frac = n / self.total if self.total else 1.0
+        bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        spent = guard.spent_before + self.cost + (guard.others.cost if guard.others else 0.0)
+        budget = f" of ${guard.budget_usd:.2f}" if guard.budget_usd is not None else ""
+        retries = " ".join(f"{k}:{v}" for k, v in sorted(self.retries.items())) or "0"
+        return (f"{name} [{bar}] {n}/{self.total} {100 * frac:.0f}% | {self.done / elapsed:.1f} req/s "
+                f"{self.completion_tokens / elapsed:.0f} tok/s | ${self.cost:.4f} this shard, run ${spent:.2f}{budget} "
+                f"| retries {retries} | failed {self.failed} | in flight {self.in_flight}")
+
+
+class RegenerationStopped(RuntimeError):
+    """The shard is incomplete (budget, cap, fatal error or failures); the journal keeps what finished."""
+
+
+@dataclass
+class _Sample:
+    prompt: dict[str, Any]
+    body: bytes
+    prompt_ids: list[int] | None
+
+
+def _backoff(attempt: int, limits: ClientLimits, retry_after: float | None) -> float:
+    if retry_after is not None:
+        return min(retry_after, limits.backoff_max * 5)  # the server's word, within reason
+    return random.uniform(0, min(limits.backoff_max, limits.backoff_base * 2 ** (attempt - 1)))
+
+
+async def regenerate_shard(
+    prompts: list[dict[str, Any]],
+    out_path: Path,
+    settings: BackendSettings,
+    *,
+    api_key: str | None,
+    limits: ClientLimits,
+    guard: MoneyGuard,
+    want_reasoning: bool = True,
+    render_ids: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+    split_ids: Callable[[list[int]], dict[str, Any]] | None = None,
+    eos_ids: list[int] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Finish one shard; publish ``out_path`` when every prompt has a journaled response.
+
+    Raises RegenerationStopped (after everything in flight has been journaled) when it cannot finish.
+    """
+    name = out_path.name.removesuffix(".jsonl")
+    jpath = journal_path(out_path)
+    phash = settings.params_hash()
+    keys = {p["id"]: messages_key(p["messages"]) for p in prompts}
+    state = read_journal(jpath, phash, keys, repair=True)
+    if state.torn_bytes:
+        log(f"{name}: cut a torn last journal line ({state.torn_bytes} bytes): that sample is requested again")
+    if state.stale:
+        log(f"{name}: {state.stale} journaled responses are for other parameters or prompt text: not reused")
+    pending = [p for p in prompts if p["id"] not in state.finished]
+    stats = RunStats(total=len(prompts), already=len(prompts) - len(pending))
+    log(f"{name}: {stats.already} of {len(prompts)} samples already journaled, {len(pending)} to request "
+        f"({settings.backend} {settings.model} at {settings.base_url}, concurrency {limits.concurrency})")
+
+    if pending:
+        journal = Journal(jpath)
+        try:
+            await _run(pending, settings, api_key, limits, guard, journal, stats, want_reasoning,
+                       render_ids, split_ids, eos_ids, name, log)
+        finally:
+            await journal.aclose()
+        state = read_journal(jpath, phash, keys)
+
+    missing = [p["id"] for p in prompts if p["id"] not in state.finished]
+    summary = {
+        "samples": len(prompts), "already_journaled": stats.already, "requested_now": stats.done,
+        "missing": len(missing), "cost_usd_now": round(stats.cost, 6),
+        "completion_tokens_now": stats.completion_tokens, "retries": dict(stats.retries),
+        "final_errors": dict(stats.final_errors), "flags_now": dict(stats.flags),
+        "seconds": round(time.monotonic() - stats.started, 2),
+    }
+    log(f"{name}: {json.dumps(summary)}")
+    if missing:
+        raise RegenerationStopped(getattr(stats, "stop_reason", None) or
+                                  f"{len(missing)} samples have no response (first: {missing[0]})")
+    records = [state.finished[p["id"]] for p in prompts]
+    write_jsonl(out_path, records)
+    return summary
+
+
+async def _run(pending, settings, api_key, limits, guard, journal, stats, want_reasoning,
+               render_ids, split_ids, eos_ids, name, log) -> None:
+    headers = {"Content-Type": "application/json", **(settings.extra_headers or {})}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    queue: asyncio.Queue[_Sample] = asyncio.Queue()
+    for p in pending:
+        ids = render_ids(p["messages"]) if settings.backend == "sglang" else None
+        body = json.dumps(request_body(settings, p["messages"], ids), ensure_ascii=False).encode()
+        queue.put_nowait(_Sample(p, body, ids))
+    stop = asyncio.Event()
+    stop_reason: list[str] = []
+
+    def halt(reason: str) -> None:
+        if not stop.is_set():
+            stop_reason.append(reason)
+            stats.stop_reason = reason  # type: ignore[attr-defined]
+            stop.set()
+            log(f"{name}: STOPPING: {reason}")
+
+    def admit() -> bool:
+        measured = stats.done >= 20
+        per_cost = stats.cost / stats.done if measured else guard.expected_cost
+        per_tokens = stats.completion_tokens / stats.done if measured else guard.expected_tokens
+        others = guard.others
+        if guard.budget_usd is not None:
+            spent = guard.spent_before + stats.cost + (others.cost if others else 0.0)
+            if spent + (stats.in_flight + 1) * per_cost > guard.budget_usd:
+                halt(f"budget: ${spent:.2f} spent of responses.budget_usd ${guard.budget_usd:.2f} "
+                     f"(${stats.in_flight * per_cost:.2f} more in flight); finished samples are kept in the "
+                     "journal - raise the budget and rerun to finish the rest")
+                return False
+        if guard.token_cap is not None:
+            used = guard.tokens_before + stats.completion_tokens + (others.dataset_tokens if others else 0)
+            if used + (stats.in_flight + 1) * per_tokens > guard.token_cap:
+                halt(f"output-token cap: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
+                     "raise the cap (or remove prompts) and rerun to finish the rest")
+                return False
+        return True
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout)
+    connector = aiohttp.TCPConnector(limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300)
+    url = settings.url()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
+                                     json_serialize=json.dumps, raise_for_status=False) as session:
+
+        async def one(sample: _Sample) -> dict[str, Any] | None:
+            attempt = 0
+            while True:
+                attempt += 1
+                t0 = time.monotonic()
+                try:
+                    async with session.post(url, data=sample.body) as resp:
+                        raw = await resp.read()
+                        status, retry_after = resp.status, resp.headers.get("Retry-After")
+                    try:
+                        body = json.loads(raw) if raw else None
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        if status == 200:
+                            raise RetryableError("torn", f"unparseable 200 body ({len(raw)} bytes)") from None
+                        body = None
+                    if status != 200:
+                        raise classify_http_error(status, body, raw[:300].decode("utf-8", "replace"), retry_after)
+                    if settings.backend == "sglang":
+                        fields = parse_sglang_generate(body, split_ids, eos_ids or [], want_reasoning)
+                    else:
+                        fields = parse_chat_completion(body, want_reasoning)
+                except RetryableError as e:
+                    kind, message, wait = e.kind, str(e), e.retry_after
+                except aiohttp.ClientPayloadError as e:
+                    kind, message, wait = "torn", f"torn body: {e}", None
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
+                    kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
+                except (asyncio.TimeoutError, TimeoutError):
+                    kind, message, wait = "timeout", f"no answer within {limits.read_timeout:g}s", None
+                except FatalError as e:
+                    stats.final_errors[e.kind] += 1
+                    halt(str(e))
+                    return None
+                else:
+                    return {
+                        "format": RESPONSES_FORMAT,
+                        "id": sample.prompt["id"],
+                        "dataset": sample.prompt.get("dataset"),
+                        "messages": sample.prompt["messages"],
+                        "backend": settings.backend,
+                        "model": settings.model,
+                        "params": settings.sampling(),
+                        "params_hash": settings.params_hash(),
+                        **fields,
+                        **({"prompt_token_ids": sample.prompt_ids} if sample.prompt_ids is not None else {}),
+                        "latency_s": round(time.monotonic() - t0, 3),
+                        "attempts": attempt,
+                    }
+                stats.retries[kind] += 1
+                if attempt >= limits.max_attempts:
+                    stats.final_errors[kind] += 1
+                    stats.failed += 1
+                    log(f"{name}: sample {sample.prompt['id']} failed {attempt} times, last: {message}")
+                    return None
+                await asyncio.sleep(_backoff(attempt, limits, wait))
+                if stop.is_set() and kind != "402_in_flight":
+                    # A fatal stop: do not keep hammering; the sample stays pending for the next run.
+                    return None
+
+        async def worker() -> None:
+            while not stop.is_set():
+                try:
+                    sample = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                if not admit():
+                    return
+                stats.in_flight += 1
+                try:
+                    record = await one(sample)
+                finally:
+                    stats.in_flight -= 1
+                if record is not None:
+                    journal.append(record)
+                    stats.done += 1
+                    stats.cost += record["cost"]
+                    stats.completion_tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)
+                    for flag in record["flags"]:
+                        stats.flags[flag] += 1
+
+        async def progress() -> None:
+            while True:
+                await asyncio.sleep(limits.progress_interval)
+                if guard.others is not None:
+                    guard.others.poll()
+                log(stats.line(name, guard))
+
+        reporter = asyncio.create_task(progress())
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(limits.concurrency, len(pending)))))
+        finally:
+            reporter.cancel()
+        log(stats.line(name, guard))

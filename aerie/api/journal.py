@@ -1,0 +1,164 @@
+"""The never-pay-twice journal of a responses shard (format ``aerie.journal/1``).
+
+Snakemake deletes a failed job's declared outputs and treats a leftover partial output as finished
+(../shared/notes/snakemake.md), so paid work cannot live in the declared output while the job runs.
+Each shard instead appends every finished sample to an *undeclared* file next to it,
+``shard-NNNNN.journal.jsonl``: one JSON line per sample, written with a single ``write`` as soon as
+the response arrives (a ``kill -9`` cannot lose it) and fsynced in batches (a power cut loses at most
+the last batch; one fsync per sample would cap throughput far below 2,000 requests in flight).
+
+On restart the journal is read back: a torn last line (the process died inside ``write``) is cut
+off, and a sample counts as finished only when its id, request-parameter hash and messages all match
+what would be requested now, so changed sampling parameters never reuse old responses. The declared
+shard output is written from the journal, atomically, once every sample is in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aerie.artifacts import FormatError
+
+JOURNAL_FORMAT = "aerie.journal/1"
+
+
+def journal_path(shard_output: str | Path) -> Path:
+    """``results/x/responses/shard-00000.jsonl`` -> ``results/x/responses/shard-00000.journal.jsonl``."""
+    p = Path(shard_output)
+    return p.with_name(p.name.removesuffix(".jsonl") + ".journal.jsonl")
+
+
+def messages_key(messages: list[dict[str, Any]]) -> str:
+    """Canonical JSON of a prompt, compared on resume (a prompt edited under the same id is new work)."""
+    return json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass
+class JournalState:
+    """What a journal holds for the current request parameters."""
+
+    finished: dict[str, dict[str, Any]] = field(default_factory=dict)  # sample id -> record
+    stale: int = 0  # lines from other parameters or other prompt text (kept on disk, not reused)
+    torn_bytes: int = 0  # bytes of a torn last line that were cut off
+    cost: float = 0.0  # dollars of every line, stale ones included: money already spent
+
+
+def read_journal(path: Path, params_hash: str | None = None, prompts: dict[str, str] | None = None,
+                 repair: bool = False) -> JournalState:
+    """Read a journal. ``prompts`` maps sample id -> ``messages_key``; ``repair`` cuts a torn tail.
+
+    Only the last line can be torn (appends are single writes and a torn tail is cut before the next
+    append), so a malformed line elsewhere is corruption and raises FormatError naming file:line.
+    """
+    state = JournalState()
+    if not path.exists():
+        return state
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
+    if end < len(data):
+        state.torn_bytes = len(data) - end
+        if repair:
+            with open(path, "r+b") as fh:
+                fh.truncate(end)
+                os.fsync(fh.fileno())
+    for lineno, line in enumerate(data[:end].split(b"\n")[:-1], start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise FormatError(f"{path}:{lineno}: corrupt journal line ({e.msg}); only a torn last line is "
+                              "expected - move the file aside to inspect it") from None
+        state.cost += float(rec.get("cost") or 0.0)
+        sid = rec.get("id")
+        current = params_hash is None or rec.get("params_hash") == params_hash
+        same_prompt = prompts is None or prompts.get(sid) == messages_key(rec.get("messages", []))
+        if current and same_prompt and sid is not None:
+            state.finished[sid] = rec  # a later line for the same sample wins (cannot happen normally)
+        else:
+            state.stale += 1
+    return state
+
+
+class Journal:
+    """Append-only writer; call :meth:`append` per finished sample, :meth:`close` at the end.
+
+    Writes go straight to the file descriptor (no Python buffering: a killed process loses nothing
+    it appended). ``fsync`` runs at most every ``sync_interval`` seconds in a worker thread, so the
+    event loop never blocks on the disk.
+    """
+
+    def __init__(self, path: Path, sync_interval: float = 0.2):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.sync_interval = sync_interval
+        self._dirty = False
+        self._last_sync = time.monotonic()
+        self._sync_task: asyncio.Future | None = None
+        self.appended = 0
+        self.syncs = 0
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        written = os.write(self._fd, line)
+        while written < len(line):  # regular files take all of it; loop for completeness
+            written += os.write(self._fd, line[written:])
+        self.appended += 1
+        self._dirty = True
+        self._maybe_sync()
+
+    def _maybe_sync(self) -> None:
+        if not self._dirty or (self._sync_task is not None and not self._sync_task.done()):
+            return
+        if time.monotonic() - self._last_sync < self.sync_interval:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.sync()
+            return
+        self._dirty = False
+        self._last_sync = time.monotonic()
+        self.syncs += 1
+        self._sync_task = loop.run_in_executor(None, os.fsync, self._fd)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+        self._dirty = False
+        self._last_sync = time.monotonic()
+        self.syncs += 1
+
+    async def aclose(self) -> None:
+        if self._sync_task is not None:
+            await self._sync_task
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def dataset_journal_totals(responses_dir: Path) -> dict[str, float]:
+    """Spend and output tokens of every journal in a dataset's responses folder (stale lines too)."""
+    cost = tokens = samples = 0.0
+    for path in sorted(responses_dir.glob("shard-*.journal.jsonl")):
+        for line in path.read_bytes().split(b"\n"):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn tail: the sample is re-requested and counted then
+            cost += float(rec.get("cost") or 0.0)
+            tokens += int((rec.get("usage") or {}).get("completion_tokens") or 0)
+            samples += 1
+    return {"cost": cost, "completion_tokens": tokens, "samples": samples}
