@@ -66,6 +66,7 @@ def tokenize_shard(
     dropped: Counter[str] = Counter()
     mismatches: list[dict[str, Any]] = []
     exact_available = retok_equal = prompt_tokens = generated_tokens = truncated_to_fit = 0
+    usage_checked = usage_equal = 0
     records = read_jsonl(responses_path)
     for n, r in enumerate(records, start=1):
         where = f"{responses_path}:{n}"
@@ -76,6 +77,11 @@ def tokenize_shard(
                 raise FormatError(f"{where}: missing field '{key}'")
         if r["finish_reason"] == "length" and drop_truncated:
             dropped["truncated_response"] += 1
+            continue
+        # API responses flagged at regeneration (empty answer, reasoning missing) are not trained on.
+        bad = [f for f in r.get("flags", []) if f in ("empty", "no_reasoning")]
+        if bad:
+            dropped[bad[0]] += 1
             continue
 
         prompt_ids = render_prompt_ids(tok, r["messages"])
@@ -97,6 +103,11 @@ def tokenize_shard(
             output_ids = list(exact)
         else:
             output_ids = rebuilt
+            # Text-only APIs: the server's own completion count is a cheap check of the rebuild.
+            reported = (r.get("usage") or {}).get("completion_tokens")
+            if reported is not None:
+                usage_checked += 1
+                usage_equal += int(reported) == len(rebuilt)
         if output_ids[-1] not in eot_ids and r["finish_reason"] != "length":
             raise FormatError(f"{where}: finish_reason is {r['finish_reason']!r} but the output does not end the turn")
 
@@ -139,11 +150,14 @@ def tokenize_shard(
         "truncated_to_max_seq_len": truncated_to_fit,
         "exact_ids_available": exact_available,
         "retokenized_equal": retok_equal,
+        "usage_length_checked": usage_checked,
+        "usage_length_equal": usage_equal,
         "mismatches": mismatches,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated_tokens,
     }
     atomic_write_json(report_path, report)
     log(f"{out_path.name}: kept {len(kept_ids)}/{len(records)}, {generated_tokens} generated tokens, "
-        f"text rebuild exact for {retok_equal}/{exact_available}")
+        f"text rebuild exact for {retok_equal}/{exact_available}, rebuilt length = server's count for "
+        f"{usage_equal}/{usage_checked}")
     return report

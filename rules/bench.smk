@@ -11,7 +11,7 @@ rule bench:
     params:
         bench=config["bench"],
         target=config["target"],
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=gpus("bench"),
     log:

@@ -68,6 +68,14 @@ def get_final_outputs():
     return [f"results/bench/{RUN}.json"]
 
 
+def all_cores():
+    """The cores given with --cores; 1 for commands that run no job (--unlock, --lint, --summary)."""
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return 1
+
+
 def gpus(rule_key):
     return config["resources"][f"{rule_key}_gpus"]
 
@@ -85,7 +93,7 @@ def get_responses_target(wildcards):
 def get_responses_threads(wildcards):
     """An API client needs one core; in-process generation and a loopback server take them all."""
     r = get_responses_config(wildcards)
-    return workflow.cores if r["backend"] == "hf" or r.get("serve") else 1
+    return all_cores() if r["backend"] == "hf" or r.get("serve") else 1
 
 
 def get_responses_gpus(wildcards):
@@ -117,9 +125,9 @@ def refuse_over_budget():
         return
     text, pending, budget, spent = result
     print(text, file=sys.stderr)
-    if budget is not None and pending > budget - spent and not config["responses"]["allow_over_budget"]:
+    if budget is not None and pending > budget - spent and not config["allow_over_budget"]:
         raise WorkflowError(
             f"the pending API work is estimated at ${pending:.2f} but only ${budget - spent:.2f} of "
             f"responses.budget_usd ${budget:.2f} remains; raise the budget, reduce the prompts, or set "
-            "responses.allow_over_budget: true to run until the budget stops it"
+            "--config allow_over_budget=True to run until the budget stops it"
         )

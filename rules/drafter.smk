@@ -28,7 +28,7 @@ rule drafter:
     params:
         drafter=config["drafter"],
         target=TARGET,
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=gpus("drafter"),
     log:

@@ -10,7 +10,7 @@ rule hidden:
     params:
         hidden=config["hidden"],
         target=config["target"],
-    threads: workflow.cores
+    threads: all_cores()
     resources:
         gpu=gpus("hidden"),
     log:

@@ -9,7 +9,7 @@ if DEMO_TARGET:
             directory(TARGET),
         params:
             demo=config["target"]["demo"],
-        threads: workflow.cores
+        threads: all_cores()
         log:
             "results/logs/demo_target.log",
         benchmark:

@@ -4,7 +4,7 @@ Spend is what the journals say was charged (``usage.cost`` of every journaled re
 responses journaled under older parameters: that money is gone too). Prices come from OpenRouter's
 models/endpoints API when it answers, else from the config. The preview estimates what the pending
 work will cost before a cent is spent; ``snakemake -n`` prints it and a real run refuses to start
-when it exceeds the remaining budget (unless ``responses.allow_over_budget``).
+when it exceeds the remaining budget (unless ``--config allow_over_budget=True``).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def format_preview(rows: list[ShardEstimate], per_dataset: dict[str, dict[str, A
                  + (f"; budget ${budget:.2f}, remaining ${budget - spent_total:.2f}" if budget is not None else ""))
     if budget is not None and total > budget - spent_total:
         lines.append(f"  OVER BUDGET by ${total - (budget - spent_total):.2f}: a real run refuses to start "
-                     "(set responses.allow_over_budget: true to run until the budget stops it)")
+                     "(--config allow_over_budget=True runs until the budget stops it)")
     return "\n".join(lines)
 
 

@@ -137,7 +137,7 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
         from aerie.api.serve import serve_on_loopback, transformers_serve_command
         from aerie.target import pick_device
 
-        device = pick_device(target.get("device", "auto"))
+        device = str(pick_device(target.get("device", "auto")))
         server = serve_on_loopback(
             lambda port: transformers_serve_command(target["path"], port, device=device),
             "/health", out_path.parent / f".{out_path.name}.server.log")

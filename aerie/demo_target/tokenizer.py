@@ -91,6 +91,19 @@ CHAT_TEMPLATE = (
 )
 
 
+# How an OpenAI-compatible server (`transformers serve`) splits a generated turn into reasoning and
+# content, like SGLang's kimi_k2 reasoning parser. No stripping: the text must rebuild the exact ids.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text",
+                              "content_args": {"strip": False}},
+        "content": {"close_pattern": r"<\|im_end\|>", "content": "text", "content_args": {"strip": False}},
+    },
+}
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, model_max_length: int = 2048) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts`` and wrap it with Kimi's special tokens and chat template."""
     tok = Tokenizer(models.BPE())
@@ -109,7 +122,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, model_max_leng
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="[BOS]",
         eos_token=END_OF_TURN,  # ends every turn, so generation stops there (as with Kimi)
@@ -119,6 +132,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, model_max_leng
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
+    wrapped.response_template = RESPONSE_TEMPLATE  # saved into tokenizer_config.json
+    return wrapped
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:

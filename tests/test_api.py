@@ -1,0 +1,283 @@
+"""API regeneration: journal, error handling, money guard - against the OpenRouter emulator on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import requests
+
+from aerie.api.backends import (
+    BackendSettings,
+    FatalError,
+    RetryableError,
+    classify_http_error,
+    parse_chat_completion,
+    parse_sglang_generate,
+    request_body,
+)
+from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, regenerate_shard
+from aerie.api.emulator import EmulatorSettings, serve_in_thread
+from aerie.api.journal import Journal, journal_path, messages_key, read_journal
+from aerie.artifacts import FormatError, read_jsonl
+
+MODEL = "moonshotai/kimi-k2.5"
+
+
+def make_prompts(n: int, tag: str = "q") -> list[dict]:
+    return [{"id": f"d/{i}", "dataset": "d", "messages": [{"role": "user", "content": f"{tag} number {i}"}]}
+            for i in range(n)]
+
+
+def settings(base: str, **kw) -> BackendSettings:
+    args = dict(backend="openrouter", model=MODEL, base_url=base, temperature=1.0, top_p=0.95,
+                max_new_tokens=512, provider={"sort": "price"}, reasoning={"enabled": True})
+    args.update(kw)
+    return BackendSettings(**args)
+
+
+FAST = ClientLimits(concurrency=200, backoff_base=0.02, backoff_max=0.2, progress_interval=5, read_timeout=10)
+
+
+def run(prompts, out, s, guard=None, limits=FAST, key="sk-test", **kw):
+    return asyncio.run(regenerate_shard(prompts, out, s, api_key=key, limits=limits, guard=guard or MoneyGuard(),
+                                        log=lambda m: None, **kw))
+
+
+def request_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- journal -------------------------------------------------------------------------------------
+
+def test_journal_cuts_torn_tail_and_ignores_other_parameters(tmp_path: Path) -> None:
+    path = tmp_path / "shard-00000.journal.jsonl"
+    j = Journal(path)
+    msgs = [{"role": "user", "content": "x"}]
+    j.append({"id": "a", "params_hash": "p1", "messages": msgs, "cost": 0.5})
+    j.append({"id": "b", "params_hash": "p2", "messages": msgs, "cost": 0.25})
+    j.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"id": "c", "params_hash": "p1", "mess')  # killed inside write
+    prompts = {"a": messages_key(msgs), "b": messages_key(msgs), "c": messages_key(msgs)}
+    state = read_journal(path, "p1", prompts, repair=True)
+    assert set(state.finished) == {"a"}
+    assert state.stale == 1 and state.torn_bytes > 0
+    assert state.cost == pytest.approx(0.75)  # money spent under other parameters still counts
+    assert path.read_bytes().endswith(b"\n")  # repaired: the next append starts on a clean line
+    # The same id with edited prompt text is new work.
+    edited = read_journal(path, "p1", {"a": messages_key([{"role": "user", "content": "y"}])})
+    assert not edited.finished
+
+
+def test_journal_corruption_before_the_last_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(FormatError, match=r"j.jsonl:2: corrupt journal line"):
+        read_journal(path)
+
+
+# ---- backends: recorded shapes -------------------------------------------------------------------
+
+OPENROUTER_RESPONSE = {
+    "id": "gen-1733-abc", "provider": "Chutes", "model": MODEL, "object": "chat.completion",
+    "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop", "logprobs": None,
+                 "message": {"role": "assistant", "content": "The answer is 4.", "refusal": None,
+                             "reasoning": "2 plus 2 is 4.", "reasoning_details": [
+                                 {"type": "reasoning.text", "text": "2 plus 2 is 4.", "format": "unknown", "index": 0}]}}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21, "cost": 2.7e-05,
+              "is_byok": False, "completion_tokens_details": {"reasoning_tokens": 6}},
+}
+
+SGLANG_CHAT_RESPONSE = {  # OpenAI-compatible server with a reasoning parser (SGLang / vLLM style)
+    "id": "c1", "object": "chat.completion", "model": "m",
+    "choices": [{"index": 0, "finish_reason": "length", "matched_stop": None,
+                 "message": {"role": "assistant", "content": "", "reasoning_content": "long thought",
+                             "tool_calls": None}}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
+}
+
+SGLANG_GENERATE_RESPONSE = {  # native /generate, ids given: input_ids in, output_ids out
+    "text": "r</think>c", "output_ids": [11, 12, 7, 13],
+    "meta_info": {"id": "req-1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 6,
+                  "completion_tokens": 5, "cached_tokens": 0, "e2e_latency": 0.1},
+}
+
+
+def test_parse_openrouter_response_keeps_reasoning_usage_cost_provider() -> None:
+    rec = parse_chat_completion(OPENROUTER_RESPONSE, want_reasoning=True)
+    assert rec["reasoning"] == "2 plus 2 is 4." and rec["content"] == "The answer is 4."
+    assert rec["cost"] == pytest.approx(2.7e-05) and rec["provider"] == "Chutes"
+    assert rec["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6
+    assert rec["generation_id"] == "gen-1733-abc" and rec["flags"] == []
+
+
+def test_parse_openai_compatible_reasoning_content_and_flags() -> None:
+    rec = parse_chat_completion(SGLANG_CHAT_RESPONSE, want_reasoning=True)
+    assert rec["reasoning"] == "long thought"
+    assert rec["flags"] == ["truncated", "empty"]
+    no_reasoning = json.loads(json.dumps(OPENROUTER_RESPONSE))
+    no_reasoning["choices"][0]["message"]["reasoning"] = None
+    assert parse_chat_completion(no_reasoning, want_reasoning=True)["flags"] == ["no_reasoning"]
+
+
+def test_parse_sglang_generate_keeps_exact_ids_and_appends_matched_stop() -> None:
+    def split(ids):
+        cut = ids.index(7)
+        return {"reasoning": str(ids[:cut]), "content": str(ids[cut + 1:-1]),
+                "finish_reason": "stop" if ids[-1] == 2 else "length"}
+
+    rec = parse_sglang_generate(SGLANG_GENERATE_RESPONSE, split, [2], want_reasoning=True)
+    assert rec["output_token_ids"] == [11, 12, 7, 13, 2]  # the matched end-of-turn id is trained on
+    assert rec["finish_reason"] == "stop" and rec["reasoning"] == "[11, 12]"
+    body = request_body(settings("http://x", backend="sglang"), [], prompt_ids=[1, 2, 3])
+    assert body["input_ids"] == [1, 2, 3] and body["sampling_params"]["skip_special_tokens"] is False
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "retry_after", "expect", "kind"),
+    [
+        (429, {"error": {"code": 429, "message": "slow down"}}, "3", RetryableError, "429"),
+        (502, {"error": {"code": 502, "message": "provider down"}}, None, RetryableError, "5xx"),
+        (408, {"error": {"code": 408, "message": "timeout"}}, None, RetryableError, "408"),
+        (402, {"error": {"code": 402, "message": "reserve", "metadata": {"limit_source": "openrouter_in_flight_budget"}}},
+         "1", RetryableError, "402_in_flight"),
+        (402, {"error": {"code": 402, "message": "no credits", "metadata": {"limit_source": "openrouter_credits"}}},
+         None, FatalError, "402_credits"),
+        (503, {"error": {"code": 503, "message": "No endpoints found matching your data policy"}}, None, FatalError,
+         "no_endpoints"),
+        (401, {"error": {"code": 401, "message": "User not found."}}, None, FatalError, "401"),
+        (400, {"error": {"code": 400, "message": "max_tokens too large"}}, None, FatalError, "400"),
+    ],
+)
+def test_http_errors_are_classified_with_the_server_message(status, body, retry_after, expect, kind) -> None:
+    err = classify_http_error(status, body, json.dumps(body), retry_after)
+    assert isinstance(err, expect) and err.kind == kind
+    assert body["error"]["message"] in str(err)
+    if retry_after:
+        assert err.retry_after == float(retry_after)
+
+
+def test_errors_inside_http_200_are_retried() -> None:
+    with pytest.raises(RetryableError, match="error in a 200"):
+        parse_chat_completion({"error": {"code": 502, "message": "upstream died"}}, True)
+    failed = json.loads(json.dumps(OPENROUTER_RESPONSE))
+    failed["choices"][0]["finish_reason"] = "error"
+    with pytest.raises(RetryableError, match="finish_reason 'error'"):
+        parse_chat_completion(failed, True)
+
+
+# ---- the client against the emulator -------------------------------------------------------------
+
+FAULTS = {"429": 0.05, "429-retry-after": 0.05, "500": 0.025, "503": 0.025, "200-error": 0.02, "torn": 0.01,
+          "reset": 0.01}
+
+
+def test_fault_run_5000_samples_complete_without_duplicates_or_losses(tmp_path: Path) -> None:
+    prompts = make_prompts(5000)
+    out = tmp_path / "shard-00000.jsonl"
+    log = tmp_path / "requests.jsonl"
+    emu = EmulatorSettings(faults=FAULTS, retry_after=0.05, request_log=str(log), output_tokens_mean=40)
+    with serve_in_thread(emu) as base:
+        summary = run(prompts, out, settings(base), limits=ClientLimits(
+            concurrency=500, backoff_base=0.02, backoff_max=0.2, progress_interval=5))
+        stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
+    records = read_jsonl(out)
+    assert [r["id"] for r in records] == [p["id"] for p in prompts]  # 0 lost, in prompt order
+    assert len(read_jsonl(journal_path(out))) == 5000  # 0 duplicates journaled
+    # Paid exactly once per sample: the emulator answered "ok" once per distinct prompt.
+    ok = Counter(line["messages_sha256"] for line in request_log(log) if line["outcome"] == "ok")
+    assert len(ok) == 5000 and max(ok.values()) == 1
+    assert stats["outcomes"]["ok"] == 5000
+    # Every injected fault kind was met and retried; the records count their attempts.
+    for kind in ("429", "5xx", "200_error", "torn", "connection"):
+        assert summary["retries"].get(kind, 0) > 0, summary["retries"]
+    assert sum(r["attempts"] - 1 for r in records) == sum(summary["retries"].values())
+    assert sum(r["cost"] for r in records) == pytest.approx(stats["charged_usd"])
+    assert all(r["provider"] == "Chutes" for r in records)  # sort: price -> the cheapest provider
+
+
+def test_budget_stops_within_the_in_flight_bound_and_a_later_run_finishes(tmp_path: Path) -> None:
+    prompts = make_prompts(600)
+    out = tmp_path / "shard-00000.jsonl"
+    log = tmp_path / "requests.jsonl"
+    emu = EmulatorSettings(output_tokens_mean=200, latency_mean=0.02, request_log=str(log))
+    limits = ClientLimits(concurrency=50, backoff_base=0.02, progress_interval=5)
+    max_cost = 512 * 2.5e-6 + 50 * 0.6e-6  # the priciest provider, max_tokens, a generous prompt
+    with serve_in_thread(emu) as base:
+        s = settings(base)
+        guard = MoneyGuard(budget_usd=0.05, expected_cost=200 * 1.9e-6)
+        with pytest.raises(RegenerationStopped, match=r"budget: \$0\.0\d spent of responses.budget_usd \$0\.05"):
+            run(prompts, out, s, guard=guard, limits=limits)
+        assert not out.exists()  # an incomplete shard is never published
+        first = read_journal(journal_path(out), s.params_hash())
+        spent = first.cost
+        assert 0 < len(first.finished) < 600
+        assert spent <= 0.05 + limits.concurrency * max_cost
+        # More budget: only the rest is requested.
+        run(prompts, out, s, guard=MoneyGuard(budget_usd=10.0, spent_before=spent), limits=limits)
+    assert [r["id"] for r in read_jsonl(out)] == [p["id"] for p in prompts]
+    ok = Counter(line["messages_sha256"] for line in request_log(log) if line["outcome"] == "ok")
+    assert len(ok) == 600 and max(ok.values()) == 1
+
+
+def test_output_token_cap_stops_the_dataset(tmp_path: Path) -> None:
+    out = tmp_path / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        guard = MoneyGuard(token_cap=3000, expected_tokens=100)
+        with pytest.raises(RegenerationStopped, match="output-token cap"):
+            run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=4))
+    tokens = sum(r["usage"]["completion_tokens"] for r in read_jsonl(journal_path(out)))
+    assert 2000 < tokens <= 3000 + 4 * 100
+
+
+def test_changed_sampling_parameters_never_reuse_old_responses(tmp_path: Path) -> None:
+    prompts = make_prompts(30)
+    out = tmp_path / "shard-00000.jsonl"
+    log = tmp_path / "requests.jsonl"
+    with serve_in_thread(EmulatorSettings(request_log=str(log))) as base:
+        run(prompts, out, settings(base))
+        run(prompts, out, settings(base))  # unchanged: nothing requested
+        assert requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"] == 30
+        run(prompts, out, settings(base, temperature=0.6))
+    assert len(request_log(log)) == 60
+    assert {r["params"]["temperature"] for r in read_jsonl(out)} == {0.6}
+    assert len(read_jsonl(journal_path(out))) == 60  # the old responses stay on disk (they were paid for)
+
+
+@pytest.mark.parametrize(
+    ("emu_kw", "client_kw", "message"),
+    [
+        ({"api_key": "sk-right"}, {"key": "sk-wrong"}, "HTTP 401"),
+        ({}, {"provider": {"only": ["nobody"]}}, "No endpoints found"),
+        ({"credits": 0.01}, {}, "openrouter_credits"),
+    ],
+)
+def test_fatal_errors_stop_with_the_server_message_and_keep_finished_work(tmp_path, emu_kw, client_kw, message) -> None:
+    out = tmp_path / "shard-00000.jsonl"
+    key = client_kw.pop("key", "sk-right")
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=300, **emu_kw)) as base:
+        with pytest.raises(RegenerationStopped, match=message):
+            run(make_prompts(200), out, settings(base, **client_kw), key=key,
+                limits=ClientLimits(concurrency=8, backoff_base=0.01))
+    assert not out.exists()
+    finished = read_journal(journal_path(out)).finished
+    if "credits" in emu_kw:
+        assert finished  # what was paid before the credits ran out is kept
+        assert sum(r["cost"] for r in finished.values()) <= 0.01
+
+
+def test_retry_after_is_honoured(tmp_path: Path) -> None:
+    out = tmp_path / "shard-00000.jsonl"
+    import time
+
+    with serve_in_thread(EmulatorSettings(faults={"429-retry-after": 1.0}, retry_after=0.4)) as base:
+        t0 = time.monotonic()
+        with pytest.raises(RegenerationStopped):
+            run(make_prompts(1), out, settings(base), limits=ClientLimits(concurrency=1, max_attempts=3,
+                                                                           backoff_base=0.0))
+        elapsed = time.monotonic() - t0
+    assert elapsed >= 0.8  # two waits of Retry-After 0.4 s, although the backoff base is 0
