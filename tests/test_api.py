@@ -118,7 +118,10 @@ def test_parse_openrouter_response_keeps_reasoning_usage_cost_provider() -> None
 def test_parse_openai_compatible_reasoning_content_and_flags() -> None:
     rec = parse_chat_completion(SGLANG_CHAT_RESPONSE, want_reasoning=True)
     assert rec["reasoning"] == "long thought"
-    assert rec["flags"] == ["truncated", "empty"]
+    assert rec["flags"] == ["truncated"]  # cut off inside the reasoning: no content yet, not "empty"
+    finished_empty = json.loads(json.dumps(SGLANG_CHAT_RESPONSE))
+    finished_empty["choices"][0]["finish_reason"] = "stop"
+    assert parse_chat_completion(finished_empty, want_reasoning=True)["flags"] == ["empty"]
     no_reasoning = json.loads(json.dumps(OPENROUTER_RESPONSE))
     no_reasoning["choices"][0]["message"]["reasoning"] = None
     assert parse_chat_completion(no_reasoning, want_reasoning=True)["flags"] == ["no_reasoning"]
@@ -281,3 +284,63 @@ def test_retry_after_is_honoured(tmp_path: Path) -> None:
                                                                            backoff_base=0.0))
         elapsed = time.monotonic() - t0
     assert elapsed >= 0.8  # two waits of Retry-After 0.4 s, although the backoff base is 0
+
+
+def test_sglang_native_backend_sends_ids_and_keeps_exact_output_ids(tmp_path: Path) -> None:
+    """Through the client, against a loopback server answering in /generate's recorded shape."""
+    import threading
+
+    from aiohttp import web
+
+    seen: list[dict] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        ids = body["input_ids"]
+        # The "model" echoes the prompt's last id as reasoning, then </think> (7), content, and stops on 2.
+        return web.json_response({"text": "...", "output_ids": [ids[-1], 7, 40, 41],
+                                  "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 2},
+                                                "prompt_tokens": len(ids), "completion_tokens": 5}})
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        def render(messages):
+            return [1, 100 + len(messages[0]["content"])]
+
+        def split(ids):
+            cut = ids.index(7)
+            return {"reasoning": f"r{ids[:cut]}", "content": f"c{ids[cut + 1:-1]}", "finish_reason": "stop"}
+
+        out = tmp_path / "shard-00000.jsonl"
+        s = BackendSettings("sglang", "kimi", f"http://127.0.0.1:{port}", 0.0, 1.0, 64)
+        run(make_prompts(3), out, s, render_ids=render, split_ids=split, eos_ids=[2])
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    recs = read_jsonl(out)
+    assert [b["input_ids"] for b in seen] == [[1, 100 + len(p["messages"][0]["content"])] for p in make_prompts(3)]
+    assert all(b["sampling_params"]["max_new_tokens"] == 64 for b in seen)
+    for r in recs:
+        assert r["prompt_token_ids"] == [1, r["output_token_ids"][0]]
+        assert r["output_token_ids"][1:] == [7, 40, 41, 2]
+        assert r["content"] == "c[40, 41]" and r["provider"] == "sglang"
+
+
+def test_samples_failing_every_attempt_leave_the_shard_unpublished_with_a_clear_message(tmp_path: Path) -> None:
+    out = tmp_path / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(faults={"500": 1.0})) as base:
+        with pytest.raises(RegenerationStopped, match=r"5 samples have no response after responses.max_attempts "
+                                                      r"attempts \(5xx: 5\); rerun to retry only them"):
+            run(make_prompts(5), out, settings(base), limits=ClientLimits(concurrency=5, max_attempts=2,
+                                                                          backoff_base=0.01))
+    assert not out.exists() and not read_journal(journal_path(out)).finished

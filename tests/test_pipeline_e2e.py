@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from aerie.artifacts import read_jsonl
 from conftest import REPO, snakemake
 
 pytestmark = pytest.mark.slow
@@ -63,9 +64,14 @@ def test_every_stage_wrote_its_artifacts(demo_run) -> None:
     for dataset, shards in (("tasks", 2), ("humaneval", 2)):
         for stage, ext in (("prompts", "jsonl"), ("responses", "jsonl"), ("tokens", "safetensors"),
                            ("tokens", "report.json"), ("hidden", "safetensors")):
-            files = sorted((results / dataset / stage).glob(f"shard-*.{ext}"))
+            files = sorted((results / dataset / stage).glob(f"shard-?????.{ext}"))
             assert len(files) == shards, (dataset, stage, files)
         assert (results / dataset / "prompts" / "bench.jsonl").exists()
+    # humaneval went through `transformers serve` on loopback with the API client (journal kept).
+    served = read_jsonl(results / "humaneval" / "responses" / "shard-00000.jsonl")
+    assert {r["backend"] for r in served} == {"openai"} and all(r["attempts"] >= 1 for r in served)
+    assert (results / "humaneval" / "responses" / "shard-00000.journal.jsonl").exists()
+    assert {r["backend"] for r in read_jsonl(results / "tasks" / "responses" / "shard-00000.jsonl")} == {"hf"}
     assert (results / "vocab" / "draft_vocab.safetensors").exists()
     drafter = results / "drafter" / "demo"
     cfg = json.loads((drafter / "config.json").read_text())

@@ -155,7 +155,7 @@ def _flags(finish_reason: str, reasoning: str | None, content: str, tool_calls: 
     flags = []
     if finish_reason == "length":
         flags.append("truncated")
-    if not content and not tool_calls:
+    elif not content and not tool_calls:  # finished without an answer (a cut-off one is "truncated")
         flags.append("empty")
     if want_reasoning and not reasoning:
         flags.append("no_reasoning")

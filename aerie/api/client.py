@@ -122,6 +122,7 @@ class RunStats:
     final_errors: Counter = field(default_factory=Counter)
     flags: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
+    stop_reason: str | None = None
 
     def line(self, name: str, guard: MoneyGuard) -> str:
         n = self.already + self.done
@@ -204,8 +205,9 @@ async def regenerate_shard(
     }
     log(f"{name}: {json.dumps(summary)}")
     if missing:
-        raise RegenerationStopped(getattr(stats, "stop_reason", None) or
-                                  f"{len(missing)} samples have no response (first: {missing[0]})")
+        failures = ", ".join(f"{k}: {v}" for k, v in stats.final_errors.items())
+        raise RegenerationStopped(stats.stop_reason or f"{len(missing)} samples have no response after "
+                                  f"responses.max_attempts attempts ({failures}); rerun to retry only them")
     records = [state.finished[p["id"]] for p in prompts]
     write_jsonl(out_path, records)
     return summary
@@ -222,12 +224,10 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
         body = json.dumps(request_body(settings, p["messages"], ids), ensure_ascii=False).encode()
         queue.put_nowait(_Sample(p, body, ids))
     stop = asyncio.Event()
-    stop_reason: list[str] = []
 
     def halt(reason: str) -> None:
         if not stop.is_set():
-            stop_reason.append(reason)
-            stats.stop_reason = reason  # type: ignore[attr-defined]
+            stats.stop_reason = reason
             stop.set()
             log(f"{name}: STOPPING: {reason}")
 

@@ -1,0 +1,155 @@
+"""aerie's regeneration client vs the official openai AsyncOpenAI client, against the emulator on loopback.
+
+Each client runs in its own fresh process (so CPU seconds and peak RSS are the client's alone) against
+one emulator process. aerie's side is the complete client the responses rule uses: journal with batched
+fsyncs, accounting, retries, progress. Prints a table and ratios; --json writes the figures.
+
+    .venv/bin/pip install -e ".[bench]"
+    .venv/bin/python bench/api_client.py                      # full run (about 3 minutes)
+    .venv/bin/python bench/api_client.py --quick              # smaller N
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "moonshotai/kimi-k2.5"
+
+
+def prompts(n: int) -> list[dict]:
+    return [{"id": f"bench/{i}", "dataset": "bench", "messages": [{"role": "user", "content": f"Question {i}: say hi"}]}
+            for i in range(n)]
+
+
+def usage() -> tuple[float, float]:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024  # CPU seconds, peak RSS MiB (Linux: KiB)
+
+
+async def run_aerie(base: str, n: int, concurrency: int, workdir: Path) -> int:
+    from aerie.api.backends import BackendSettings
+    from aerie.api.client import ClientLimits, MoneyGuard, regenerate_shard
+
+    settings = BackendSettings("openrouter", MODEL, base, 1.0, 0.95, 64, provider={"sort": "price"},
+                               reasoning={"enabled": True})
+    out = workdir / "shard-00000.jsonl"
+    summary = await regenerate_shard(
+        prompts(n), out, settings, api_key="sk-bench", guard=MoneyGuard(budget_usd=1e6),
+        limits=ClientLimits(concurrency=concurrency, progress_interval=30), log=lambda m: None)
+    return summary["requested_now"]
+
+
+async def run_openai(base: str, n: int, concurrency: int, workdir: Path) -> int:
+    import httpx
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    # Give it the same connection budget as aerie's client (its default pool is smaller).
+    client = AsyncOpenAI(base_url=base, api_key="sk-bench", max_retries=8, timeout=600,
+                         http_client=DefaultAsyncHttpxClient(limits=httpx.Limits(
+                             max_connections=concurrency, max_keepalive_connections=concurrency)))
+    sem = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(p: dict) -> None:
+        nonlocal done
+        async with sem:
+            r = await client.chat.completions.create(
+                model=MODEL, messages=p["messages"], max_tokens=64, temperature=1.0, top_p=0.95,
+                extra_body={"provider": {"sort": "price"}, "reasoning": {"enabled": True}})
+            if r.choices:
+                done += 1
+
+    await asyncio.gather(*(one(p) for p in prompts(n)))
+    await client.close()
+    return done
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One client, one process: prints a JSON line of its own figures."""
+    sys.path.insert(0, str(REPO))
+    fn = {"aerie": run_aerie, "openai": run_openai}[args.worker]
+    with tempfile.TemporaryDirectory() as tmp:
+        cpu0, _ = usage()
+        t0 = time.perf_counter()
+        ok = asyncio.run(fn(args.base, args.n, args.concurrency, Path(tmp)))
+        seconds = time.perf_counter() - t0
+        cpu1, rss = usage()
+    print(json.dumps({"client": args.worker, "requests": ok, "seconds": seconds, "req_per_s": ok / seconds,
+                      "cpu_s_per_1000": (cpu1 - cpu0) / max(ok, 1) * 1000, "peak_rss_mib": rss}))
+
+
+def start_emulator(latency: float, port_file: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "aerie.api.emulator", "--port", "0", "--port-file", str(port_file),
+           "--latency-mean", str(latency), "--output-tokens-mean", "40"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+    for _ in range(200):
+        if port_file.exists() and port_file.read_text().strip():
+            return proc
+        time.sleep(0.05)
+    raise RuntimeError("emulator did not start")
+
+
+def measure(client: str, latency: float, n: int, concurrency: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp) / "port"
+        emu = start_emulator(latency, port_file)
+        try:
+            base = f"http://127.0.0.1:{port_file.read_text().strip()}/api/v1"
+            out = subprocess.run([sys.executable, __file__, "--worker", client, "--base", base, "--n", str(n),
+                                  "--concurrency", str(concurrency)], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+        finally:
+            emu.terminate()
+            emu.wait(timeout=30)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row.update(latency_s=latency, concurrency=concurrency)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", choices=["aerie", "openai"])
+    ap.add_argument("--base")
+    ap.add_argument("--n", type=int)
+    ap.add_argument("--concurrency", type=int, default=2000)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    k = 0.25 if args.quick else 1.0
+    runs = [
+        ("aerie", 0.0, int(20000 * k)), ("openai", 0.0, int(4000 * k)),  # throughput and CPU per request
+        ("aerie", 2.0, int(20000 * k)),  # 2,000 in flight for 2 s each: the ceiling is 1,000 req/s
+    ]
+    rows = []
+    for client, latency, n in runs:
+        row = measure(client, latency, n, args.concurrency)
+        rows.append(row)
+        print(f"{client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
+              f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB", flush=True)
+    a0, o0, a2 = rows
+    ceiling = args.concurrency / 2.0
+    print(f"\naerie / AsyncOpenAI requests/s at latency 0: {a0['req_per_s'] / o0['req_per_s']:.1f}x (goal >= 10x)")
+    print(f"aerie CPU s per 1,000 requests: {a0['cpu_s_per_1000']:.2f} (goal <= 1.0); "
+          f"AsyncOpenAI {o0['cpu_s_per_1000']:.2f}")
+    print(f"aerie peak RSS at {args.concurrency} in flight: {max(a0['peak_rss_mib'], a2['peak_rss_mib']):.0f} MiB (goal < 1024)")
+    print(f"aerie at 2 s latency: {a2['req_per_s']:.0f} req/s = {a2['req_per_s'] / ceiling:.0%} of the "
+          f"{ceiling:.0f} req/s ceiling (goal >= 80%)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
