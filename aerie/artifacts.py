@@ -13,11 +13,11 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the API client process stays small
+    import torch
 
 
 class FormatError(ValueError):
@@ -31,17 +31,21 @@ def _tmp_path(path: Path) -> Path:
     return Path(tmp)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     tmp = _tmp_path(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -51,6 +55,8 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
     """Save a packed shard: tensors + metadata (non-string values JSON-encoded), atomically."""
     path = Path(path)
+    from safetensors.torch import save_file
+
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     tmp = _tmp_path(path)
     try:
@@ -62,6 +68,8 @@ def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: di
 
 def load_packed(path: str | Path, expected_format: str, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a packed shard, refusing a different format version. Metadata JSON values are decoded."""
+    from safetensors import safe_open
+
     path = Path(path)
     if not path.exists():
         raise FormatError(f"{path}: file not found")
@@ -92,6 +100,8 @@ def split_packed(values: torch.Tensor, seq_offsets: torch.Tensor) -> list[torch.
 
 def pack_sequences(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate sequences along dim 0 and return (packed, seq_offsets int64 [N+1])."""
+    import torch
+
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
     offsets = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)

@@ -5,7 +5,7 @@ one emulator process. aerie's side is the complete client the responses rule use
 fsyncs, accounting, retries, progress. Prints a table and ratios; --json writes the figures.
 
     .venv/bin/pip install -e ".[bench]"
-    .venv/bin/python bench/api_client.py                      # full run (about 3 minutes)
+    .venv/bin/python bench/api_client.py                      # full run (about 2.5 minutes)
     .venv/bin/python bench/api_client.py --quick              # smaller N
 """
 
@@ -50,8 +50,12 @@ async def run_aerie(base: str, n: int, concurrency: int, workdir: Path) -> int:
 
 
 async def run_openai(base: str, n: int, concurrency: int, workdir: Path) -> int:
-    import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    try:  # openai >= 3 ships on the httpx2 fork; older releases on httpx
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
 
     # Give it the same connection budget as aerie's client (its default pool is smaller).
     client = AsyncOpenAI(base_url=base, api_key="sk-bench", max_retries=8, timeout=600,
@@ -74,10 +78,34 @@ async def run_openai(base: str, n: int, concurrency: int, workdir: Path) -> int:
     return done
 
 
+async def run_bare(base: str, n: int, concurrency: int, workdir: Path) -> int:
+    """The floor: a bare aiohttp loop (no journal, no accounting, no retries) - not a usable client."""
+    import aiohttp
+
+    queue = list(prompts(n))
+    done = 0
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        while queue:
+            p = queue.pop()
+            body = json.dumps({"model": MODEL, "messages": p["messages"], "max_tokens": 64, "temperature": 1.0,
+                               "top_p": 0.95, "provider": {"sort": "price"}, "reasoning": {"enabled": True}})
+            async with session.post(f"{base}/chat/completions", data=body) as resp:
+                if json.loads(await resp.read()).get("choices"):
+                    done += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                     headers={"Authorization": "Bearer sk-bench",
+                                              "Content-Type": "application/json"}) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return done
+
+
 def worker(args: argparse.Namespace) -> None:
     """One client, one process: prints a JSON line of its own figures."""
     sys.path.insert(0, str(REPO))
-    fn = {"aerie": run_aerie, "openai": run_openai}[args.worker]
+    fn = {"aerie": run_aerie, "openai": run_openai, "bare": run_bare}[args.worker]
     with tempfile.TemporaryDirectory() as tmp:
         cpu0, _ = usage()
         t0 = time.perf_counter()
@@ -118,7 +146,7 @@ def measure(client: str, latency: float, n: int, concurrency: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", choices=["aerie", "openai"])
+    ap.add_argument("--worker", choices=["aerie", "openai", "bare"])
     ap.add_argument("--base")
     ap.add_argument("--n", type=int)
     ap.add_argument("--concurrency", type=int, default=2000)
@@ -132,6 +160,7 @@ def main() -> None:
     runs = [
         ("aerie", 0.0, int(20000 * k)), ("openai", 0.0, int(4000 * k)),  # throughput and CPU per request
         ("aerie", 2.0, int(20000 * k)),  # 2,000 in flight for 2 s each: the ceiling is 1,000 req/s
+        ("bare", 2.0, int(20000 * k)),  # the floor, for reference: a bare aiohttp loop with no journal
     ]
     rows = []
     for client, latency, n in runs:
@@ -139,14 +168,15 @@ def main() -> None:
         rows.append(row)
         print(f"{client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
               f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB", flush=True)
-    a0, o0, a2 = rows
+    a0, o0, a2, b2 = rows
     ceiling = args.concurrency / 2.0
     print(f"\naerie / AsyncOpenAI requests/s at latency 0: {a0['req_per_s'] / o0['req_per_s']:.1f}x (goal >= 10x)")
     print(f"aerie CPU s per 1,000 requests: {a0['cpu_s_per_1000']:.2f} (goal <= 1.0); "
           f"AsyncOpenAI {o0['cpu_s_per_1000']:.2f}")
     print(f"aerie peak RSS at {args.concurrency} in flight: {max(a0['peak_rss_mib'], a2['peak_rss_mib']):.0f} MiB (goal < 1024)")
     print(f"aerie at 2 s latency: {a2['req_per_s']:.0f} req/s = {a2['req_per_s'] / ceiling:.0%} of the "
-          f"{ceiling:.0f} req/s ceiling (goal >= 80%)")
+          f"{ceiling:.0f} req/s ceiling (goal >= 80%); bare aiohttp loop {b2['req_per_s'] / ceiling:.0%} "
+          f"at {b2['cpu_s_per_1000']:.2f} CPU s/1000")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -40,7 +40,7 @@ from aerie.api.backends import (
     request_body,
 )
 from aerie.api.journal import Journal, journal_path, messages_key, read_journal
-from aerie.artifacts import write_jsonl
+from aerie.artifacts import atomic_write_bytes
 
 RESPONSES_FORMAT = "aerie.responses/1"
 
@@ -175,7 +175,9 @@ async def regenerate_shard(
     name = out_path.name.removesuffix(".jsonl")
     jpath = journal_path(out_path)
     phash = settings.params_hash()
-    keys = {p["id"]: messages_key(p["messages"]) for p in prompts}
+    # Prompt texts are compared only against an existing journal (a fresh shard skips the work).
+    has_journal = jpath.exists() and jpath.stat().st_size > 0
+    keys = {p["id"]: messages_key(p["messages"]) for p in prompts} if has_journal else {}
     state = read_journal(jpath, phash, keys, repair=True)
     if state.torn_bytes:
         log(f"{name}: cut a torn last journal line ({state.torn_bytes} bytes): that sample is requested again")
@@ -190,12 +192,11 @@ async def regenerate_shard(
         journal = Journal(jpath)
         try:
             await _run(pending, settings, api_key, limits, guard, journal, stats, want_reasoning,
-                       render_ids, split_ids, eos_ids, name, log)
+                       render_ids, split_ids, eos_ids, name, log, state.lines)
         finally:
             await journal.aclose()
-        state = read_journal(jpath, phash, keys)
 
-    missing = [p["id"] for p in prompts if p["id"] not in state.finished]
+    missing = [p["id"] for p in prompts if p["id"] not in state.lines]
     summary = {
         "samples": len(prompts), "already_journaled": stats.already, "requested_now": stats.done,
         "missing": len(missing), "cost_usd_now": round(stats.cost, 6),
@@ -208,21 +209,26 @@ async def regenerate_shard(
         failures = ", ".join(f"{k}: {v}" for k, v in stats.final_errors.items())
         raise RegenerationStopped(stats.stop_reason or f"{len(missing)} samples have no response after "
                                   f"responses.max_attempts attempts ({failures}); rerun to retry only them")
-    records = [state.finished[p["id"]] for p in prompts]
-    write_jsonl(out_path, records)
+    # The journal lines verbatim, in prompt order: nothing is serialized twice.
+    atomic_write_bytes(out_path, b"".join(state.lines[p["id"]] for p in prompts))
     return summary
 
 
 async def _run(pending, settings, api_key, limits, guard, journal, stats, want_reasoning,
-               render_ids, split_ids, eos_ids, name, log) -> None:
+               render_ids, split_ids, eos_ids, name, log, lines: dict[str, bytes]) -> None:
     headers = {"Content-Type": "application/json", **(settings.extra_headers or {})}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    queue: asyncio.Queue[_Sample] = asyncio.Queue()
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for p in pending:
+        queue.put_nowait(p)
+    sampling, phash = settings.sampling(), settings.params_hash()  # once, not per request
+
+    def make_sample(p: dict[str, Any]) -> _Sample:
+        # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
         ids = render_ids(p["messages"]) if settings.backend == "sglang" else None
-        body = json.dumps(request_body(settings, p["messages"], ids), ensure_ascii=False).encode()
-        queue.put_nowait(_Sample(p, body, ids))
+        return _Sample(p, json.dumps(request_body(settings, p["messages"], ids), ensure_ascii=False).encode(), ids)
+
     stop = asyncio.Event()
 
     def halt(reason: str) -> None:
@@ -254,8 +260,9 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout)
     connector = aiohttp.TCPConnector(limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300)
     url = settings.url()
+    # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
-                                     json_serialize=json.dumps, raise_for_status=False) as session:
+                                     cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False) as session:
 
         async def one(sample: _Sample) -> dict[str, Any] | None:
             attempt = 0
@@ -298,8 +305,8 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
                         "messages": sample.prompt["messages"],
                         "backend": settings.backend,
                         "model": settings.model,
-                        "params": settings.sampling(),
-                        "params_hash": settings.params_hash(),
+                        "params": sampling,
+                        "params_hash": phash,
                         **fields,
                         **({"prompt_token_ids": sample.prompt_ids} if sample.prompt_ids is not None else {}),
                         "latency_s": round(time.monotonic() - t0, 3),
@@ -319,18 +326,18 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
         async def worker() -> None:
             while not stop.is_set():
                 try:
-                    sample = queue.get_nowait()
+                    prompt = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
                 if not admit():
                     return
                 stats.in_flight += 1
                 try:
-                    record = await one(sample)
+                    record = await one(make_sample(prompt))
                 finally:
                     stats.in_flight -= 1
                 if record is not None:
-                    journal.append(record)
+                    lines[record["id"]] = journal.append(record)
                     stats.done += 1
                     stats.cost += record["cost"]
                     stats.completion_tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)

@@ -44,6 +44,7 @@ class JournalState:
     """What a journal holds for the current request parameters."""
 
     finished: dict[str, dict[str, Any]] = field(default_factory=dict)  # sample id -> record
+    lines: dict[str, bytes] = field(default_factory=dict)  # sample id -> its journal line, as written
     stale: int = 0  # lines from other parameters or other prompt text (kept on disk, not reused)
     torn_bytes: int = 0  # bytes of a torn last line that were cut off
     cost: float = 0.0  # dollars of every line, stale ones included: money already spent
@@ -81,6 +82,7 @@ def read_journal(path: Path, params_hash: str | None = None, prompts: dict[str, 
         same_prompt = prompts is None or prompts.get(sid) == messages_key(rec.get("messages", []))
         if current and same_prompt and sid is not None:
             state.finished[sid] = rec  # a later line for the same sample wins (cannot happen normally)
+            state.lines[sid] = line + b"\n"
         else:
             state.stale += 1
     return state
@@ -105,7 +107,8 @@ class Journal:
         self.appended = 0
         self.syncs = 0
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: dict[str, Any]) -> bytes:
+        """Write one record as one line; returns the line (the shard output reuses it verbatim)."""
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
         written = os.write(self._fd, line)
         while written < len(line):  # regular files take all of it; loop for completeness
@@ -113,6 +116,7 @@ class Journal:
         self.appended += 1
         self._dirty = True
         self._maybe_sync()
+        return line
 
     def _maybe_sync(self) -> None:
         if not self._dirty or (self._sync_task is not None and not self._sync_task.done()):
