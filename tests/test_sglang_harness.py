@@ -1,0 +1,491 @@
+"""SGLang serving harness: command lines, recorded response shapes, prompt loaders, and whole runs
+against a fake SGLang that the harness launches as a real subprocess (port, health wait, shutdown)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from aerie.bench import sglang_harness as h
+from aerie.bench.sglang_harness import PromptSet
+from conftest import REPO, shared_path
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+SECRET = "sk-fake-0123456789abcdef"
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+# ---- command lines -----------------------------------------------------------------------------------
+
+SG = {"tp": 8, "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
+      "mem_fraction_static": 0.85, "extra_args": ["--trust-remote-code", "--reasoning-parser", "kimi_k2"],
+      "concurrency": [1, 8]}
+
+
+def test_baseline_and_eagle3_commands_use_sglang_flag_names() -> None:
+    base = h.server_command("/models/K", 41000, SG, python="/envs/sglang/bin/python")
+    assert base == ["/envs/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/K",
+                    "--tp-size", "8", "--host", "127.0.0.1", "--port", "41000", "--mem-fraction-static", "0.85",
+                    "--trust-remote-code", "--reasoning-parser", "kimi_k2"]
+    eagle = h.server_command("/models/K", 41001, SG, drafter_dir="/d/run", python="/envs/sglang/bin/python")
+    assert eagle == base[:10] + ["41001", "--mem-fraction-static", "0.85",
+                                "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d/run",
+                                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                "--speculative-num-draft-tokens", "4",
+                                "--trust-remote-code", "--reasoning-parser", "kimi_k2"]
+    # Defaults: this interpreter, tp 1, no --mem-fraction-static unless configured.
+    assert h.server_command("/m", 5, None) == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m",
+                                               "--tp-size", "1", "--host", "127.0.0.1", "--port", "5"]
+
+
+def test_kimi_config_gives_the_published_serving_command() -> None:
+    cfg = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    cmd = h.server_command(cfg["target"]["path"], 30000, cfg["sglang"], drafter_dir="results/drafter/x", python="py")
+    line = " ".join(cmd)
+    assert "--tp-size 8 " in line and "--mem-fraction-static 0.85" in line
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in line
+    assert line.endswith("--trust-remote-code --tool-call-parser kimi_k2 --reasoning-parser kimi_k2")
+
+
+def test_settings_defaults_match_the_config_schema_and_bad_values_are_refused() -> None:
+    schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())["properties"]["sglang"]["properties"]
+    assert set(schema) == set(h.SGLANG_DEFAULTS)
+    for key, prop in schema.items():
+        assert h.SGLANG_DEFAULTS[key] == prop.get("default"), key
+    assert h.sglang_settings({"tp": 2})["concurrency"] == [1]
+    for bad in ({"tpp": 1}, {"tp": 0}, {"concurrency": []}, {"concurrency": [0]}, {"mem_fraction_static": 1.5},
+                {"extra_args": "--x"}, {"extra_args": ["--port=1"]}, {"extra_args": ["--tp", "2"]},
+                {"extra_args": ["--speculative-num-steps", "5"]}):
+        with pytest.raises(ValueError):
+            h.sglang_settings(bad)
+
+
+def test_secrets_are_redacted_from_recorded_commands() -> None:
+    argv = ["py", "--api-key", SECRET, "--admin-api-key=adm", "--hf-token", "hf_x",
+            "--speculative-num-draft-tokens", "4", "--max-total-tokens", "10", "--tool-call-parser", "kimi_k2"]
+    assert h.redact_command(argv) == ["py", "--api-key", "***", "--admin-api-key=***", "--hf-token", "***",
+                                      "--speculative-num-draft-tokens", "4", "--max-total-tokens", "10",
+                                      "--tool-call-parser", "kimi_k2"]
+
+
+# ---- recorded response shapes --------------------------------------------------------------------------
+
+def test_generate_response_of_an_eagle3_server() -> None:
+    body = fixture("generate_eagle3.json")
+    rec = h.parse_generate_response(body)
+    meta = body["meta_info"]
+    assert rec["error"] is None
+    assert rec["completion_tokens"] == 32 == len(rec["output_ids"])
+    assert rec["spec_verify_ct"] == 11
+    # completion_tokens / spec_verify_ct is SGLang's own per-request spec_accept_length.
+    assert rec["accept_length"] == pytest.approx(meta["spec_accept_length"])
+    assert rec["finish_reason"] == "length" and rec["e2e_latency_s"] == meta["e2e_latency"]
+    assert rec["prompt_tokens"] == meta["prompt_tokens"] and rec["text"] == body["text"]
+
+
+def test_generate_response_of_a_baseline_server_and_failures() -> None:
+    body = fixture("generate_baseline.json")
+    rec = h.parse_generate_response(body)
+    assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["accept_length"] is None
+    assert rec["finish_reason"] == "stop" and rec["output_ids"][-1] == body["meta_info"]["finish_reason"]["matched"]
+    aborted = json.loads(json.dumps(body))
+    aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory", "status_code": 503,
+                                             "err_type": None}
+    assert "out of memory" in h.parse_generate_response(aborted)["error"]
+    assert h.parse_generate_response({"text": "x"})["error"] == "response has no meta_info"
+    assert h.parse_generate_response({"error": {"message": "bad"}})["error"].startswith("server error")
+
+
+def test_server_info_shapes() -> None:
+    eagle = h.parse_server_info(fixture("server_info_eagle3.json"))
+    assert eagle["avg_spec_accept_length"] == pytest.approx(2.8731884057971016)
+    assert eagle["fields"]["version"] == "0.5.23" and eagle["fields"]["speculative_num_draft_tokens"] == 4
+    assert "api_key" not in eagle["fields"] and "launch_command" not in eagle["fields"]
+    assert h.parse_server_info(fixture("server_info_baseline.json"))["avg_spec_accept_length"] is None
+    assert h.parse_server_info(fixture("server_info_legacy.json"))["avg_spec_accept_length"] == 2.61
+    two_dp = {"internal_states": [{"avg_spec_accept_length": 2.0}, {"avg_spec_accept_length": 3.0}]}
+    assert h.parse_server_info(two_dp)["avg_spec_accept_length"] == 2.5
+    assert h.parse_server_info(None)["avg_spec_accept_length"] is None
+
+
+# ---- statistics -----------------------------------------------------------------------------------------
+
+def _rec(pid, ids, latency=1.0, verify=None, error=None):
+    return {"id": pid, "latency_s": latency, "e2e_latency_s": latency, "prompt_tokens": 5,
+            "completion_tokens": len(ids), "cached_tokens": 0, "spec_verify_ct": verify,
+            "accept_length": len(ids) / verify if verify else None, "finish_reason": "length",
+            "output_ids": ids, "text": "".join(map(chr, ids)), "error": error}
+
+
+def test_mode_statistics_and_lossless_comparison() -> None:
+    recs = [_rec("a", [1, 2, 3, 4], 0.5, verify=2), _rec("b", [5, 6], 1.0, verify=1),
+            {"id": "c", "latency_s": 3.0, "error": "HTTP 500: boom"}]
+    s = h.mode_stats(recs, wall_s=2.0, server_avg_spec_accept_length=2.2)
+    assert (s["requests"], s["ok"], s["failed"], s["output_tokens"]) == (3, 2, 1, 6)
+    assert s["output_tokens_per_s"] == 3.0 and s["per_request_tokens_per_s_mean"] == pytest.approx((8 + 2) / 2)
+    assert s["accept_length_mean"] == 2.0 and s["accept_length_pooled"] == 2.0 and s["spec_verify_ct"] == 3
+    assert s["errors"] == ["c: HTTP 500: boom"] and s["finish_reasons"] == {"length": 2}
+    assert [p["id"] for p in s["per_request"]] == ["a", "b", "c"]
+
+    cmp = h.compare_outputs([_rec("a", [1, 2, 3]), _rec("b", [4, 5])], [_rec("a", [1, 2, 9]), _rec("b", [4, 5])])
+    assert cmp["compared_on"] == "output_ids" and (cmp["compared"], cmp["identical"]) == (2, 1)
+    assert cmp["first_differing"] == [{"id": "a", "first_diff": 2, "baseline_tokens": 3, "eagle3_tokens": 3}]
+    no_ids = [{**_rec("a", [1, 2]), "output_ids": None}]
+    assert h.compare_outputs(no_ids, [_rec("a", [1, 3])])["compared_on"] == "text"
+    assert h.compare_outputs([_rec("a", [1])], [_rec("a", [1, 2])])["first_differing"][0]["first_diff"] == 1
+
+    assert h.looks_looping([7, 8] * 50) and h.looks_looping(list(range(40)) + [3] * 80)
+    assert not h.looks_looping(list(range(200))) and not h.looks_looping([1, 2] * 5)
+
+
+def test_report_json_keeps_id_lists_on_one_line_and_text_untouched() -> None:
+    obj = {"ids": [1, 22, 333], "nested": [[1, 2], [3]], "floats": [1.5, 2], "flags": [True], "empty": [],
+           "text": '"[1, 2]" and [3,\n 4]', "rows": [{"output_ids": [5, 6]}]}
+    text = h._dumps(obj)
+    assert json.loads(text) == obj
+    assert '"ids": [1,22,333]' in text and '"output_ids": [5,6]' in text and text.endswith("}\n")
+
+
+# ---- prompt sets ------------------------------------------------------------------------------------------
+
+def test_mtbench_and_gsm8k_loaders_on_the_real_files() -> None:
+    mt = h.load_prompts("mtbench", shared_path("datasets", "mt_bench_questions.jsonl"))
+    assert len(mt) == 80 and mt[0]["id"] == "mtbench/81" and mt[-1]["id"] == "mtbench/160"
+    assert mt[0]["messages"] == [{"role": "user", "content": mt[0]["messages"][0]["content"]}]
+    assert mt[0]["messages"][0]["content"].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    gsm = h.load_prompts("gsm8k", shared_path("datasets", "gsm8k_test.jsonl"), max_prompts=5)
+    assert [p["id"] for p in gsm] == [f"gsm8k/{i}" for i in range(5)]
+    assert gsm[0]["messages"][0]["content"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert len(h.load_prompts("gsm8k", shared_path("datasets", "gsm8k_test.jsonl"))) == 1319
+
+
+def test_humaneval_aerie_and_spec_parsing(tmp_path: Path) -> None:
+    he = h.load_prompts("humaneval")
+    assert len(he) == 164 and he[0]["id"] == "HumanEval/0"
+    assert "def has_close_elements(" in he[0]["messages"][0]["content"]
+
+    f = tmp_path / "bench.jsonl"
+    f.write_text("".join(json.dumps({"format": "aerie.prompts/1", "id": f"demo/{i}", "dataset": "demo",
+                                     "messages": [{"role": "user", "content": f"q{i}"}], "source": {}}) + "\n"
+                         for i in range(3)))
+    ps = h.parse_prompt_set(f"demo=aerie:{f}", max_prompts=2)
+    assert (ps.name, ps.kind, ps.source) == ("demo", "aerie", str(f))
+    assert ps.prompts == [{"id": f"demo/{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
+    assert h.parse_prompt_set(f"aerie:{f}").name == "bench" and h.parse_prompt_set("humaneval").name == "humaneval"
+
+    bad = tmp_path / "mt.jsonl"
+    bad.write_text('{"question_id": 1, "turns": []}\n')
+    with pytest.raises(ValueError, match="mt.jsonl:1"):
+        h.load_prompts("mtbench", bad)
+    with pytest.raises(ValueError, match="unknown prompt set kind"):
+        h.load_prompts("sharegpt", bad)
+    with pytest.raises(ValueError, match="needs a file path"):
+        h.load_prompts("gsm8k")
+
+
+# ---- command line -------------------------------------------------------------------------------------
+
+def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        h.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--sglang-python", "--prompt-set", "--concurrency", "--config", "--drafter", "--out"):
+        assert flag in text
+
+    seen = {}
+    monkeypatch.setattr(h, "tokenizer_render", lambda path, **kw: seen.setdefault("render", (path, kw)))
+    monkeypatch.setattr(h, "run_sglang_benchmark", lambda *a, **kw: seen.update(args=a, kw=kw))
+    h.main(["--config", str(REPO / "config" / "kimi-k2.5.yaml"), "--drafter", "d", "--out", str(tmp_path / "o.json"),
+            "--prompt-set", "humaneval", "--max-prompts", "2", "--concurrency", "1", "4",
+            "--sglang-python", "/envs/sglang/bin/python", "--server-env", "SGLANG_X=1",
+            "--extra-args=--trust-remote-code --api-key k"])
+    target, drafter, sets, out = seen["args"]
+    assert (target, drafter, out) == ("/models/Kimi-K2.5", "d", tmp_path / "o.json")
+    assert [(s.name, len(s.prompts)) for s in sets] == [("humaneval", 2)]
+    kw = seen["kw"]
+    assert kw["sglang"]["tp"] == 8 and kw["sglang"]["concurrency"] == [1, 4]
+    assert kw["sglang"]["extra_args"] == ["--trust-remote-code", "--api-key", "k"]
+    assert kw["max_new_tokens"] == 1024 and kw["sglang_python"] == "/envs/sglang/bin/python"
+    assert kw["server_env"] == {"SGLANG_X": "1"}
+    assert seen["render"] == ("/models/Kimi-K2.5", {"as_text": False, "trust_remote_code": True})
+
+
+# ---- whole runs against a fake SGLang server ---------------------------------------------------------------
+
+# Launched by the harness as `<sglang python> -m sglang.launch_server ...` (the wrapper puts this package
+# first on PYTHONPATH). It parses SGLang's flag names strictly, answers /health (503 while "loading"),
+# /generate and /get_server_info in the recorded shapes (no /server_info: the harness must fall back),
+# and starts a worker that ignores SIGTERM, as a stuck scheduler process would.
+FAKE_LAUNCH_SERVER = r'''
+import argparse, asyncio, copy, json, math, os, subprocess, sys, time, uuid
+from pathlib import Path
+from aiohttp import web
+
+fixtures = Path(os.environ["FAKE_SGLANG_FIXTURES"])
+state_dir = Path(os.environ["FAKE_SGLANG_STATE"])
+ap = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False)
+ap.add_argument("--model-path", required=True)
+ap.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+ap.add_argument("--host", default="127.0.0.1")
+ap.add_argument("--port", type=int, default=30000)
+ap.add_argument("--mem-fraction-static", type=float)
+ap.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"])
+ap.add_argument("--speculative-draft-model-path")
+ap.add_argument("--speculative-num-steps", type=int)
+ap.add_argument("--speculative-eagle-topk", type=int)
+ap.add_argument("--speculative-num-draft-tokens", type=int)
+ap.add_argument("--trust-remote-code", action="store_true")
+ap.add_argument("--api-key")
+ap.add_argument("--context-length", type=int)
+args = ap.parse_args()
+spec = args.speculative_algorithm == "EAGLE3"
+mode = "eagle3" if spec else "baseline"
+if spec and os.environ.get("FAKE_SGLANG_FAIL_EAGLE3"):
+    sys.exit("RuntimeError: draft model vocab does not match the target")
+ACCEPT, TOKEN_S, VERIFY_S = 3, 0.004, 0.005  # tokens per verify step; decode step / verify step seconds
+
+worker = subprocess.Popen([sys.executable, "-c",
+                           "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+stats = {"argv": sys.argv[1:], "pid": os.getpid(), "child_pid": worker.pid, "requests": 0, "flushes": 0,
+         "unauthorized": 0, "bodies": [], "bad_shape": 0}
+def save():
+    (state_dir / f"{mode}.json").write_text(json.dumps(stats))
+save()
+gen_fixture = json.loads((fixtures / f"generate_{mode}.json").read_text())
+info_fixture = json.loads((fixtures / f"server_info_{mode}.json").read_text())
+started = time.monotonic()
+cum = {"tokens": 0, "verify": 0}
+
+def authorized(request):
+    ok = not args.api_key or request.headers.get("Authorization") == f"Bearer {args.api_key}"
+    stats["unauthorized"] += not ok
+    return ok
+
+async def health(request):
+    return web.Response(status=200 if time.monotonic() - started > 0.3 else 503)
+
+async def generate(request):
+    if not authorized(request):
+        return web.json_response({"object": "error", "message": "Unauthorized", "code": 401}, status=401)
+    body = await request.json()
+    stats["requests"] += 1
+    if len(stats["bodies"]) < 4:
+        stats["bodies"].append(body)
+    sp = body["sampling_params"]
+    prompt = body["input_ids"] if "input_ids" in body else [ord(c) for c in body["text"]]
+    max_new = sp["max_new_tokens"]
+    n = max_new if len(prompt) % 2 == 0 else max_new // 2
+    ids = [100 + (sum(prompt) * 31 + 7 * i) % 5000 for i in range(n)]
+    if spec and prompt[:7] == [ord(c) for c in "DIVERGE"]:
+        ids[n // 2] += 1
+    verify = math.ceil(n / ACCEPT)
+    t0 = time.monotonic()
+    await asyncio.sleep(verify * VERIFY_S if spec else n * TOKEN_S)
+    out = copy.deepcopy(gen_fixture)
+    meta = out["meta_info"]
+    keys = set(meta)
+    out["output_ids"], out["text"] = ids, "".join(f"<{i}>" for i in ids)
+    meta.update(id=uuid.uuid4().hex, prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0,
+                e2e_latency=time.monotonic() - t0, response_sent_to_client_ts=time.time(),
+                finish_reason={"type": "length", "length": n} if n == max_new else {"type": "stop", "matched": ids[-1]})
+    if spec:
+        drafts = args.speculative_num_draft_tokens - 1
+        correct = max(0, n - 1 - verify)
+        meta.update(spec_verify_ct=verify, spec_accept_length=n / verify, spec_num_proposed_drafts=verify * drafts,
+                    spec_num_correct_drafts=correct, spec_accept_rate=correct / (verify * drafts),
+                    spec_correct_drafts_histogram=[0] * (ACCEPT - 1) + [verify])
+        cum["tokens"] += n
+        cum["verify"] += verify
+    stats["bad_shape"] += set(meta) != keys
+    return web.json_response(out)
+
+async def get_server_info(request):
+    if not authorized(request):
+        return web.json_response({"message": "Unauthorized"}, status=401)
+    info = copy.deepcopy(info_fixture)
+    info.update(model_path=args.model_path, port=args.port, tp_size=args.tp_size, api_key=args.api_key,
+                mem_fraction_static=args.mem_fraction_static, launch_command=" ".join(sys.argv))
+    if spec:
+        info.update(speculative_draft_model_path=args.speculative_draft_model_path,
+                    speculative_num_steps=args.speculative_num_steps,
+                    speculative_eagle_topk=args.speculative_eagle_topk,
+                    speculative_num_draft_tokens=args.speculative_num_draft_tokens)
+    state = info["internal_states"][0]
+    state.pop("avg_spec_accept_length", None)
+    if spec and cum["verify"]:
+        state["avg_spec_accept_length"] = cum["tokens"] / cum["verify"]
+    return web.json_response(info)
+
+async def flush_cache(request):
+    if not authorized(request):
+        return web.Response(status=401)
+    stats["flushes"] += 1
+    return web.Response(text="Cache flushed.\n")
+
+async def on_shutdown(app):
+    save()
+
+app = web.Application()
+app.router.add_get("/health", health)
+app.router.add_get("/health_generate", health)
+app.router.add_post("/generate", generate)
+app.router.add_get("/get_server_info", get_server_info)
+app.router.add_route("*", "/flush_cache", flush_cache)
+app.on_shutdown.append(on_shutdown)
+print(f"fake sglang {mode} on {args.host}:{args.port}", flush=True)
+web.run_app(app, host=args.host, port=args.port, print=None)
+'''
+
+
+@pytest.fixture()
+def fake_sglang(tmp_path: Path):
+    pkg = tmp_path / "fakepkg" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
+    python = tmp_path / "bin" / "sglang-python"
+    python.parent.mkdir()
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{pkg.parent}${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
+                      f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 5200, "draft_vocab_size": 1000,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}}))
+    fake = SimpleNamespace(python=str(python), state=state, drafter=drafter,
+                           env={"FAKE_SGLANG_FIXTURES": str(FIXTURES), "FAKE_SGLANG_STATE": str(state)})
+    yield fake
+    for f in state.glob("*.json"):  # never leave a fake behind, even when a test failed
+        s = json.loads(f.read_text())
+        for pid in (s["pid"], s["child_pid"]):
+            if h._alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def render(messages: list[dict]) -> list[int]:
+    return [ord(c) for c in messages[-1]["content"]]
+
+
+def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> None:
+    chat = PromptSet("chat", [{"id": "chat/0", "messages": _user("hello there")},
+                              {"id": "chat/1", "messages": _user("DIVERGE here")},
+                              {"id": "chat/2", "messages": _user("odd!")},
+                              {"id": "chat/3", "messages": _user("an even one")}])
+    maths = PromptSet("math", [{"id": f"math/{i}", "messages": _user("2+2=?" + "x" * i)} for i in range(3)])
+    sglang = {"tp": 2, "mem_fraction_static": 0.5, "concurrency": [1, 3],
+              "extra_args": ["--trust-remote-code", "--api-key", SECRET, "--context-length", "4096"]}
+    out = tmp_path / "bench" / "run.json"
+    logs: list[str] = []
+    report = h.run_sglang_benchmark(
+        "/models/target", fake_sglang.drafter, [chat, maths], out, sglang=sglang, max_new_tokens=24, render=render,
+        sglang_python=fake_sglang.python, warmup=1, stop_grace_s=0.5, server_env=fake_sglang.env, log=logs.append)
+
+    assert json.loads(out.read_text()) == report
+    assert report["format"] == "aerie.sglang-bench/1" and report["complete"] and report["error"] is None
+    assert SECRET not in out.read_text()
+    assert report["input"] == "input_ids" and report["sampling"] == {"temperature": 0.0, "max_new_tokens": 24,
+                                                                     "skip_special_tokens": False}
+    assert report["drafter_config"]["architectures"] == ["LlamaForCausalLMEagle3"]
+
+    # What each server process was really started with: the harness's command line, through the sglang python.
+    for mode, drafter in (("baseline", None), ("eagle3", fake_sglang.drafter)):
+        st = json.loads((fake_sglang.state / f"{mode}.json").read_text())
+        port = int(st["argv"][st["argv"].index("--port") + 1])
+        assert st["argv"] == h.server_command("/models/target", port, sglang, drafter_dir=drafter)[3:]
+        server = report["servers"][mode]
+        assert server["command"][0] == fake_sglang.python and "***" in server["command"]
+        assert server["command"][3:] == h.redact_command(st["argv"])
+        assert server["ready_s"] > 0.3 and server["error"] is None
+        assert server["server_info_endpoint"] == "/get_server_info"  # /server_info is absent: fallback taken
+        assert server["server_info"]["version"] == "0.5.23" and "api_key" not in server["server_info"]
+        # Warm-up + every prompt at every concurrency, authenticated, greedy, ids, special tokens kept.
+        assert st["requests"] == 1 + 2 * (4 + 3) and st["unauthorized"] == 0 and st["bad_shape"] == 0
+        assert st["flushes"] == 4
+        assert all(b["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}
+                   and set(b) == {"input_ids", "sampling_params"} for b in st["bodies"])
+        # Stopped: the server and its SIGTERM-ignoring worker are gone; the worker had to be killed.
+        assert {st["pid"], st["child_pid"]} <= set(server["pids"])
+        assert not h._alive(st["pid"]) and not h._alive(st["child_pid"])
+        assert server["leftover_pids_killed"] == [st["child_pid"]]
+    assert report["servers"]["eagle3"]["server_info"]["speculative_num_steps"] == 3
+    assert report["servers"]["eagle3"]["server_info"]["avg_spec_accept_length"] == 3.0
+    assert report["servers"]["baseline"]["server_info"]["avg_spec_accept_length"] is None
+    assert report["versions"]["sglang"] == "0.5.23"
+
+    rows = report["rows"]
+    assert [(r["set"], r["concurrency"], r["prompts"]) for r in rows] == [("chat", 1, 4), ("chat", 3, 4),
+                                                                          ("math", 1, 3), ("math", 3, 3)]
+    # The fake answers max_new_tokens for an even prompt length, half of it for an odd one.
+    expected_tokens = {ps.name: sum(24 if len(p["messages"][0]["content"]) % 2 == 0 else 12 for p in ps.prompts)
+                       for ps in (chat, maths)}
+    for r in rows:
+        b, e = r["baseline"], r["eagle3"]
+        for s in (b, e):
+            assert s["ok"] == r["prompts"] and s["failed"] == 0
+            assert s["output_tokens"] == expected_tokens[r["set"]]
+            assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["wall_s"])
+            assert s["per_request_tokens_per_s_mean"] > 0 and s["looping_requests"] == 0
+        assert b["accept_length_mean"] is None and b["server_avg_spec_accept_length"] is None
+        assert all(p["spec_verify_ct"] is None for p in b["per_request"])
+        assert e["accept_length_mean"] == 3.0 and e["accept_length_pooled"] == 3.0
+        assert e["server_avg_spec_accept_length"] == 3.0
+        assert [p["spec_verify_ct"] for p in e["per_request"]] == [c // 3 for c in
+                                                                   (p["completion_tokens"] for p in e["per_request"])]
+        assert r["speedup"] == pytest.approx(e["output_tokens_per_s"] / b["output_tokens_per_s"])
+        assert r["speedup"] > 1.3  # simulated: 4 ms per token vs 5 ms per 3 tokens
+        lossless = r["lossless"]
+        if r["set"] == "chat":
+            assert (lossless["compared"], lossless["identical"], lossless["differing"]) == (4, 3, 1)
+            assert lossless["first_differing"] == [{"id": "chat/1", "first_diff": 12, "baseline_tokens": 24,
+                                                    "eagle3_tokens": 24}]
+        else:
+            assert (lossless["compared"], lossless["identical"]) == (3, 3)
+
+    s = report["summary"]
+    assert s["lossless"] == {"compared": 14, "identical": 12, "differing": 2, "all_identical": False}
+    assert s["baseline_cross_concurrency"] == {"compared": 7, "identical": 7}
+    assert s["accept_length_mean"] == 3.0 and s["server_avg_spec_accept_length"] == 3.0
+    assert [c["concurrency"] for c in s["by_concurrency"]] == [1, 3]
+    assert all(c["speedup"] > 1.3 for c in s["by_concurrency"])
+    assert s["speedup_min"] <= s["speedup_geomean"] <= s["speedup_max"]
+    assert s["failed_requests"] == {"baseline": 0, "eagle3": 0}
+    assert any("killed processes left by the server" in m for m in logs)
+
+
+def test_a_server_that_fails_to_start_leaves_a_partial_report_and_nothing_running(fake_sglang, tmp_path) -> None:
+    prompts = PromptSet("p", [{"id": "p/0", "messages": _user("ab")}, {"id": "p/1", "messages": _user("abc")}])
+    out = tmp_path / "run.json"
+    with pytest.raises(RuntimeError, match="exited with code 1") as e:
+        h.run_sglang_benchmark(
+            "/models/target", fake_sglang.drafter, [prompts], out, sglang={"concurrency": [2]}, max_new_tokens=6,
+            render=render, sglang_python=fake_sglang.python, warmup=0, stop_grace_s=0.5,
+            server_env={**fake_sglang.env, "FAKE_SGLANG_FAIL_EAGLE3": "1"}, record_outputs=False, log=lambda m: None)
+    assert "draft model vocab does not match" in str(e.value)  # the server log's tail is in the message
+    report = json.loads(out.read_text())
+    assert not report["complete"] and report["error"].startswith("eagle3: RuntimeError")
+    row = report["rows"][0]
+    assert row["baseline"]["ok"] == 2 and row["eagle3"] is None and row["speedup"] is None and row["lossless"] is None
+    assert [p["completion_tokens"] for p in row["baseline"]["per_request"]] == [6, 3]
+    assert all(p["output_ids"] is None and p["text"] is None for p in row["baseline"]["per_request"])  # no outputs
+    assert report["servers"]["eagle3"]["command"][3:7] == ["--model-path", "/models/target", "--tp-size", "1"]
+    base = json.loads((fake_sglang.state / "baseline.json").read_text())
+    assert not h._alive(base["pid"]) and not h._alive(base["child_pid"])
+    assert not (fake_sglang.state / "eagle3.json").exists()
