@@ -1,4 +1,5 @@
-# Stage 6: speculative decoding with the trained drafter vs the plain target, measured in one run.
+# Stage 6: speculative decoding with the trained drafter (and two reference drafters) vs the plain
+# target, measured in one run; the job fails when the drafter does not pay off (bench.gate).
 
 
 rule bench:
@@ -7,7 +8,8 @@ rule bench:
         prompts=get_bench_prompts(),
         target=get_target_input(),
     output:
-        "results/bench/{run}.json",
+        report="results/bench/{run}.json",
+        plot="results/bench/{run}.png",
     params:
         bench=config["bench"],
         target=config["target"],

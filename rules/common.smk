@@ -65,7 +65,7 @@ def get_bench_prompts():
 
 
 def get_final_outputs():
-    return [f"results/bench/{RUN}.json"]
+    return [f"results/bench/{RUN}.json", f"results/bench/{RUN}.png"]
 
 
 def all_cores():

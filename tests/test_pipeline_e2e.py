@@ -36,6 +36,8 @@ def small_demo_config() -> dict:
     config["hidden"]["min_next_token_agreement"] = 0.9
     config["drafter"] = {**(config.get("drafter") or {}), "epochs": 1}
     config["bench"].update({"max_new_tokens": 16, "max_prompts": 3, "warmup": 0})
+    # A 40-step target and one epoch cannot pay off: the gate is tested on its own below.
+    config["bench"]["gate"] = {"min_speedup": 0.0, "must_beat_references": False}
     return config
 
 
@@ -84,7 +86,9 @@ def test_every_stage_wrote_its_artifacts(demo_run) -> None:
 def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
     workdir, _ = demo_run
     bench = json.loads((workdir / "results" / "bench" / "demo.json").read_text())
-    assert bench["format"] == "aerie.bench/1"
+    assert bench["format"] == "aerie.bench/2"
+    assert set(bench["methods"]) == {"eagle3", "untrained", "ngram"}
+    assert (workdir / "results" / "bench" / "demo.png").stat().st_size > 10_000
     assert bench["prompts"] == 3
     base, spec = bench["baseline"]["tokens_per_s"], bench["speculative"]["tokens_per_s"]
     assert base > 0 and spec > 0
@@ -92,6 +96,27 @@ def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
     assert bench["acceptance_length"] >= 1.0
     assert len(bench["acceptance_per_position"]) == bench["num_draft_steps"]
     assert bench["lossless"] is True
+
+
+def test_gate_fails_the_benchmark_job_and_keeps_the_evidence(demo_run) -> None:
+    """A drafter below bench.gate.min_speedup makes the bench job fail with the measured figures."""
+    workdir, configfile = demo_run
+    config = yaml.safe_load(configfile.read_text())
+    config["bench"]["gate"] = {"min_speedup": 50.0}
+    gated = workdir / "gated.yaml"
+    gated.write_text(yaml.safe_dump(config))
+    proc = snakemake(workdir, "--cores", "2", "--forcerun", "bench", "--configfile", str(gated))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    log = (workdir / "results" / "logs" / "bench" / "demo.log").read_text()
+    assert "the drafter does not pay off: speedup" in log and "below bench.gate.min_speedup 50" in log
+    assert "tok/s with the drafter vs" in log
+    kept = json.loads((workdir / "results" / "bench" / "demo.gate-failed.json").read_text())
+    assert kept["speedup"] < 50
+    assert not (workdir / "results" / "bench" / "demo.json").exists()  # never published as a pass
+    # Restore the passing report for the tests that follow.
+    proc = snakemake(workdir, "--cores", "2", "--configfile", str(configfile))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_second_run_has_nothing_to_do_and_code_edits_rerun_nothing(demo_run) -> None:

@@ -371,7 +371,7 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
     documented = ["format", "target", "drafter", "prompts", "num_draft_steps", "max_new_tokens", "baseline",
                   "speculative", "speedup", "acceptance_length", "acceptance_per_position", "lossless", "per_prompt"]
     assert not [f for f in documented if f not in on_disk]
-    assert on_disk["format"] == "aerie.bench/1"
+    assert on_disk["format"] == "aerie.bench/2"
     assert on_disk["prompts"] == 3 and len(on_disk["per_prompt"]) == 3
     assert on_disk["num_draft_steps"] == 3 and on_disk["max_new_tokens"] == 12
     base, spec = on_disk["baseline"]["tokens_per_s"], on_disk["speculative"]["tokens_per_s"]
@@ -388,7 +388,20 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
     for p in on_disk["per_prompt"]:
         assert len(p["baseline_s"]) == len(p["speculative_s"]) == 2
         assert p["speedup"] == pytest.approx(p["speculative_tokens_per_s"] / p["baseline_tokens_per_s"])
+        assert set(p["methods"]) == {"eagle3", "untrained", "ngram"}
     assert any("speedup" in line for line in lines)
+    # The reference drafters ran in the same run, on the same prompts, losslessly.
+    methods = on_disk["methods"]
+    assert set(methods) == {"eagle3", "untrained", "ngram"}
+    for name, m in methods.items():
+        assert m["lossless"] is True
+        assert m["speedup"] == pytest.approx(m["tokens_per_s"] / base)
+        assert m["tokens"] == 2 * gen
+    assert methods["eagle3"]["acceptance_length"] == on_disk["acceptance_length"]
+    # This drafter is random (untrained too): the verdict is computed, whatever it is.
+    assert on_disk["beats_references"] == all(
+        on_disk["acceptance_length"] > methods[m]["acceptance_length"] for m in ("untrained", "ngram"))
+    assert on_disk["degenerate_prompts"] == [p["id"] for p in on_disk["per_prompt"] if p["degenerate"]]
 
 
 def test_run_benchmark_reports_a_divergence(bench_files, tmp_path, monkeypatch):

@@ -1,19 +1,6 @@
-"""Benchmark: greedy vs. speculative decoding with a drafter, measured interleaved on the same machine."""
+"""Benchmarks: in-process speculative decoding (``run``, ``speculative``), the SGLang serving harness
+(``sglang_harness``), degenerate-output detection (``degenerate``) and plots (``plots``).
 
-from aerie.bench.speculative import (
-    EagleProposer,
-    NgramProposer,
-    Proposer,
-    SpecResult,
-    greedy_generate,
-    speculative_generate,
-)
-
-__all__ = [
-    "EagleProposer",
-    "NgramProposer",
-    "Proposer",
-    "SpecResult",
-    "greedy_generate",
-    "speculative_generate",
-]
+Submodules are imported where used: the SGLang harness runs in SGLang's own environment and must not
+pay for importing torch here.
+"""

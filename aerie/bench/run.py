@@ -9,11 +9,13 @@ Times are end to end per request (prefill + decode), measured with ``time.perf_c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +23,19 @@ import torch
 import transformers
 
 from aerie.artifacts import atomic_write_json
-from aerie.bench.speculative import SpecResult, first_mismatch, greedy_generate, speculative_generate
+from aerie.bench.degenerate import degenerate_flags
+from aerie.bench.speculative import (
+    NgramProposer,
+    SpecResult,
+    first_mismatch,
+    greedy_generate,
+    speculative_generate,
+)
 from aerie.prompts import read_prompts
 from aerie.target import end_of_turn_ids, load_target, render_prompt_ids, set_threads
 
-BENCH_FORMAT = "aerie.bench/1"
+BENCH_FORMAT = "aerie.bench/2"
+REFERENCES = ("untrained", "ngram")  # drafters the trained one must beat
 
 
 def load_bench_prompts(prompt_files: Sequence[Path], max_prompts: int | None = None) -> list[dict[str, Any]]:
@@ -69,6 +79,44 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
+@dataclass
+class _MethodTotals:
+    """What one decoding method accumulated over all prompts."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    verify_steps: int = 0
+    committed: int = 0
+    accepted_pos: list[int] = field(default_factory=list)
+    drafted_pos: list[int] = field(default_factory=list)
+    lossless: bool = True
+    paired_speedups: list[float] = field(default_factory=list)
+    # the same, without prompts whose greedy output is degenerate (loops inflate acceptance)
+    clean_steps: int = 0
+    clean_committed: int = 0
+
+
+def _untrained_drafter(target: torch.nn.Module, trained, seed: int = 0):
+    """The drafter exactly as training starts it (same config, vocab maps and init): the floor."""
+    from aerie.drafter.model import Eagle3Drafter
+
+    torch.manual_seed(seed)
+    fresh = Eagle3Drafter.from_target(target, trained.cfg, trained.d2t, trained.t2d, init_head_from_target=True)
+    return fresh.to(device=next(trained.parameters()).device, dtype=next(trained.parameters()).dtype).eval()
+
+
+def _simulated_acceptance(drafter_dir: Path, num_draft_steps: int) -> float | None:
+    """The training eval's held-out simulated acceptance length for ``num_draft_steps`` drafts."""
+    path = Path(drafter_dir) / "eval.json"
+    if not path.exists():
+        return None
+    ev = json.loads(path.read_text())
+    by_steps = ev.get("simulated_acceptance_length_by_steps") or []
+    if len(by_steps) >= num_draft_steps:
+        return float(by_steps[num_draft_steps - 1])
+    return ev.get("simulated_acceptance_length")
+
+
 def run_benchmark(
     target_path: str | Path,
     drafter_dir: str | Path,
@@ -83,17 +131,23 @@ def run_benchmark(
     max_prompts: int | None = None,
     device: str = "cpu",
     dtype: str = "float32",
+    references: Sequence[str] = REFERENCES,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Decode every benchmark prompt greedily and speculatively; write and return the report.
+    """Decode every benchmark prompt greedily, with the drafter and with each reference; write the report.
 
-    ``repeats``: timed runs of each mode per prompt. ``warmup``: untimed rounds (both modes, first
-    prompt) before timing, so lazy initialisation and allocator growth are not charged to either mode.
+    Per prompt the methods run back to back in an order rotated from prompt to prompt, so none of them
+    systematically runs on a warmer (or busier) machine. ``repeats``: timed runs of each method per
+    prompt. ``warmup``: untimed rounds (every method, first prompt) before timing.
+    ``references``: ``untrained`` (the drafter as training starts it) and/or ``ngram`` (prompt lookup).
     """
     from aerie.drafter.model import Eagle3Drafter
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    unknown = sorted(set(references) - set(REFERENCES))
+    if unknown:
+        raise ValueError(f"unknown reference drafters {unknown}; known: {list(REFERENCES)}")
     set_threads(threads)
     target, tok, dev = load_target(target_path, device=device, dtype=dtype)
     # The drafter computes in the target's dtype (its folder stores bf16, as SGLang serves it).
@@ -109,94 +163,133 @@ def run_benchmark(
         raise ValueError(f"no benchmark prompts in {list(map(str, prompt_files))}")
     rendered = [render_prompt_ids(tok, p["messages"]) for p in prompts]
 
-    def base(ids: list[int]) -> list[int]:
-        return greedy_generate(target, torch.tensor([ids], device=dev), max_new_tokens, eos_ids)
+    proposers: dict[str, Any] = {"eagle3": drafter}
+    if "untrained" in references:
+        proposers["untrained"] = _untrained_drafter(target, drafter)
+    if "ngram" in references:
+        proposers["ngram"] = NgramProposer()
+    methods = ["baseline", *proposers]
 
-    def spec(ids: list[int]) -> SpecResult:
+    def decode(method: str, ids: list[int]) -> list[int] | SpecResult:
         ids_t = torch.tensor([ids], device=dev)
-        return speculative_generate(target, drafter, ids_t, max_new_tokens, eos_ids, num_draft_steps)
+        if method == "baseline":
+            return greedy_generate(target, ids_t, max_new_tokens, eos_ids)
+        return speculative_generate(target, proposers[method], ids_t, max_new_tokens, eos_ids, num_draft_steps)
 
     for _ in range(warmup):
-        base(rendered[0])
-        spec(rendered[0])
+        for m in methods:
+            decode(m, rendered[0])
 
+    totals = {m: _MethodTotals(accepted_pos=[0] * num_draft_steps, drafted_pos=[0] * num_draft_steps)
+              for m in methods}
     per_prompt: list[dict[str, Any]] = []
-    paired_speedups: list[float] = []
-    totals = {"base_tokens": 0, "base_s": 0.0, "spec_tokens": 0, "spec_s": 0.0}
-    steps_total = committed_total = 0
-    accepted_pos = [0] * num_draft_steps
-    drafted_pos = [0] * num_draft_steps
+    degenerate_ids: list[str] = []
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
-        base_runs: list[tuple[list[int], float]] = []
-        spec_runs: list[tuple[SpecResult, float]] = []
+        runs: dict[str, list[tuple[Any, float]]] = {m: [] for m in methods}
         for r in range(repeats):
-            # Alternate the order so neither mode systematically runs on a warmer (or busier) machine.
-            if (i + r) % 2 == 0:
-                base_runs.append(_timed(lambda: base(ids), dev))
-                spec_runs.append(_timed(lambda: spec(ids), dev))
-            else:
-                spec_runs.append(_timed(lambda: spec(ids), dev))
-                base_runs.append(_timed(lambda: base(ids), dev))
+            shift = (i + r) % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                runs[m].append(_timed(lambda m=m: decode(m, ids), dev))
 
-        ref = base_runs[0][0]
-        sres = spec_runs[0][0]
-        mismatch = next(
-            (m for m in (first_mismatch(s.tokens, ref) for s, _ in spec_runs) if m is not None), None
-        )
-        base_stable = all(b == ref for b, _ in base_runs)
-        lossless = mismatch is None and base_stable
-
-        b_tok = sum(len(b) for b, _ in base_runs)
-        b_s = sum(t for _, t in base_runs)
-        s_tok = sum(len(s.tokens) for s, _ in spec_runs)
-        s_s = sum(t for _, t in spec_runs)
-        totals["base_tokens"] += b_tok
-        totals["base_s"] += b_s
-        totals["spec_tokens"] += s_tok
-        totals["spec_s"] += s_s
-        for (b, bt), (s, st) in zip(base_runs, spec_runs):
-            pair = _ratio(_ratio(len(s.tokens), st) or 0.0, _ratio(len(b), bt) or 0.0)
-            if pair is not None:
-                paired_speedups.append(pair)
-
-        # Decoding is deterministic, so acceptance comes from the first speculative run.
-        steps_total += sres.verify_steps
-        committed_total += sum(sres.committed_per_step)
-        for k in range(num_draft_steps):
-            accepted_pos[k] += sres.accepted_per_position[k]
-            drafted_pos[k] += sres.drafted_per_position[k]
-
-        b_tps, s_tps = _ratio(b_tok, b_s), _ratio(s_tok, s_s)
+        ref = runs["baseline"][0][0]
+        base_stable = all(b == ref for b, _ in runs["baseline"])
+        flags = degenerate_flags(ref)
+        if flags:
+            degenerate_ids.append(prompt["id"])
+        b_tok = sum(len(b) for b, _ in runs["baseline"])
+        b_s = sum(t for _, t in runs["baseline"])
+        totals["baseline"].tokens += b_tok
+        totals["baseline"].seconds += b_s
+        totals["baseline"].lossless &= base_stable
+        b_tps = _ratio(b_tok, b_s)
         entry: dict[str, Any] = {
             "id": prompt["id"],
             "prompt_tokens": len(ids),
             "generated_tokens": len(ref),
-            "finish_reason": sres.finish_reason,
-            "baseline_s": [round(t, 6) for _, t in base_runs],
-            "speculative_s": [round(t, 6) for _, t in spec_runs],
+            "degenerate": flags,
+            "baseline_s": [round(t, 6) for _, t in runs["baseline"]],
             "baseline_tokens_per_s": b_tps,
-            "speculative_tokens_per_s": s_tps,
-            "speedup": _ratio(s_tps, b_tps) if s_tps and b_tps else None,
-            "verify_steps": sres.verify_steps,
-            "acceptance_length": sres.acceptance_length,
-            "lossless": lossless,
-            "first_mismatch": mismatch,
+            "methods": {},
         }
         if not base_stable:
             entry["baseline_nondeterministic"] = True
-        if mismatch is not None:
-            # Was it a near-tie (numerics) or a real divergence (a bug)? Look at the target's margin.
-            entry["mismatch_logit_gap"] = logit_gap(target, ids + ref[:mismatch], dev)
-            log(f"WARNING {prompt['id']}: speculative output diverges from greedy at token {mismatch} "
-                f"(target top-2 logit gap there {entry['mismatch_logit_gap']:.3g})")
+        for m in proposers:
+            res: SpecResult = runs[m][0][0]  # decoding is deterministic: acceptance from the first run
+            mismatch = next((x for x in (first_mismatch(s.tokens, ref) for s, _ in runs[m]) if x is not None), None)
+            tot = totals[m]
+            s_tok = sum(len(s.tokens) for s, _ in runs[m])
+            s_s = sum(t for _, t in runs[m])
+            tot.tokens += s_tok
+            tot.seconds += s_s
+            tot.verify_steps += res.verify_steps
+            tot.committed += sum(res.committed_per_step)
+            if not flags:
+                tot.clean_steps += res.verify_steps
+                tot.clean_committed += sum(res.committed_per_step)
+            for k in range(num_draft_steps):
+                tot.accepted_pos[k] += res.accepted_per_position[k]
+                tot.drafted_pos[k] += res.drafted_per_position[k]
+            tot.lossless &= mismatch is None and base_stable
+            for (b, bt), (s, st) in zip(runs["baseline"], runs[m]):
+                pair = _ratio(_ratio(len(s.tokens), st) or 0.0, _ratio(len(b), bt) or 0.0)
+                if pair is not None:
+                    tot.paired_speedups.append(pair)
+            s_tps = _ratio(s_tok, s_s)
+            info: dict[str, Any] = {
+                "seconds": [round(t, 6) for _, t in runs[m]],
+                "tokens_per_s": s_tps,
+                "speedup": _ratio(s_tps, b_tps) if s_tps and b_tps else None,
+                "verify_steps": res.verify_steps,
+                "acceptance_length": res.acceptance_length,
+                "finish_reason": res.finish_reason,
+                "lossless": mismatch is None and base_stable,
+                "first_mismatch": mismatch,
+            }
+            if mismatch is not None:
+                # Was it a near-tie (numerics) or a real divergence (a bug)? Look at the target's margin.
+                info["mismatch_logit_gap"] = logit_gap(target, ids + ref[:mismatch], dev)
+                log(f"WARNING {prompt['id']} ({m}): output diverges from greedy at token {mismatch} "
+                    f"(target top-2 logit gap there {info['mismatch_logit_gap']:.3g})")
+            entry["methods"][m] = info
+        # The trained drafter's numbers also at the top of the entry (format 1 readers).
+        eagle = entry["methods"]["eagle3"]
+        entry.update(speculative_s=eagle["seconds"], speculative_tokens_per_s=eagle["tokens_per_s"],
+                     speedup=eagle["speedup"], verify_steps=eagle["verify_steps"],
+                     acceptance_length=eagle["acceptance_length"], finish_reason=eagle["finish_reason"],
+                     lossless=eagle["lossless"], first_mismatch=eagle["first_mismatch"],
+                     **({"mismatch_logit_gap": eagle["mismatch_logit_gap"]} if "mismatch_logit_gap" in eagle else {}))
         per_prompt.append(entry)
-        al = sres.acceptance_length
-        log(f"[{i + 1}/{len(prompts)}] {prompt['id']}: {len(ref)} tokens, baseline {b_tps or 0:.1f} tok/s, "
-            f"speculative {s_tps or 0:.1f} tok/s, acceptance {al if al is not None else float('nan'):.2f}"
-            f"{'' if lossless else ', NOT LOSSLESS'}")
+        log(f"[{i + 1}/{len(prompts)}] {prompt['id']}: {len(ref)} tokens, baseline {b_tps or 0:.1f} tok/s; "
+            + "; ".join(f"{m} {entry['methods'][m]['tokens_per_s'] or 0:.1f} tok/s, acceptance "
+                        f"{entry['methods'][m]['acceptance_length'] or float('nan'):.2f}" for m in proposers)
+            + (f" [degenerate: {', '.join(flags)}]" if flags else "")
+            + ("" if entry["lossless"] else ", NOT LOSSLESS"))
 
-    base_tps = _ratio(totals["base_tokens"], totals["base_s"])
-    spec_tps = _ratio(totals["spec_tokens"], totals["spec_s"])
+    base = totals["baseline"]
+    base_tps = _ratio(base.tokens, base.seconds)
+    summary: dict[str, dict[str, Any]] = {}
+    for m in proposers:
+        tot = totals[m]
+        tps = _ratio(tot.tokens, tot.seconds)
+        summary[m] = {
+            "tokens_per_s": tps,
+            "tokens": tot.tokens,
+            "seconds": tot.seconds,
+            "verify_steps": tot.verify_steps,
+            "speedup": _ratio(tps, base_tps) if tps and base_tps else None,
+            # Robust to a neighbour's load burst hitting one run: the median of per-run paired ratios.
+            "speedup_median_paired": statistics.median(tot.paired_speedups) if tot.paired_speedups else None,
+            "acceptance_length": _ratio(tot.committed, tot.verify_steps),
+            "acceptance_length_excluding_degenerate": _ratio(tot.clean_committed, tot.clean_steps),
+            "acceptance_per_position": [_ratio(a, tot.verify_steps) for a in tot.accepted_pos],
+            "accepted_per_position": tot.accepted_pos,  # raw counts, for rates conditional on drafting
+            "drafted_per_position": tot.drafted_pos,
+            "lossless": tot.lossless,
+        }
+    eagle = summary["eagle3"]
+    simulated = _simulated_acceptance(Path(drafter_dir), num_draft_steps)
+    measured = eagle["acceptance_length"]
+    refs = {m: summary[m]["acceptance_length"] or 0.0 for m in proposers if m != "eagle3"}
     report: dict[str, Any] = {
         "format": BENCH_FORMAT,
         "target": str(target_path),
@@ -207,22 +300,22 @@ def run_benchmark(
         "max_new_tokens": max_new_tokens,
         "repeats": repeats,
         "warmup": warmup,
-        "timing": "end-to-end per request (prefill + decode), baseline and speculative interleaved per prompt",
-        "baseline": {"tokens_per_s": base_tps, "tokens": totals["base_tokens"], "seconds": totals["base_s"]},
-        "speculative": {
-            "tokens_per_s": spec_tps,
-            "tokens": totals["spec_tokens"],
-            "seconds": totals["spec_s"],
-            "verify_steps": steps_total,
-        },
-        "speedup": _ratio(spec_tps, base_tps) if spec_tps and base_tps else None,
-        # Robust to a neighbour's load burst hitting one run: the median of per-run paired ratios.
-        "speedup_median_paired": statistics.median(paired_speedups) if paired_speedups else None,
-        "acceptance_length": _ratio(committed_total, steps_total),
-        "acceptance_per_position": [_ratio(a, steps_total) for a in accepted_pos],
-        "accepted_per_position": accepted_pos,  # raw counts, for rates conditional on drafting
-        "drafted_per_position": drafted_pos,
-        "lossless": all(p["lossless"] for p in per_prompt),
+        "timing": "end-to-end per request (prefill + decode); every method interleaved per prompt, order rotated",
+        "baseline": {"tokens_per_s": base_tps, "tokens": base.tokens, "seconds": base.seconds},
+        "speculative": {k: eagle[k] for k in ("tokens_per_s", "tokens", "seconds", "verify_steps")},
+        "speedup": eagle["speedup"],
+        "speedup_median_paired": eagle["speedup_median_paired"],
+        "acceptance_length": measured,
+        "acceptance_length_excluding_degenerate": eagle["acceptance_length_excluding_degenerate"],
+        "acceptance_per_position": eagle["acceptance_per_position"],
+        "accepted_per_position": eagle["accepted_per_position"],
+        "drafted_per_position": eagle["drafted_per_position"],
+        "lossless": all(summary[m]["lossless"] for m in proposers),
+        "methods": summary,
+        "beats_references": all((measured or 0.0) > a for a in refs.values()),
+        "simulated_acceptance_length": simulated,
+        "simulated_vs_measured": (abs(simulated - measured) / measured) if simulated and measured else None,
+        "degenerate_prompts": degenerate_ids,
         "eos_token_ids": eos_ids,
         "aux_layer_ids": [int(x) for x in drafter.cfg.aux_layer_ids],
         "device": str(dev),
@@ -236,10 +329,45 @@ def run_benchmark(
         "per_prompt": per_prompt,
     }
     atomic_write_json(out_json, report)
-    log(f"{out_json}: speedup {report['speedup'] or float('nan'):.3f}x "
-        f"(median paired {report['speedup_median_paired'] or float('nan'):.3f}x), "
-        f"acceptance length {report['acceptance_length'] or float('nan'):.2f}, lossless={report['lossless']}")
+    for m in proposers:
+        sm = summary[m]
+        log(f"{m}: speedup {sm['speedup'] or float('nan'):.3f}x (median paired "
+            f"{sm['speedup_median_paired'] or float('nan'):.3f}x), acceptance length "
+            f"{sm['acceptance_length'] or float('nan'):.2f}, lossless={sm['lossless']}")
+    log(f"{out_json}: baseline {base_tps or 0:.1f} tok/s; simulated acceptance {simulated or float('nan'):.2f} vs "
+        f"measured {measured or float('nan'):.2f}; degenerate prompts {len(degenerate_ids)}/{len(prompts)}")
     return report
+
+
+@dataclass(frozen=True)
+class Gate:
+    """What a benchmark must show for the drafter to ship (config ``bench.gate``)."""
+
+    min_speedup: float = 1.0
+    must_beat_references: bool = True
+    max_simulated_gap: float | None = None  # e.g. 0.10: measured and simulated acceptance within 10%
+
+
+def gate_failures(report: dict[str, Any], gate: Gate) -> list[str]:
+    """Reasons the drafter must not ship (empty: it passes)."""
+    failures = []
+    speedup = report.get("speedup")
+    if speedup is None or speedup < gate.min_speedup:
+        base, spec = report["baseline"]["tokens_per_s"], report["speculative"]["tokens_per_s"]
+        failures.append(f"speedup {speedup or 0:.3f}x is below bench.gate.min_speedup {gate.min_speedup:g} "
+                        f"({spec or 0:.1f} tok/s with the drafter vs {base or 0:.1f} without, same run)")
+    if not report.get("lossless"):
+        failures.append("speculative output differs from greedy decoding (see per_prompt first_mismatch)")
+    if gate.must_beat_references and not report.get("beats_references", True):
+        refs = {m: v["acceptance_length"] for m, v in report["methods"].items() if m != "eagle3"}
+        failures.append(f"acceptance length {report['acceptance_length'] or 0:.2f} does not beat the reference "
+                        f"drafters {', '.join(f'{m} {a or 0:.2f}' for m, a in refs.items())}")
+    gap = report.get("simulated_vs_measured")
+    if gate.max_simulated_gap is not None and gap is not None and gap > gate.max_simulated_gap:
+        failures.append(f"measured acceptance {report['acceptance_length']:.2f} and the training eval's simulated "
+                        f"{report['simulated_acceptance_length']:.2f} differ by {gap:.0%} "
+                        f"(> bench.gate.max_simulated_gap {gate.max_simulated_gap:.0%})")
+    return failures
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -256,11 +384,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-prompts", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--references", nargs="*", default=list(REFERENCES), choices=list(REFERENCES))
     a = ap.parse_args(argv)
     run_benchmark(
         a.target, a.drafter, a.prompts, a.out,
         max_new_tokens=a.max_new_tokens, num_draft_steps=a.num_draft_steps, repeats=a.repeats,
         warmup=a.warmup, threads=a.threads, max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
+        references=a.references,
     )
 
 

@@ -118,6 +118,7 @@ from pathlib import Path
 from typing import Any
 
 from aerie.api.serve import serve_on_loopback
+from aerie.bench.degenerate import loop_period
 from aerie.artifacts import atomic_write_text, iter_jsonl
 
 SGLANG_BENCH_FORMAT = "aerie.sglang-bench/1"
@@ -388,14 +389,7 @@ def parse_server_info(body: Any) -> dict[str, Any]:
 
 def looks_looping(ids: Sequence[int] | None, window: int = _LOOP_WINDOW, max_period: int = _LOOP_MAX_PERIOD) -> bool:
     """True when the last ``window`` ids repeat with a period of at most ``max_period``."""
-    if not ids or len(ids) < window + max_period:
-        return False
-    tail = list(ids[-(window + max_period):])
-    for p in range(1, max_period + 1):
-        seg = tail[-(window + p):]
-        if all(seg[i] == seg[i + p] for i in range(len(seg) - p)):
-            return True
-    return False
+    return loop_period(ids, window, max_period) is not None
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:

@@ -1,0 +1,60 @@
+"""The benchmark's verdict: degenerate-output flags, the speedup gate, and its figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aerie.bench.degenerate import degenerate_flags, loop_period, repeated_ngram_rate
+from aerie.bench.run import Gate, gate_failures
+
+
+def test_loops_and_repetition_are_flagged_but_ordinary_text_is_not() -> None:
+    varied = list(range(100))
+    assert degenerate_flags(varied) == []
+    two_cycle = list(range(40)) + [7, 8] * 30
+    assert loop_period(two_cycle) == 2 and "loop" in degenerate_flags(two_cycle)
+    assert repeated_ngram_rate([1, 2, 3, 4] * 20) > 0.9
+    assert degenerate_flags([5, 6, 7]) == []  # too short to judge
+    assert degenerate_flags([5] * 10) == ["repetitive"]  # too short for a loop check, still repetitive
+
+
+def report(speedup=1.3, acc=2.9, refs=(1.0, 1.2), lossless=True, sim=2.95) -> dict:
+    methods = {"eagle3": {"acceptance_length": acc}, "untrained": {"acceptance_length": refs[0]},
+               "ngram": {"acceptance_length": refs[1]}}
+    return {"speedup": speedup, "baseline": {"tokens_per_s": 100.0}, "speculative": {"tokens_per_s": 100.0 * speedup},
+            "lossless": lossless, "methods": methods, "acceptance_length": acc,
+            "beats_references": all(acc > r for r in refs), "simulated_acceptance_length": sim,
+            "simulated_vs_measured": abs(sim - acc) / acc}
+
+
+def test_gate_passes_a_drafter_that_pays_off() -> None:
+    assert gate_failures(report(), Gate(min_speedup=1.0, max_simulated_gap=0.1)) == []
+
+
+def test_gate_refuses_the_82_vs_90_drafter_with_the_measured_figures() -> None:
+    (msg,) = gate_failures(report(speedup=82.3 / 90.0), Gate())
+    assert "speedup 0.914x is below bench.gate.min_speedup 1" in msg
+    assert "91.4 tok/s with the drafter vs 100.0 without" in msg
+
+
+@pytest.mark.parametrize(("kw", "gate", "needle"), [
+    ({"refs": (1.0, 3.1)}, Gate(), "does not beat the reference drafters untrained 1.00, ngram 3.10"),
+    ({"lossless": False}, Gate(), "differs from greedy"),
+    ({"sim": 3.5}, Gate(max_simulated_gap=0.1), "differ by 21%"),
+])
+def test_gate_names_each_failure(kw, gate, needle) -> None:
+    failures = gate_failures(report(**kw), gate)
+    assert any(needle in f for f in failures), failures
+
+
+def test_benchmark_plot_is_written(tmp_path: Path) -> None:
+    from aerie.bench.plots import plot_benchmark
+
+    rep = {"methods": {m: {"acceptance_per_position": [0.8, 0.6, 0.5], "acceptance_length": 2.9,
+                           "tokens_per_s": 130.0, "speedup": 1.3} for m in ("eagle3", "ngram")},
+           "num_draft_steps": 3, "baseline": {"tokens_per_s": 100.0}, "simulated_acceptance_length": 2.9,
+           "acceptance_length": 2.9, "device": "cpu", "prompts": 24}
+    plot_benchmark(rep, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
