@@ -58,3 +58,12 @@ def test_benchmark_plot_is_written(tmp_path: Path) -> None:
            "acceptance_length": 2.9, "device": "cpu", "prompts": 24}
     plot_benchmark(rep, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sglang_plot_has_tok_s_per_concurrency(tmp_path: Path) -> None:
+    from aerie.bench.plots import plot_sglang_benchmark
+
+    rows = [{"set": s, "concurrency": c, "baseline": {"output_tokens_per_s": 90.0 * c},
+             "eagle3": {"output_tokens_per_s": 120.0 * c}} for s in ("mtbench", "gsm8k") for c in (1, 8, 32)]
+    plot_sglang_benchmark({"rows": rows}, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

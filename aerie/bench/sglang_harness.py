@@ -29,67 +29,7 @@ Usage::
         --prompt-set mtbench:prompts/mt_bench_questions.jsonl --prompt-set gsm8k:prompts/gsm8k_test.jsonl \\
         --prompt-set humaneval --out results/bench/kimi-k2.5-eagle3.sglang.json
 
-Output: one JSON file, format ``aerie.sglang-bench/1`` (indented; lists of integers on one line).
-Fields (null where a value is unknown or the mode did not run):
-
-Top level
-  ``format`` ``"aerie.sglang-bench/1"``; ``created_utc`` ISO-8601 time the report was written;
-  ``complete`` true when both modes ran every (set, concurrency) run; ``error`` null, or why the run
-  stopped early (the report is then written with what was measured, and the error is raised);
-  ``target`` model path given to SGLang; ``drafter`` drafter folder; ``drafter_config`` facts from its
-  config.json (``architectures``, ``vocab_size``, ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``);
-  ``sglang`` the settings used (``tp``, ``speculative_num_steps``, ``speculative_eagle_topk``,
-  ``speculative_num_draft_tokens``, ``mem_fraction_static``, ``extra_args`` with secret values replaced by
-  ``"***"``, ``concurrency``); ``sampling`` ``{temperature: 0.0, max_new_tokens, skip_special_tokens: false}``;
-  ``input`` ``"input_ids"`` or ``"text"`` (what /generate received); ``warmup`` warm-up requests per server;
-  ``flush_cache`` whether the radix cache was flushed before each run; ``record_outputs`` false when
-  ``per_request`` leaves out output ids and text (``--no-outputs``); ``prompt_sets`` list of
-  ``{name, kind, source, prompts}``; ``servers`` ``{baseline, eagle3}``, each ``{command`` (argv, secrets
-  redacted), ``command_line`` (the same, shell-quoted), ``log`` (server log file), ``env_keys`` (names of
-  extra environment variables, never values), ``ready_s`` (launch to healthy), ``server_info_endpoint``,
-  ``server_info`` (the :data:`SERVER_INFO_FIELDS` the server reported, read after the last run),
-  ``pids`` (server processes seen while it ran), ``leftover_pids_killed`` (processes still alive after
-  the server stopped, killed by the harness), ``error}``; ``versions`` ``{sglang`` (reported by the
-  server), ``aerie, python, aiohttp, transformers}``; ``host`` ``{hostname, gpus}`` (``nvidia-smi`` names
-  and memory, null without it); ``rows``; ``summary``.
-
-``rows``: one per (prompt set, concurrency), in set order then concurrency order:
-  ``set``, ``concurrency``, ``prompts``; ``baseline`` / ``eagle3`` mode statistics (below);
-  ``speedup`` = eagle3 ``output_tokens_per_s`` / baseline ``output_tokens_per_s``;
-  ``speedup_per_request`` = ratio of the two ``per_request_tokens_per_s_mean``;
-  ``lossless`` ``{compared_on`` (``"output_ids"``, or ``"text"`` when ids are missing), ``compared``
-  (prompts answered by both modes), ``identical``, ``differing``, ``first_differing`` (at most 5:
-  ``{id, first_diff`` (index of the first differing token or character), ``baseline_tokens``,
-  ``eagle3_tokens}``)}``. At temperature 0 EAGLE-3 is lossless in exact arithmetic, but batched kernels
-  are not bit-identical across batch shapes, so a few differing prompts can be legitimate; compare with
-  ``summary.baseline_cross_concurrency``, the same check of baseline against itself.
-
-Mode statistics (``rows[].baseline`` / ``rows[].eagle3``):
-  ``requests``, ``ok``, ``failed``, ``errors`` (first 3 messages); ``prompt_tokens``, ``output_tokens``
-  (sums of the server's ``meta_info`` counts over ok requests); ``wall_s`` (first request sent to last
-  answer received); ``output_tokens_per_s`` = ``output_tokens / wall_s``;
-  ``per_request_tokens_per_s_mean`` (mean of ``completion_tokens / latency_s``); ``latency_s_mean``,
-  ``latency_s_p50``, ``latency_s_p90``, ``latency_s_max`` (client-side, request sent to response read);
-  ``e2e_latency_s_mean`` (server-side ``meta_info.e2e_latency``); ``spec_verify_ct`` (sum);
-  ``accept_length_mean`` (mean over requests of ``completion_tokens / spec_verify_ct``, SGLang's own
-  per-request ``spec_accept_length``: tokens per target verify step, bonus token included; it also
-  counts the first token, which comes from prefill); ``accept_length_pooled`` (``sum completion_tokens /
-  sum spec_verify_ct``); ``server_avg_spec_accept_length`` (the server's ``avg_spec_accept_length`` read
-  right after this run: cumulative since the server started, warm-up included); ``finish_reasons``
-  (``{type: count}``); ``looping_requests`` (outputs whose last 64 ids repeat with a period of at most
-  8: a degenerate loop inflates acceptance); ``per_request`` list of ``{id, latency_s, e2e_latency_s,
-  prompt_tokens, completion_tokens, cached_tokens, spec_verify_ct, accept_length, finish_reason,
-  output_ids, text, error}`` in prompt order (``spec_verify_ct`` and ``accept_length`` null on the
-  baseline server; ``output_ids``/``text`` null when ``record_outputs`` is false).
-
-``summary``:
-  ``by_concurrency`` list of ``{concurrency, baseline_output_tokens_per_s, eagle3_output_tokens_per_s,
-  speedup}`` pooled over sets (sum of tokens / sum of wall times); ``speedup_min``, ``speedup_max``,
-  ``speedup_geomean`` over rows; ``accept_length_mean`` / ``accept_length_pooled`` over every EAGLE3
-  request; ``server_avg_spec_accept_length`` (last reading); ``lossless`` ``{compared, identical,
-  differing, all_identical}`` over rows; ``baseline_cross_concurrency`` ``{compared, identical}`` (baseline
-  outputs at each further concurrency vs. the first one, same prompt); ``failed_requests`` and
-  ``looping_requests`` ``{baseline, eagle3}``.
+Output: one JSON file, format ``aerie.sglang-bench/1``, documented in docs/formats.md.
 """
 
 from __future__ import annotations
@@ -1012,12 +952,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         render = tokenizer_render(a.tokenizer or target, as_text=a.input == "text", trust_remote_code=trust)
     except (ValueError, OSError) as e:
         ap.error(str(e))
-    run_sglang_benchmark(
+    report = run_sglang_benchmark(
         target, a.drafter, sets, a.out, sglang=sglang, max_new_tokens=max_new_tokens, render=render,
         sglang_python=a.sglang_python, warmup=a.warmup, flush_cache=not a.no_flush_cache,
         health_path=a.health_path, ready_timeout=a.ready_timeout, request_timeout=a.request_timeout,
         stop_grace_s=a.stop_grace, server_env=env, log_dir=a.log_dir, record_outputs=not a.no_outputs,
     )
+    try:  # the figure is a convenience: SGLang's env may lack matplotlib
+        from aerie.bench.plots import plot_sglang_benchmark
+
+        plot_sglang_benchmark(report, Path(a.out).with_suffix(".png"))
+    except ImportError:
+        pass
 
 
 if __name__ == "__main__":
