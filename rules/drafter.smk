@@ -18,6 +18,10 @@ rule draft_vocab:
         "../scripts/draft_vocab.py"
 
 
+# Training runs in the job's process, or as torchrun processes (one per GPU, DDP) when resources.gpu > 1
+# and CUDA sees more than one GPU. A killed or failed job resumes from its last checkpoint on the next run:
+# the state lives beside the declared output, in results/drafter/.{run}.train_state/ (Snakemake deletes a
+# failed job's outputs, never that folder); it is removed when training completes, except last/ and best/.
 rule drafter:
     input:
         hidden=get_shards("hidden", "safetensors"),

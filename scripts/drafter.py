@@ -1,17 +1,40 @@
-"""Rule drafter: train the EAGLE-3 drafter on all hidden shards and export it for SGLang."""
+"""Rule drafter: train the EAGLE-3 drafter on all hidden shards and export it for SGLang.
 
+With ``resources.gpu`` = G > 1 and at least two GPUs visible, training runs as torchrun processes (one per
+GPU, DDP) started from here; otherwise in this process. Either way a killed job resumes where its last
+checkpoint left off (results/drafter/.{run}.train_state/, see aerie.drafter.train).
+"""
+
+import os
+import shlex
+import signal
+import subprocess
+from dataclasses import replace
 from pathlib import Path
 
-from aerie.drafter.train import TrainConfig, train_drafter
+from aerie.drafter.train import TrainConfig, processes_for, torchrun_command, train_drafter
 from aerie.rulelog import open_rule_log, snakemake_threads
 
 log = open_rule_log(snakemake.log[0])
 cfg = TrainConfig(**{"threads": snakemake_threads(snakemake), **(snakemake.params.drafter or {})})
-train_drafter(
+inputs = (
     [Path(p) for p in snakemake.input.hidden],
     Path(snakemake.input.vocab),
     Path(snakemake.params.target),
     Path(snakemake.output[0]),
-    cfg,
-    log=log,
 )
+nproc = processes_for(int(getattr(snakemake.resources, "gpu", 0) or 0), cfg)
+if nproc > 1:
+    cfg = replace(cfg, threads=max(1, cfg.threads // nproc))  # the job's cores, shared by the processes
+    cmd = torchrun_command(nproc, *inputs, cfg)
+    log(f"drafter: {nproc} processes: {shlex.join(cmd)}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+    with open(snakemake.log[0], "a", buffering=1) as out:  # the processes' output goes to the rule log
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a cancelled job stops torchrun too (it tells its workers)
+            signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+        rc = proc.wait()
+    if rc != 0:
+        raise SystemExit(f"torchrun exited with status {rc}; see {snakemake.log[0]}")
+else:
+    train_drafter(*inputs, cfg, log=log)

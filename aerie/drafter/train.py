@@ -1,7 +1,36 @@
 """Train an EAGLE-3 drafter with training-time test (TTT) on captured target hidden states.
 
-Reading guide (top to bottom): config -> data (hidden shards, draft vocab, windows, batches) -> the TTT
-unroll and its loss -> held-out evaluation (simulated acceptance) -> the training loop.
+Reading guide (top to bottom): config -> data (hidden shards, draft vocab, windows, batches) -> the target's
+heads (embeddings, lm_head, final norm read straight from its safetensors) -> the TTT unroll and its loss ->
+held-out evaluation (simulated acceptance) -> distributed helpers -> training state (checkpoint, resume) ->
+the training loop (``train_drafter``) -> the command line torchrun starts (``main``).
+
+Recipe: AdamW (weight decay on matrices only), linear warmup then cosine decay to ``min_lr_ratio``, gradient
+clipping; bf16 autocast on GPU, plain fp32 on CPU (deterministic: the same run gives bit-identical weights).
+Held-out sequences (chosen by hashing sample ids) are evaluated before training and after every epoch:
+TTT loss, simulated chain acceptance length and per-position acceptance.
+
+Files. ``out_dir`` (the rule's declared output, ``results/drafter/{run}/``) is written once, when training has
+finished: the drafter of the epoch with the best held-out simulated acceptance, in SGLang's layout
+(config.json, model.safetensors), plus train_log.jsonl and eval.json. What a killed run needs lives beside
+it, outside the declared output (Snakemake deletes that when a job fails), in
+``train_state_dir(out_dir)`` = ``results/drafter/.{run}.train_state/``:
+
+    state.pt                 drafter weights (without the frozen embeddings), AdamW state, schedule step,
+                             epoch and position in that epoch's batch order, counters, eval history, RNG
+                             states, the config and a fingerprint of the data; written (atomically) every
+                             ``checkpoint_every`` optimizer steps and after each epoch; deleted at the end
+    train_log.jsonl.partial  the training log so far (cut back to the checkpoint when resuming)
+    last/, best/             drafter exports after the latest epoch and after the best epoch so far
+
+A restarted run with the same data and config continues from state.pt and logs the same losses and ends
+with the same weights as an uninterrupted run (exactly, on CPU). A state written for other data or settings
+is refused with a message naming the difference (delete the folder, or set ``resume: false``).
+
+Several GPUs: started by torchrun (``torchrun_command``; the drafter rule does this when its
+``resources.gpu`` > 1), each process trains every world-th batch of the epoch's order (padded so all ranks
+step together, like DistributedSampler), DDP averages the gradients, evaluation sums are all-reduced, and
+only rank 0 writes files. ``batch_size`` is then per process. Without WORLD_SIZE > 1 nothing of this runs.
 
 TTT in one paragraph: step 0 feeds fc(aux features) with tokens shifted by one, exactly like SGLang's draft
 extend. Step k >= 1 feeds each row's own step k-1 ``hidden_out`` with the token one further on, at position
@@ -17,25 +46,36 @@ was generated (loss mask). Step k, row t: input token ``ids[t+1+k]``, target ``q
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
 import os
+import random
+import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from torch import Tensor
+from torch import Tensor, nn
 
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache, atomic_write
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional: its RNG state is saved only when it is there
+    np = None
 
 HIDDEN_FORMAT = "aerie.hidden/1"
 VOCAB_FORMAT = "aerie.draft-vocab/1"
 EVAL_FORMAT = "aerie.drafter-eval/1"
+STATE_FORMAT = "aerie.drafter-train-state/1"
 
 
 @dataclass
@@ -49,7 +89,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
     grad_clip: float = 0.5
     max_seq_len: int = 2048  # longer sequences are cut into windows of this many rows
-    batch_size: int = 4  # windows per optimizer step
+    batch_size: int = 4  # windows per optimizer step (per process under torchrun)
     max_batch_tokens: int = 0  # optional cap on batch_size * padded length (0 = none)
     eval_fraction: float = 0.05  # held-out share of sequences, chosen by hashing sample ids
     mask_out_of_vocab_targets: bool = True  # skip positions whose target argmax is outside the draft vocab
@@ -57,7 +97,21 @@ class TrainConfig:
     seed: int = 0
     threads: int = 0  # torch CPU threads (0 = leave as is)
     log_every: int = 10
+    checkpoint_every: int = 500  # optimizer steps between resumable training states (0 = after epochs only)
+    resume: bool = True  # continue from a compatible training state beside out_dir; false = start over
     device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        for name in ("ttt_steps", "epochs", "batch_size", "max_seq_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"drafter.{name} must be at least 1, not {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"drafter.checkpoint_every must be >= 0, not {self.checkpoint_every}")
+
+
+# Settings a resumed run may change: they do not alter what is computed.
+RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device")
+
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -188,6 +242,26 @@ def batches(windows: list[Window], cfg: TrainConfig, generator: torch.Generator 
         out.append(cur)
     return out
 
+def derived_seed(seed: int, *parts) -> int:
+    """A seed for one purpose (e.g. ("epoch", 3)) derived from the run's seed."""
+    return int(hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).hexdigest()[:15], 16)
+
+
+def epoch_batches(windows: list[Window], cfg: TrainConfig, epoch: int) -> list[list[Window]]:
+    """The batch order of one epoch: a shuffle seeded by (seed, epoch), so a resumed run rebuilds it exactly."""
+    return batches(windows, cfg, torch.Generator().manual_seed(derived_seed(cfg.seed, "epoch", epoch)))
+
+
+def shard_for_rank(groups: list, rank: int, world: int) -> list:
+    """This rank's share of a batch order: every world-th batch, the order padded by wrapping around so that
+    every rank gets the same number (DistributedSampler's rule: DDP ranks must step together)."""
+    if world == 1:
+        return list(groups)
+    per_rank = math.ceil(len(groups) / world)
+    padded = [groups[i % len(groups)] for i in range(per_rank * world)] if groups else []
+    return padded[rank::world]
+
+
 
 @dataclass
 class Batch:
@@ -250,6 +324,113 @@ class TargetHead:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the target's heads, read without loading the target (Kimi K2.5 is ~1T parameters in many shards)
+
+
+@dataclass
+class TargetHeads:
+    """What the drafter takes from the target: embeddings, output head, final norm (as stored) and config."""
+
+    config: dict  # the language model's config.json entries (a multimodal wrapper's text_config)
+    embed: Tensor  # [V, H] input embeddings
+    lm_head: Tensor  # [V, H] output embeddings (the input embeddings themselves when tied)
+    norm: Tensor | None  # [H] final norm weight
+    tied: bool
+    names: dict  # role -> checkpoint tensor name that was read
+
+
+def _text_config(config: dict) -> dict:
+    """Multimodal wrappers (Kimi K2.5, ...) nest the language model's config."""
+    for key in ("text_config", "language_config", "llm_config"):
+        nested = config.get(key)
+        if isinstance(nested, dict) and "hidden_size" in nested:
+            return nested
+    return config
+
+
+def _tensor_files(target: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from model.safetensors.index.json when sharded, else file headers."""
+    index = target / "model.safetensors.index.json"
+    if index.exists():
+        return {name: target / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(target.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{target}: no model.safetensors.index.json and no *.safetensors file")
+    names = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), path))
+    return names
+
+
+def _find_embed(names) -> str | None:
+    """``model.embed_tokens.weight``, ``language_model.model.embed_tokens.weight``, ...: the shallowest one
+    (DeepSeek-style MTP layers carry their own ``model.layers.N.embed_tokens.weight``)."""
+    found = [n for n in names if n == "embed_tokens.weight" or n.endswith(".embed_tokens.weight")]
+    return min(found, key=lambda n: (n.count("."), n)) if found else None
+
+
+def _find_lm_head(names, embed_name: str) -> str | None:
+    """``lm_head.weight`` under the same wrapper as the embeddings (``language_model.lm_head.weight`` for Kimi)."""
+    found = [n for n in names if n == "lm_head.weight" or n.endswith(".lm_head.weight")]
+    same_wrapper = lambda n: embed_name.startswith(n[: -len("lm_head.weight")])  # noqa: E731
+    return min(found, key=lambda n: (not same_wrapper(n), n.count("."), n)) if found else None
+
+
+def read_target_heads(target: Path) -> TargetHeads:
+    """Read embed_tokens, lm_head and the final norm from the target's safetensors, opening only the files
+    that hold them. Tied embeddings (``tie_word_embeddings``, or no lm_head tensor at all) reuse embed_tokens."""
+    target = Path(target)
+    raw = json.loads((target / "config.json").read_text())
+    config = _text_config(raw)
+    files = _tensor_files(target)
+    embed_name = _find_embed(files)
+    if embed_name is None:
+        raise ValueError(f"{target}: no embed_tokens.weight among its {len(files)} tensors")
+    head_name = _find_lm_head(files, embed_name)
+    norm_name = embed_name[: -len("embed_tokens.weight")] + "norm.weight"  # model.norm.weight, ...
+    tie = config.get("tie_word_embeddings", raw.get("tie_word_embeddings"))
+    tied = bool(tie) or head_name is None
+    wanted = {"embed": embed_name}
+    if not tied:
+        wanted["lm_head"] = head_name
+    if norm_name in files:
+        wanted["norm"] = norm_name
+    tensors = {}
+    for path in sorted({files[name] for name in wanted.values()}):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({role: f.get_tensor(name) for role, name in wanted.items() if files[name] == path})
+    embed = tensors["embed"]
+    if not embed.is_floating_point():
+        raise ValueError(f"{target}: {embed_name} is {embed.dtype}; quantized embeddings are not supported")
+    if tied:
+        wanted["lm_head"] = embed_name
+    return TargetHeads(config, embed, tensors.get("lm_head", embed), tensors.get("norm"), tied, wanted)
+
+
+def _load_target_heads(target_path: Path, vocab: DraftVocab, aux_layer_ids: list[int], cfg: TrainConfig):
+    """A new drafter around the target's frozen embeddings (lm_head and norm from the target's too, with
+    init_head_from_target), and the target's lm_head [V, H] for the soft targets - as
+    Eagle3Drafter.from_target would build it from the loaded model, without loading the model."""
+    heads = read_target_heads(target_path)
+    dcfg = DrafterConfig.from_target(SimpleNamespace(**heads.config), len(vocab.d2t), aux_layer_ids)
+    if tuple(heads.embed.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise ValueError(f"target embeddings {tuple(heads.embed.shape)} != ({dcfg.vocab_size}, {dcfg.hidden_size})")
+    torch.manual_seed(cfg.seed)  # deterministic drafter init
+    model = Eagle3Drafter(dcfg)
+    model.set_vocab_maps(vocab.d2t, vocab.t2d)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(heads.embed)
+        if cfg.init_head_from_target:
+            model.lm_head.weight.copy_(heads.lm_head[vocab.target_ids])
+            if heads.norm is not None and heads.norm.shape == model.norm.weight.shape:
+                model.norm.weight.copy_(heads.norm)
+    return model, dcfg, heads.lm_head
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------
 # TTT unroll, loss, evaluation
 
 
@@ -301,15 +482,27 @@ EMPTY_EVAL = {  # what eval.json says when there is nothing held out
     "heldout_start_positions": 0,
 }
 
+class TTTUnroll(nn.Module):
+    """ttt_unroll as a module: what DDP wraps (it averages the gradients of what runs inside its forward)."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int):
+        super().__init__()
+        self.drafter, self.steps = drafter, steps
+
+    def forward(self, aux: Tensor, ids: Tensor, position_ids: Tensor) -> list[Tensor]:
+        return ttt_unroll(self.drafter, aux, ids, position_ids, self.steps)
+
 
 @torch.no_grad()
-def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: TargetHead, cfg: TrainConfig, device, dtype) -> dict:
+def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: TargetHead, cfg: TrainConfig, device, dtype,
+             all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict:
     """Held-out TTT loss plus simulated chain acceptance with greedy verification.
 
     For every held-out start row t whose first drafted token is a generated one, draft step k is accepted
     when its argmax (mapped to a target id) equals the target's greedy token at t+1+k and all earlier steps
     were accepted; acceptance length = 1 (bonus token) + accepted steps. Later steps are fed the recorded
     tokens, which equal the accepted drafts when the data was generated greedily (exact simulation then).
+    Under torchrun each rank evaluates its share of ``groups`` and ``all_reduce`` sums the counts.
     """
     model.eval()
     K = cfg.ttt_steps
@@ -340,6 +533,10 @@ def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: Tar
             accepted_at[k] += float(chain.sum())
         starts += int(start.sum())
     model.train()
+    if all_reduce is not None:
+        totals = all_reduce(torch.cat([ce, wsum, correct, accepted_at, torch.tensor([starts], dtype=torch.float64)]))
+        ce, wsum, correct, accepted_at = totals[: 4 * K].view(4, K)
+        starts = int(totals[-1])
     if starts == 0:
         return dict(EMPTY_EVAL)
     loss_k = (ce / wsum.clamp_min(1)).tolist()
@@ -356,10 +553,6 @@ def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: Tar
     }
 
 
-# ----------------------------------------------------------------------------------------------------------
-# training loop
-
-
 def _autocast(device: torch.device):
     # bf16 autocast on GPU; exact fp32 on CPU (deterministic, and CPU bf16 is slow).
     if device.type == "cuda":
@@ -368,6 +561,7 @@ def _autocast(device: torch.device):
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """The LR schedule (linear warmup, cosine decay): a function of the step, so the step is its whole state."""
     warmup = max(1, math.ceil(cfg.warmup_ratio * total))
     if step < warmup:
         return cfg.learning_rate * (step + 1) / warmup
@@ -376,17 +570,171 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.learning_rate * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def _load_target_heads(target_path: Path, vocab: DraftVocab, aux_layer_ids: list[int], cfg: TrainConfig):
-    """Load the target once: a drafter with its embeddings, and its frozen lm_head. The target is then freed."""
-    from transformers import AutoModelForCausalLM
+# ----------------------------------------------------------------------------------------------------------
+# distributed (torchrun) helpers
 
-    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32)
-    dcfg = DrafterConfig.from_target(target.config, len(vocab.d2t), aux_layer_ids)
-    torch.manual_seed(cfg.seed)  # deterministic drafter init
-    model = Eagle3Drafter.from_target(target, dcfg, vocab.d2t, vocab.t2d, init_head_from_target=cfg.init_head_from_target)
-    lm_head = target.get_output_embeddings().weight.detach().float().clone()  # [V,H]
-    del target
-    return model, dcfg, lm_head
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun job; rank 0 of 1 when started plainly."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, t: Tensor) -> Tensor:
+        """All-reduce (sum) over ranks; the identity in a single process."""
+        if self.world == 1:
+            return t
+        x = t.to(self.device)
+        torch.distributed.all_reduce(x)
+        return x.to(t.device)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier(**({"device_ids": [self.device.index]} if self.device.type == "cuda" else {}))
+
+
+def setup_distributed(cfg: TrainConfig) -> Dist:
+    """Join the torchrun job when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU); else pick the device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    if world == 1:
+        return Dist(device=torch.device(("cuda" if cuda else "cpu") if cfg.device == "auto" else cfg.device))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return Dist(rank, world, device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training state: checkpoint and resume
+
+
+def train_state_dir(out_dir: Path) -> Path:
+    """Where the resumable state of ``out_dir`` lives: beside it (results/drafter/.{run}.train_state), so it
+    survives Snakemake deleting the declared output of a failed job."""
+    out_dir = Path(out_dir)
+    return out_dir.parent / f".{out_dir.name}.train_state"
+
+
+@dataclass
+class Progress:
+    """Where training stands: what a resume restores besides weights, optimizer and RNG."""
+
+    epoch: int = 1  # the epoch in progress (epochs + 1 once all are done)
+    position: int = 0  # batches of this epoch's order (this rank's share) already trained
+    step: int = 0  # optimizer steps so far: the LR schedule's state
+    tokens: int = 0  # real rows trained, all ranks
+    supervised: int = 0  # step-0 rows that carried loss, all ranks
+    train_seconds: float = 0.0
+    seconds: float = 0.0  # wall time of the run so far, earlier (killed) attempts included
+    log_bytes: int = 0  # length of the partial train log at this checkpoint
+    untrained: dict = field(default_factory=dict)  # held-out eval before training
+    epochs: list = field(default_factory=list)  # held-out eval after each epoch: {"epoch": e, **eval}
+    best_epoch: int = 0
+    best_acceptance: float | None = None
+
+
+def _safetensors_header_sha(path: Path) -> str:
+    """sha256 of a safetensors header (tensor names, shapes, offsets, metadata such as sample ids)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return hashlib.sha256(f.read(n)).hexdigest()[:16]
+
+
+def data_fingerprint(hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, aux_layer_ids: list[int]) -> dict:
+    """What the training data is: shard paths, sizes and header hashes, the draft vocab, target, aux ids."""
+    def file(p):
+        return [str(p), os.path.getsize(p), _safetensors_header_sha(Path(p))]
+
+    return {
+        "hidden_shards": [file(p) for p in hidden_shards],
+        "draft_vocab": file(vocab_path),
+        "target": str(target_path),
+        "aux_layer_ids": list(aux_layer_ids),
+    }
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if np is not None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if np is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def save_train_state(path: Path, model: Eagle3Drafter, opt, progress: Progress, cfg: TrainConfig,
+                     fingerprint: dict, world: int, total_steps: int) -> None:
+    """Everything a resume needs, in one atomically replaced file. The frozen embeddings are left out: the
+    resumed run reads them from the target again (they are the biggest tensor: 4.7 GB fp32 for Kimi)."""
+    state = {
+        "format": STATE_FORMAT,
+        "config": asdict(cfg),
+        "fingerprint": fingerprint,
+        "world_size": world,
+        "model": {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"},
+        "optimizer": opt.state_dict(),
+        "scheduler": {"kind": "warmup-cosine (lr_at)", "step": progress.step, "total_steps": total_steps},
+        "progress": asdict(progress),
+        "rng": _rng_state(),
+    }
+    atomic_write(path, lambda p: torch.save(state, p))
+
+
+def load_train_state(path: Path, cfg: TrainConfig, fingerprint: dict, world: int) -> dict | None:
+    """The state at ``path`` when it was written for this data and these settings; None when there is none.
+    Anything else is refused: mixing two runs' data or settings would give a drafter nobody asked for."""
+    if not path.exists():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"{path}: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+    problems = []
+    saved = {k: v for k, v in state["config"].items() if k not in RESUME_MAY_CHANGE}
+    now = {k: v for k, v in asdict(cfg).items() if k not in RESUME_MAY_CHANGE}
+    for k in sorted(saved.keys() | now.keys()):
+        if saved.get(k) != now.get(k):
+            problems.append(f"drafter.{k} was {saved.get(k)!r}, is {now.get(k)!r}")
+    for k in sorted(state["fingerprint"].keys() | fingerprint.keys()):
+        if state["fingerprint"].get(k) != fingerprint.get(k):
+            problems.append(f"{k} differ")
+    if state["world_size"] != world:
+        problems.append(f"it ran as {state['world_size']} processes, this run has {world}")
+    if problems:
+        raise ValueError(
+            f"{path} holds the training state of another run ({'; '.join(problems)}); delete {path.parent} "
+            "to start over, or set drafter.resume: false to overwrite it"
+        )
+    return state
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(dst, lambda p: shutil.copyfile(src, p))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training loop
 
 
 def train_drafter(
@@ -396,16 +744,26 @@ def train_drafter(
     out_dir: Path,
     cfg: TrainConfig,
     log: Callable[[str], None] = print,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict:
-    """Train a drafter on hidden shards; write out_dir (drafter folder, train_log.jsonl, eval.json); return eval."""
+    """Train a drafter on hidden shards; write out_dir (best drafter, train_log.jsonl, eval.json); return eval.
+
+    Resumes from ``train_state_dir(out_dir)`` when a compatible state is there. ``on_step(step)`` is called
+    after every optimizer step and its checkpoint (tests raise from it to simulate a kill).
+    """
     t_start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
+    dist = setup_distributed(cfg)
+    if not dist.main:
+        log = lambda _msg: None  # noqa: E731 - rank 0 speaks for the job
+    device = dist.device
     dtype = torch.float32  # master weights and batch tensors; autocast handles bf16 on GPU
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = train_state_dir(out_dir)
+    state_path, log_tmp = state_dir / "state.pt", state_dir / "train_log.jsonl.partial"
 
+    # data and the target's heads
     shards = open_hidden_shards(hidden_shards)
     aux_layer_ids = shards[0].aux_layer_ids
     vocab = load_draft_vocab(Path(vocab_path))
@@ -416,9 +774,11 @@ def train_drafter(
             f"{shards[0].vocab_size}; {target_path} has hidden {dcfg.hidden_size}, vocab {dcfg.vocab_size}"
         )
     model = model.to(device)
-    head = TargetHead(full=lm_head.to(device), draft=lm_head[vocab.target_ids].to(device), t2d=vocab.t2d.to(device))
+    head = TargetHead(full=lm_head.to(device).float(), draft=lm_head[vocab.target_ids].to(device).float(),
+                      t2d=vocab.t2d.to(device))
+    del lm_head
 
-    # windows and the held-out split (by sequence)
+    # windows, the held-out split (by sequence), and each epoch's batch order (this rank's share of it)
     held = split_heldout(shards, cfg.eval_fraction, cfg.seed)
     train_w, eval_w = [], []
     for si, sh in enumerate(shards):
@@ -426,113 +786,259 @@ def train_drafter(
             (eval_w if (si, seq) in held else train_w).extend(make_windows(si, sh, seq, cfg.max_seq_len, cfg.ttt_steps))
     if not train_w:
         raise ValueError("no training windows: the shards hold no generated (loss-masked) tokens")
-    eval_groups = batches(eval_w, cfg, None)
+    eval_groups = batches(eval_w, cfg, None)[dist.rank :: dist.world]
 
-    decay_params = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    other_params = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    def epoch_order(epoch: int) -> list[list[Window]]:
+        return shard_for_rank(epoch_batches(train_w, cfg, epoch), dist.rank, dist.world)
+
+    total_steps = sum(len(epoch_order(e)) for e in range(1, cfg.epochs + 1))
+
+    def held_out_eval() -> dict:
+        if not eval_w:
+            return dict(EMPTY_EVAL)
+        return evaluate(model, eval_groups, shards, head, cfg, device, dtype, all_reduce=dist.sum if dist.world > 1 else None)
+
+    # optimizer: AdamW; the LR is set from lr_at(step) before every step
+    decay_params = [w for w in model.parameters() if w.requires_grad and w.dim() >= 2]
+    other_params = [w for w in model.parameters() if w.requires_grad and w.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay_params, "weight_decay": cfg.weight_decay}, {"params": other_params, "weight_decay": 0.0}],
         lr=cfg.learning_rate,
         betas=(0.9, 0.95),
     )
-    shuffle = torch.Generator().manual_seed(cfg.seed)
-    steps_per_epoch = len(batches(train_w, cfg, torch.Generator().manual_seed(cfg.seed)))
-    total_steps = cfg.epochs * steps_per_epoch
 
-    log_path = out_dir / "train_log.jsonl"
-    log_tmp = out_dir / ".train_log.jsonl.partial"
-    log_file = log_tmp.open("w")
+    # resume from a compatible training state, or start over
+    fingerprint = data_fingerprint(hidden_shards, vocab_path, target_path, aux_layer_ids)
+    state = load_train_state(state_path, cfg, fingerprint, dist.world) if cfg.resume else None
+    dist.barrier()  # every rank has read the state before rank 0 may clear it
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state["model"], strict=False)
+        if set(missing) != {"embed_tokens.weight"} or unexpected:
+            raise ValueError(f"{state_path}: drafter tensors missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        opt.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"])
+        progress = Progress(**state["progress"])
+        log(f"resuming from {state_path}: epoch {progress.epoch}, batch {progress.position}, "
+            f"step {progress.step}/{total_steps}")
+    else:
+        progress = Progress()
+        if dist.main:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            state_dir.mkdir(parents=True)
+    if dist.main:
+        for stale in state_dir.rglob(".*.tmp"):  # left by a write that was killed
+            stale.unlink()
+    resumed = state is not None
+    elapsed_before = progress.seconds  # wall time of earlier attempts
+    del state
+
+    unroll: nn.Module = TTTUnroll(model, cfg.ttt_steps)
+    if dist.world > 1:
+        unroll = nn.parallel.DistributedDataParallel(unroll, device_ids=[device] if device.type == "cuda" else None)
+
+    # the train log, kept beside out_dir until the end; a resumed run cuts it back to its checkpoint
+    log_file = None
+    if dist.main:
+        if resumed:
+            log_file = log_tmp.open("a+")
+            log_file.truncate(min(progress.log_bytes, log_file.seek(0, os.SEEK_END)))
+            log_file.seek(0, os.SEEK_END)
+        else:
+            log_file = log_tmp.open("w")
 
     def record(event: dict) -> None:
-        log_file.write(json.dumps(event) + "\n")
-        log_file.flush()
+        if log_file is not None:
+            log_file.write(json.dumps(event) + "\n")
+            log_file.flush()
 
-    log(
-        f"drafter: {sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6:.2f}M trainable params, "
-        f"{len(train_w)} train / {len(eval_w)} held-out windows, {total_steps} steps, device {device}"
-    )
-    untrained = evaluate(model, eval_groups, shards, head, cfg, device, dtype) if eval_groups else dict(EMPTY_EVAL)
-    record({"event": "eval", "epoch": 0, **untrained})
-    if untrained.get("heldout_start_positions"):
-        log(f"untrained: acceptance {untrained['simulated_acceptance_length']:.3f}, loss {untrained['heldout_loss']:.4f}")
+    def checkpoint() -> None:
+        progress.seconds = elapsed_before + time.time() - t_start
+        if dist.main:
+            progress.log_bytes = log_file.tell()
+            save_train_state(state_path, model, opt, progress, cfg, fingerprint, dist.world, total_steps)
 
-    model.train()
-    step, tokens, supervised, train_seconds = 0, 0, 0, 0.0
-    per_epoch = []
-    evaluation = untrained
-    for epoch in range(1, cfg.epochs + 1):
-        for group in batches(train_w, cfg, shuffle):
-            t0 = time.time()
-            b = load_batch(group, shards, cfg.ttt_steps, device, dtype)
-            q = head.soft_targets(b.final)
-            in_vocab = head.t2d[head.greedy(b.final)] if cfg.mask_out_of_vocab_targets else None
-            lr = lr_at(step, total_steps, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with _autocast(device):
-                steps = ttt_unroll(model, b.aux, b.ids, b.position_ids, cfg.ttt_steps)
-            loss, stats = ttt_loss(steps, q, b, in_vocab, cfg.step_loss_decay)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            train_seconds += time.time() - t0
-            step += 1
-            tokens += b.rows
-            supervised += int(stats[0][1])
-            if step % cfg.log_every == 0 or step == total_steps:
-                event = {
-                    "event": "train",
-                    "epoch": epoch,
-                    "step": step,
-                    "lr": lr,
-                    "loss": float(loss.detach()),
-                    "loss_per_step": [float(c / max(float(w), 1.0)) for c, w, _ in stats],
-                    "acc_per_step": [float(r / max(float(w), 1.0)) for _, w, r in stats],
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / max(train_seconds, 1e-9),
-                }
-                record(event)
-                log(f"step {step}/{total_steps} loss {event['loss']:.4f} acc0 {event['acc_per_step'][0]:.3f} {event['tokens_per_s']:.0f} tok/s")
-        if eval_groups:
-            evaluation = evaluate(model, eval_groups, shards, head, cfg, device, dtype)
+    def export(folder: Path, epoch: int, evaluation: dict) -> None:
+        facts = {
+            "target": str(target_path),
+            "hidden_shards": [str(x) for x in hidden_shards],
+            "draft_vocab": str(vocab_path),
+            "train_config": asdict(cfg),
+            "epoch": epoch,
+            "tokens_trained": progress.tokens,
+            "seconds": round(elapsed_before + time.time() - t_start, 3),
+            "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
+            "heldout_loss": evaluation.get("heldout_loss"),
+        }
+        model.save_pretrained(folder, extra=facts)
+
+    try:
+        log(
+            f"drafter: {sum(x.numel() for x in model.parameters() if x.requires_grad) / 1e6:.2f}M trainable params, "
+            f"{len(train_w)} train / {len(eval_w)} held-out windows, {total_steps} steps, device {device}"
+            + (f", {dist.world} processes" if dist.world > 1 else "")
+        )
+        if not resumed:
+            progress.untrained = held_out_eval()
+            record({"event": "eval", "epoch": 0, **progress.untrained})
+            untrained = progress.untrained
+            if untrained.get("heldout_start_positions"):
+                log(f"untrained: acceptance {untrained['simulated_acceptance_length']:.3f}, loss {untrained['heldout_loss']:.4f}")
+        else:
+            record({"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step})
+
+        model.train()
+        for epoch in range(progress.epoch, cfg.epochs + 1):
+            order = epoch_order(epoch)
+            for group in order[progress.position :]:
+                t0 = time.time()
+                b = load_batch(group, shards, cfg.ttt_steps, device, dtype)
+                q = head.soft_targets(b.final)
+                in_vocab = head.t2d[head.greedy(b.final)] if cfg.mask_out_of_vocab_targets else None
+                lr = lr_at(progress.step, total_steps, cfg)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                with _autocast(device):
+                    steps = unroll(b.aux, b.ids, b.position_ids)
+                loss, stats = ttt_loss(steps, q, b, in_vocab, cfg.step_loss_decay)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+                opt.step()
+                # rows, supervised rows and loss of all ranks (one small all-reduce; a no-op in one process)
+                counts = dist.sum(torch.tensor([b.rows, float(stats[0][1]), float(loss.detach())], dtype=torch.float64))
+                progress.train_seconds += time.time() - t0
+                progress.step += 1
+                progress.position += 1
+                progress.tokens += int(counts[0])
+                progress.supervised += int(counts[1])
+                if progress.step % cfg.log_every == 0 or progress.step == total_steps:
+                    event = {
+                        "event": "train",
+                        "epoch": epoch,
+                        "step": progress.step,
+                        "lr": lr,
+                        "loss": float(counts[2]) / dist.world,
+                        "loss_per_step": [float(c / max(float(w), 1.0)) for c, w, _ in stats],  # rank 0's
+                        "acc_per_step": [float(r / max(float(w), 1.0)) for _, w, r in stats],
+                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                        "tokens": progress.tokens,
+                        "tokens_per_s": progress.tokens / max(progress.train_seconds, 1e-9),
+                    }
+                    record(event)
+                    log(f"step {progress.step}/{total_steps} loss {event['loss']:.4f} "
+                        f"acc0 {event['acc_per_step'][0]:.3f} {event['tokens_per_s']:.0f} tok/s")
+                if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.position < len(order):
+                    checkpoint()  # (the epoch's last batch is checkpointed after its evaluation)
+                if on_step is not None:
+                    on_step(progress.step)
+
+            # end of epoch: evaluate, export `last` (and `best` when held-out acceptance improved), checkpoint
+            evaluation = held_out_eval()
             record({"event": "eval", "epoch": epoch, **evaluation})
-            per_epoch.append({"epoch": epoch, **{k: evaluation.get(k) for k in ("simulated_acceptance_length", "heldout_loss")}})
+            progress.epochs.append({"epoch": epoch, **evaluation})
+            acceptance = evaluation.get("simulated_acceptance_length")
+            # the first epoch, a better held-out acceptance, or every epoch when nothing is held out
+            improved = acceptance is None or progress.best_acceptance is None or acceptance > progress.best_acceptance
+            if dist.main:
+                export(state_dir / "last", epoch, evaluation)
+                if improved:
+                    for name in ("model.safetensors", "config.json"):
+                        _copy_atomic(state_dir / "last" / name, state_dir / "best" / name)
+            if improved:
+                progress.best_epoch, progress.best_acceptance = epoch, acceptance
             if evaluation.get("heldout_start_positions"):
-                log(f"epoch {epoch}: acceptance {evaluation['simulated_acceptance_length']:.3f}, loss {evaluation['heldout_loss']:.4f}")
+                log(f"epoch {epoch}: acceptance {acceptance:.3f}, loss {evaluation['heldout_loss']:.4f}"
+                    + (" (best so far)" if improved else f" (best: epoch {progress.best_epoch})"))
+            progress.epoch, progress.position = epoch + 1, 0
+            checkpoint()
+    finally:
+        if log_file is not None:
+            log_file.close()
 
-    seconds = time.time() - t_start
+    # finished: the best epoch's drafter, the log and eval.json go into out_dir; the resumable state goes
+    best = {k: v for k, v in progress.epochs[progress.best_epoch - 1].items() if k != "epoch"}
+    seconds = elapsed_before + time.time() - t_start
     result = {
         "format": EVAL_FORMAT,
-        **evaluation,
-        "untrained": {k: untrained.get(k) for k in ("simulated_acceptance_length", "acceptance_per_position", "heldout_loss")},
-        "per_epoch": per_epoch,
+        **best,  # the held-out figures of the drafter in out_dir
+        "best_epoch": progress.best_epoch,
+        "untrained": {
+            k: progress.untrained.get(k) for k in ("simulated_acceptance_length", "acceptance_per_position", "heldout_loss")
+        },
+        "per_epoch": [
+            {k: e.get(k) for k in ("epoch", "simulated_acceptance_length", "heldout_loss")} for e in progress.epochs
+        ] if eval_w else [],
+        "epochs": progress.epochs,  # every epoch's full held-out evaluation
         "heldout_sequences": len(held),
-        "tokens_trained": tokens,  # real rows processed, summed over epochs (each row runs ttt_steps steps)
-        "supervised_tokens": supervised,  # step-0 rows that carried loss
-        "train_seconds": train_seconds,
+        "tokens_trained": progress.tokens,  # real rows processed, summed over epochs (each row runs ttt_steps steps)
+        "supervised_tokens": progress.supervised,  # step-0 rows that carried loss
+        "train_seconds": progress.train_seconds,
         "seconds": seconds,
-        "tokens_per_s": tokens / max(train_seconds, 1e-9),
-        "optimizer_steps": step,
+        "tokens_per_s": progress.tokens / max(progress.train_seconds, 1e-9),
+        "optimizer_steps": progress.step,
         "ttt_steps": cfg.ttt_steps,
         "device": str(device),
+        "processes": dist.world,
     }
-    facts = {
-        "target": str(target_path),
-        "hidden_shards": [str(p) for p in hidden_shards],
-        "draft_vocab": str(vocab_path),
-        "train_config": asdict(cfg),
-        "tokens_trained": tokens,
-        "seconds": round(seconds, 3),
-        "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
-        "heldout_loss": evaluation.get("heldout_loss"),
-    }
-    model.save_pretrained(out_dir, extra=facts)
-    log_file.close()
-    os.replace(log_tmp, log_path)
-    atomic_write(out_dir / "eval.json", lambda p: Path(p).write_text(json.dumps(result, indent=2) + "\n"))
-    log(f"drafter written to {out_dir} in {seconds:.1f}s ({result['tokens_per_s']:.0f} tok/s)")
+    if dist.main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("model.safetensors", "config.json"):
+            _copy_atomic(state_dir / "best" / name, out_dir / name)
+        _copy_atomic(log_tmp, out_dir / "train_log.jsonl")
+        atomic_write(out_dir / "eval.json", lambda path: Path(path).write_text(json.dumps(result, indent=2) + "\n"))
+        state_path.unlink(missing_ok=True)  # nothing left to resume; last/ and best/ stay
+        log_tmp.unlink(missing_ok=True)
+        log(f"drafter (epoch {progress.best_epoch} of {cfg.epochs}) written to {out_dir} in {seconds:.1f}s "
+            f"({result['tokens_per_s']:.0f} tok/s)")
+    dist.barrier()
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# several GPUs: the command the drafter rule runs, and the entry point torchrun starts
+
+
+def processes_for(gpus: int, cfg: TrainConfig) -> int:
+    """Training processes for a job granted ``gpus`` GPUs: one per visible GPU when there are several."""
+    if gpus <= 1 or cfg.device == "cpu" or not torch.cuda.is_available():
+        return 1
+    return min(gpus, torch.cuda.device_count())
+
+
+def torchrun_command(nproc: int, hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, out_dir: Path,
+                     cfg: TrainConfig, python: str = sys.executable) -> list[str]:
+    """``torchrun --standalone --nproc_per_node=N -m aerie.drafter.train ...`` (as python -m torch.distributed.run,
+    so it runs under the same interpreter)."""
+    return [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "aerie.drafter.train",
+        "--hidden", *[str(x) for x in hidden_shards],
+        "--vocab", str(vocab_path),
+        "--target", str(target_path),
+        "--out", str(out_dir),
+        "--config", json.dumps(asdict(cfg)),
+    ]  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m aerie.drafter.train", description="Train an EAGLE-3 drafter.")
+    ap.add_argument("--hidden", nargs="+", required=True, help="aerie.hidden/1 shards")
+    ap.add_argument("--vocab", required=True, help="aerie.draft-vocab/1 file")
+    ap.add_argument("--target", required=True, help="the target's save_pretrained folder")
+    ap.add_argument("--out", required=True, help="output folder for the drafter")
+    ap.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
+    args = ap.parse_args(argv)
+    cfg = TrainConfig(**json.loads(args.config))
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    try:
+        train_drafter([Path(x) for x in args.hidden], Path(args.vocab), Path(args.target), Path(args.out), cfg, log=log)
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,426 @@
+"""Drafter training machinery: exact resume, best/last checkpoints, reading the target's heads from its
+safetensors, rank sharding and the torchrun path (gloo on CPU).
+
+The data is tiny and synthetic but real: a random Llama target's own aux and final hidden states for random
+token sequences, written in the aerie.hidden/1 format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from aerie.drafter import DrafterConfig, Eagle3Drafter
+from aerie.drafter.train import (
+    TrainConfig,
+    Window,
+    _load_target_heads,
+    epoch_batches,
+    load_draft_vocab,
+    processes_for,
+    read_target_heads,
+    shard_for_rank,
+    torchrun_command,
+    train_drafter,
+    train_state_dir,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+TARGET = dict(
+    vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.1,
+)
+AUX = [0, 1, 2]
+DRAFT_VOCAB = 64
+NUM_SEQS, SEQ_LEN, PROMPT_LEN = 40, 20, 6
+
+# 40 sequences, 20% held out -> ~4 batches of 8 per epoch; checkpoint every 3 steps lands mid-epoch
+CFG = dict(ttt_steps=3, epochs=3, learning_rate=3e-3, warmup_ratio=0.1, batch_size=8, max_seq_len=16,
+           eval_fraction=0.2, seed=0, threads=1, log_every=1, checkpoint_every=3, grad_clip=1.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("drafter_train")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**TARGET)).eval()
+    target_dir = root / "target"
+    target.save_pretrained(target_dir, max_shard_size="40KB")  # sharded: embed and lm_head in different files
+    ids = torch.randint(3, TARGET["vocab_size"], (NUM_SEQS, SEQ_LEN), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i + 1] for i in AUX], dim=-1)  # SGLang's convention: output of layer i
+    final = out.last_hidden_state
+    mask = torch.zeros(SEQ_LEN, dtype=torch.uint8)
+    mask[PROMPT_LEN:] = 1
+    shards = []
+    for k, rows in enumerate([range(0, NUM_SEQS // 2), range(NUM_SEQS // 2, NUM_SEQS)]):
+        rows = list(rows)
+        path = root / f"shard-{k:05d}.safetensors"
+        save_file(
+            {
+                "input_ids": ids[rows].flatten().to(torch.int32),
+                "loss_mask": mask.repeat(len(rows)),
+                "seq_offsets": torch.arange(len(rows) + 1, dtype=torch.int64) * SEQ_LEN,
+                "aux_hidden_states": aux[rows].reshape(-1, aux.shape[-1]).to(torch.bfloat16),
+                "final_hidden_states": final[rows].reshape(-1, final.shape[-1]).to(torch.bfloat16),
+            },
+            str(path),
+            metadata={
+                "format": "aerie.hidden/1", "aux_layer_ids": json.dumps(AUX), "hidden_size": str(TARGET["hidden_size"]),
+                "vocab_size": str(TARGET["vocab_size"]), "num_hidden_layers": str(TARGET["num_hidden_layers"]),
+                "target": str(target_dir), "sample_ids": json.dumps([f"toy/{i}" for i in rows]),
+            },
+        )
+        shards.append(path)
+    t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
+    t2d[torch.randperm(TARGET["vocab_size"], generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB]] = True
+    draft_ids = t2d.nonzero().flatten()
+    vocab = root / "draft_vocab.safetensors"
+    save_file({"d2t": draft_ids - torch.arange(DRAFT_VOCAB), "t2d": t2d}, str(vocab), metadata={"format": "aerie.draft-vocab/1"})
+    return {"root": root, "target": target, "target_dir": target_dir, "shards": shards, "vocab": vocab}
+
+
+def _train(data, out: Path, on_step=None, lines=None, **overrides) -> dict:
+    cfg = TrainConfig(**{**CFG, **overrides})
+    log = lines.append if lines is not None else (lambda _: None)
+    return train_drafter(data["shards"], data["vocab"], data["target_dir"], out, cfg, log=log, on_step=on_step)
+
+
+class Killed(Exception):
+    pass
+
+
+def _kill_after(n: int):
+    def on_step(step: int) -> None:
+        if step == n:
+            raise Killed(step)
+    return on_step
+
+
+def _events(out: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data) -> dict:
+    out = data["root"] / "runs" / "straight"
+    return {"out": out, "eval": _train(data, out)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# exact resume
+
+
+def test_resume_after_kills_matches_uninterrupted_run(data, uninterrupted):
+    out = data["root"] / "runs" / "killed"
+    state = train_state_dir(out)
+    assert state == out.parent / ".killed.train_state"
+    # killed mid-epoch after step 5: the state of step 3 is on disk, steps 4-5 are redone
+    with pytest.raises(Killed):
+        _train(data, out, on_step=_kill_after(5))
+    assert (state / "state.pt").exists() and not out.exists()
+    saved = torch.load(state / "state.pt", weights_only=True)
+    assert saved["progress"]["step"] == 3 and saved["progress"]["epoch"] == 1 and saved["progress"]["position"] == 3
+    assert "embed_tokens.weight" not in saved["model"] and {"torch", "python", "numpy"} <= set(saved["rng"])
+    # killed again right after epoch 1's last step, before its evaluation: back to the step-6 checkpoint
+    per_epoch = len(_events(uninterrupted["out"], "train")) // CFG["epochs"]
+    assert per_epoch == 8
+    lines: list[str] = []
+    with pytest.raises(Killed):
+        _train(data, out, on_step=_kill_after(per_epoch), lines=lines)
+    assert any(line.startswith("resuming from") and "step 3/" in line for line in lines)
+    lines.clear()
+    result = _train(data, out, lines=lines)
+    assert any(line.startswith("resuming from") and "epoch 1, batch 6, step 6/24" in line for line in lines)
+
+    a, b = _events(uninterrupted["out"], "train"), _events(out, "train")
+    assert [e["step"] for e in b] == [e["step"] for e in a] == list(range(1, len(a) + 1))  # no step twice
+    for x, y in zip(a, b):
+        assert x["lr"] == y["lr"] and x["epoch"] == y["epoch"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-6, (x["step"], x["loss"], y["loss"])
+        assert max(abs(u - v) for u, v in zip(x["loss_per_step"], y["loss_per_step"])) <= 1e-6
+    assert [e["epoch"] for e in _events(out, "eval")] == [0, 1, 2, 3]  # each evaluation logged once
+    assert len(_events(out, "resume")) == 2
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted["out"] / "model.safetensors").read_bytes()
+    assert result["epochs"] == uninterrupted["eval"]["epochs"]
+    assert result["tokens_trained"] == uninterrupted["eval"]["tokens_trained"]
+    assert not (state / "state.pt").exists()  # finished: nothing left to resume
+
+
+def test_resume_from_epoch_end_and_from_finished_state(data, uninterrupted, tmp_path, monkeypatch):
+    import aerie.drafter.train as train
+
+    out = tmp_path / "d"
+    n = len(_events(uninterrupted["out"], "train")) // CFG["epochs"]
+    with pytest.raises(Killed):  # the epoch-1 checkpoint (after its eval) is the one on disk
+        _train(data, out, on_step=_kill_after(n + 1), checkpoint_every=0)
+    saved = torch.load(train_state_dir(out) / "state.pt", weights_only=True)["progress"]
+    assert (saved["epoch"], saved["position"], saved["step"]) == (2, 0, n)
+
+    # then killed while publishing the finished run: the next attempt only publishes
+    real_copy = train._copy_atomic
+
+    def copy_then_die(src, dst):
+        if dst.name == "train_log.jsonl":
+            raise Killed("publishing")
+        real_copy(src, dst)
+
+    monkeypatch.setattr(train, "_copy_atomic", copy_then_die)
+    with pytest.raises(Killed):
+        _train(data, out, checkpoint_every=0)
+    monkeypatch.setattr(train, "_copy_atomic", real_copy)
+    lines: list[str] = []
+    result = _train(data, out, checkpoint_every=0, lines=lines)
+    assert any(f"epoch {CFG['epochs'] + 1}, batch 0, step {3 * n}/{3 * n}" in line for line in lines)
+    assert not any(line.startswith("step ") for line in lines)  # nothing trained again
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted["out"] / "model.safetensors").read_bytes()
+    assert result["epochs"] == uninterrupted["eval"]["epochs"]
+    assert [e["step"] for e in _events(out, "train")] == list(range(1, 3 * n + 1))
+
+
+def test_resume_refuses_other_data_or_settings(data, tmp_path):
+    out = tmp_path / "d"
+    with pytest.raises(Killed):
+        _train(data, out, on_step=_kill_after(4))
+    with pytest.raises(ValueError, match=r"drafter\.learning_rate was 0\.003, is 0\.001.*delete .*\.d\.train_state"):
+        _train(data, out, learning_rate=1e-3)
+    cfg = TrainConfig(**CFG)
+    with pytest.raises(ValueError, match="hidden_shards differ"):
+        train_drafter(data["shards"][:1], data["vocab"], data["target_dir"], out, cfg, log=lambda _: None)
+    # settings that do not change the computation may differ on resume
+    with pytest.raises(Killed):
+        _train(data, out, on_step=_kill_after(5), log_every=2, checkpoint_every=0)
+    # resume: false starts over (and overwrites the old state)
+    lines: list[str] = []
+    _train(data, out, resume=False, lines=lines)
+    assert not any("resuming" in line for line in lines)
+    assert [e["step"] for e in _events(out, "train")][:2] == [1, 2]
+
+
+def test_killed_process_resumes(data, uninterrupted, tmp_path):
+    """A real SIGKILL of the command-line trainer after its first checkpoint, then an in-process resume."""
+    out = tmp_path / "d"
+    state = train_state_dir(out) / "state.pt"
+    cfg = TrainConfig(**{**CFG, "checkpoint_every": 1})
+    cmd = [sys.executable, "-m", "aerie.drafter.train", "--hidden", *map(str, data["shards"]), "--vocab", str(data["vocab"]),
+           "--target", str(data["target_dir"]), "--out", str(out), "--config", json.dumps({**CFG, "checkpoint_every": 1})]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 60
+        while not state.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-2000:]
+    lines: list[str] = []
+    train_drafter(data["shards"], data["vocab"], data["target_dir"], out, cfg, log=lines.append)
+    assert any(line.startswith("resuming from") for line in lines)
+    a, b = _events(uninterrupted["out"], "train"), _events(out, "train")
+    assert [e["step"] for e in a] == [e["step"] for e in b]
+    assert [e["loss"] for e in b] == pytest.approx([e["loss"] for e in a], abs=1e-6)
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted["out"] / "model.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# best and last checkpoints
+
+
+def test_best_and_last_checkpoints(uninterrupted):
+    out, result = uninterrupted["out"], uninterrupted["eval"]
+    state = train_state_dir(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval.json", "model.safetensors", "train_log.jsonl"]
+    assert sorted(p.name for p in state.iterdir()) == ["best", "last"]  # state.pt and the partial log are gone
+    on_disk = json.loads((out / "eval.json").read_text())
+    epochs = on_disk["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3] and len(on_disk["per_epoch"]) == 3
+    accs = [e["simulated_acceptance_length"] for e in epochs]
+    assert on_disk["best_epoch"] == 1 + accs.index(max(accs))  # first epoch reaching the maximum
+    best = epochs[on_disk["best_epoch"] - 1]
+    assert on_disk["simulated_acceptance_length"] == best["simulated_acceptance_length"] == result["simulated_acceptance_length"]
+    assert on_disk["acceptance_per_position"] == best["acceptance_per_position"]
+    for key in ("untrained", "heldout_loss", "tokens_trained", "tokens_per_s", "optimizer_steps", "per_epoch"):
+        assert key in on_disk
+    # the declared output holds the best epoch's drafter; last/ the final epoch's
+    assert (out / "model.safetensors").read_bytes() == (state / "best" / "model.safetensors").read_bytes()
+    assert json.loads((state / "best" / "config.json").read_text())["aerie"]["epoch"] == on_disk["best_epoch"]
+    assert json.loads((state / "last" / "config.json").read_text())["aerie"]["epoch"] == 3
+    Eagle3Drafter.from_pretrained(out)
+    Eagle3Drafter.from_pretrained(state / "last")
+
+
+def test_best_is_the_epoch_with_highest_heldout_acceptance(data, tmp_path, monkeypatch):
+    """A scripted evaluation (acceptance 1.2, 1.5, 1.4): the output is epoch 2's drafter, last/ is epoch 3's."""
+    import aerie.drafter.train as train
+
+    scripted = iter([1.0, 1.2, 1.5, 1.4])
+
+    def fake_evaluate(*args, **kwargs):
+        return {**train.EMPTY_EVAL, "simulated_acceptance_length": next(scripted), "heldout_loss": 1.0, "heldout_start_positions": 1}
+
+    monkeypatch.setattr(train, "evaluate", fake_evaluate)
+    result = _train(data, tmp_path / "d")
+    state = train_state_dir(tmp_path / "d")
+    assert result["best_epoch"] == 2 and result["simulated_acceptance_length"] == 1.5
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["aerie"]["epoch"] == 2
+    assert (tmp_path / "d" / "model.safetensors").read_bytes() == (state / "best" / "model.safetensors").read_bytes()
+    assert (state / "best" / "model.safetensors").read_bytes() != (state / "last" / "model.safetensors").read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the target's heads straight from its safetensors
+
+
+def _save_wrapped(model: LlamaForCausalLM, folder: Path) -> None:
+    """A Kimi-K2.5-like layout: a multimodal wrapper's text_config, tensors under language_model.*, sharded."""
+    model.save_pretrained(folder, max_shard_size="40KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    for i, file in enumerate(sorted(set(index["weight_map"].values()))):
+        tensors = {f"language_model.{k}": v for k, v in load_file(folder / file).items()}
+        if i == 0:
+            tensors["vision_tower.patch_embed.weight"] = torch.ones(3)
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    weight_map = {f"language_model.{k}": v for k, v in index["weight_map"].items()}
+    weight_map["vision_tower.patch_embed.weight"] = sorted(set(index["weight_map"].values()))[0]
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                    "model_type": "kimi_k25", "text_config": text}))
+
+
+@pytest.mark.parametrize("layout", ["untied", "tied", "wrapped", "single-file"])
+def test_target_heads_read_only_what_they_need(layout, tmp_path, monkeypatch):
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**{**TARGET, "tie_word_embeddings": layout == "tied"})).eval()
+    folder = tmp_path / "target"
+    if layout == "wrapped":
+        _save_wrapped(model, folder)
+    elif layout == "single-file":
+        model.save_pretrained(folder)
+    else:
+        model.save_pretrained(folder, max_shard_size="40KB")
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 1 if layout == "single-file" else len(files) > 3
+
+    import aerie.drafter.train as train
+
+    opened = []
+    real_safe_open = train.safe_open
+    monkeypatch.setattr(train, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_safe_open(path, **kw))
+    heads = read_target_heads(folder)
+    prefix = "language_model." if layout == "wrapped" else ""
+    assert heads.names["embed"] == f"{prefix}model.embed_tokens.weight" and heads.names["norm"] == f"{prefix}model.norm.weight"
+    assert heads.tied == (layout == "tied")
+    assert heads.names["lm_head"] == (f"{prefix}model.embed_tokens.weight" if layout == "tied" else f"{prefix}lm_head.weight")
+    if layout != "single-file":  # only the shards holding those tensors were opened
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(opened) == sorted({index[n] for n in heads.names.values()})
+
+    assert torch.equal(heads.embed, model.get_input_embeddings().weight)
+    assert torch.equal(heads.lm_head, model.get_output_embeddings().weight)
+    assert torch.equal(heads.norm, model.model.norm.weight)
+    if layout != "wrapped":  # and what a full load gives
+        full = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        assert torch.equal(heads.embed, full.get_input_embeddings().weight)
+        assert torch.equal(heads.lm_head, full.get_output_embeddings().weight)
+
+
+def test_drafter_from_heads_equals_from_loaded_target(data):
+    """The drafter built from the heads alone is the one Eagle3Drafter.from_target builds from the full model."""
+    vocab = load_draft_vocab(data["vocab"])
+    cfg = TrainConfig(**CFG)
+    model, dcfg, lm_head = _load_target_heads(data["target_dir"], vocab, AUX, cfg)
+    full = AutoModelForCausalLM.from_pretrained(data["target_dir"], dtype=torch.float32)
+    assert dcfg == DrafterConfig.from_target(full.config, DRAFT_VOCAB, AUX)
+    torch.manual_seed(cfg.seed)
+    ref = Eagle3Drafter.from_target(full, dcfg, vocab.d2t, vocab.t2d)
+    a, b = model.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(lm_head, full.lm_head.weight)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# several processes
+
+
+def test_shard_for_rank_is_a_padded_partition():
+    groups = list(range(10))
+    shares = [shard_for_rank(groups, r, 4) for r in range(4)]
+    assert [len(s) for s in shares] == [3, 3, 3, 3]  # equal: DDP ranks step together
+    assert sorted(sum(shares, [])) == sorted(groups + [0, 1])  # everything once, padded by wrapping around
+    assert shares[1] == [1, 5, 9]
+    assert shard_for_rank(groups, 0, 1) == groups
+    assert [shard_for_rank([7], r, 3) for r in range(3)] == [[7], [7], [7]]
+    cfg, windows = TrainConfig(batch_size=2), [Window(0, i, i + 1, i + 1, 0) for i in range(9)]
+    assert epoch_batches(windows, cfg, 1) == epoch_batches(windows, cfg, 1)  # rebuilt exactly on resume
+    assert epoch_batches(windows, cfg, 1) != epoch_batches(windows, cfg, 2)  # reshuffled per epoch
+
+
+def test_torchrun_command_and_process_count():
+    cfg = TrainConfig(epochs=1, threads=2)
+    cmd = torchrun_command(8, [Path("a.safetensors"), Path("b.safetensors")], Path("v"), Path("/models/K"), Path("results/drafter/x"), cfg, python="py")
+    assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert cmd[5:7] == ["-m", "aerie.drafter.train"]
+    assert cmd[cmd.index("--hidden") + 1 : cmd.index("--vocab")] == ["a.safetensors", "b.safetensors"]
+    assert cmd[cmd.index("--out") + 1] == "results/drafter/x" and cmd[cmd.index("--target") + 1] == "/models/K"
+    assert TrainConfig(**json.loads(cmd[cmd.index("--config") + 1])) == cfg
+    assert processes_for(1, cfg) == 1 and processes_for(0, cfg) == 1
+    assert processes_for(8, TrainConfig(device="cpu")) == 1
+    if not torch.cuda.is_available():
+        assert processes_for(8, cfg) == 1
+
+
+DRIVER = """
+import json, runpy, sys
+from types import SimpleNamespace as NS
+import aerie.drafter.train as train
+train.processes_for = lambda gpus, cfg: gpus  # pretend CUDA shows the granted GPUs: torchrun runs on CPU (gloo)
+a = json.loads(sys.argv[1])
+snakemake = NS(input=NS(hidden=a["hidden"], vocab=a["vocab"]), params=NS(target=a["target"], drafter=a["drafter"]),
+               output=[a["out"]], log=[a["log"]], threads=2, resources=NS(gpu=2))
+runpy.run_path(a["script"], init_globals={"snakemake": snakemake})
+"""
+
+
+def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp_path):
+    """scripts/drafter.py with resources.gpu=2 launches torchrun --nproc_per_node=2 (gloo on CPU here): one
+    drafter, rank 0 alone logs and writes, and the all-reduced untrained evaluation equals the single-process
+    one (same initial weights, held-out set split over the ranks)."""
+    out, rule_log = tmp_path / "d", tmp_path / "drafter.log"
+    args = {"hidden": [str(x) for x in data["shards"]], "vocab": str(data["vocab"]), "target": str(data["target_dir"]),
+            "drafter": {**CFG, "epochs": 1}, "out": str(out), "log": str(rule_log), "script": str(REPO / "scripts" / "drafter.py")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env)
+    text = rule_log.read_text() if rule_log.exists() else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-3000:]
+    assert "torch.distributed.run --standalone --nproc_per_node=2 -m aerie.drafter.train" in text
+    assert "2 processes" in text and text.count("written to") == 1  # rank 0 speaks for the job
+    result = json.loads((out / "eval.json").read_text())
+    assert result["processes"] == 2
+    single = uninterrupted["eval"]["untrained"]
+    assert result["untrained"]["acceptance_per_position"] == pytest.approx(single["acceptance_per_position"], abs=1e-12)
+    assert result["untrained"]["heldout_loss"] == pytest.approx(single["heldout_loss"], rel=1e-9)
+    n_single = len(_events(uninterrupted["out"], "train")) // CFG["epochs"]
+    assert len(_events(out, "train")) == (n_single + 1) // 2  # each rank takes every other batch
+    Eagle3Drafter.from_pretrained(out)
