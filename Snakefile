@@ -4,7 +4,6 @@
 
 import os
 
-
 # The embedded demo is the default; `--configfile FILE` replaces it (it is not merged into it).
 if not workflow.overwrite_configfiles:
 
@@ -22,9 +21,9 @@ include: "rules/bench.smk"
 
 
 rule all:
+    default_target: True
     input:
         get_final_outputs(),
-    default_target: True
 
 
 onstart:

@@ -10,17 +10,18 @@ rule bench:
     output:
         report="results/bench/{run}.json",
         plot="results/bench/{run}.png",
-    params:
-        bench=config["bench"],
-        target=config["target"],
-    threads: all_cores()
-    resources:
-        gpu=gpus("bench"),
     log:
         "results/logs/bench/{run}.log",
     benchmark:
         "results/benchmarks/bench/{run}.tsv"
     conda:
         "../envs/aerie.yaml"
+    threads: all_cores()
+    resources:
+        gpu=gpus("bench"),
+    params:
+        bench=config["bench"],
+        target=config["target"],
+        gpus=gpus("bench"),  # what the job needs; checked against what it is granted (aerie.gpu_slots)
     script:
         "../scripts/bench.py"

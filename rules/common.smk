@@ -8,14 +8,16 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 # Scripts import the aerie package; make it importable from this checkout in every job (also inside
-# per-rule conda envs, which do not have it installed).
+# per-rule conda envs, which do not have it installed). PYTHONPATH is set here, not required from the
+# user, so it is no `envvars:` (which would fail when it is unset).
 sys.path.insert(0, workflow.basedir)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(
+        p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
+    )
 )
 
 from aerie.plan import check_config, plan_datasets, responses_config  # noqa: E402
-
 
 validate(config, schema=workflow.source_path("../config/schema.yaml"))
 try:
@@ -87,7 +89,9 @@ def get_responses_config(wildcards):
 def get_responses_target(wildcards):
     """The target folder when the job reads it (in-process, a loopback server, or ids for sglang)."""
     r = get_responses_config(wildcards)
-    return get_target_input() if r["backend"] in ("hf", "sglang") or r.get("serve") else []
+    return (
+        get_target_input() if r["backend"] in ("hf", "sglang") or r.get("serve") else []
+    )
 
 
 def get_responses_threads(wildcards):
@@ -125,7 +129,11 @@ def refuse_over_budget():
         return
     text, pending, budget, spent = result
     print(text, file=sys.stderr)
-    if budget is not None and pending > budget - spent and not config["allow_over_budget"]:
+    if (
+        budget is not None
+        and pending > budget - spent
+        and not config["allow_over_budget"]
+    ):
         raise WorkflowError(
             f"the pending API work is estimated at ${pending:.2f} but only ${budget - spent:.2f} of "
             f"responses.budget_usd ${budget:.2f} remains; raise the budget, reduce the prompts, or set "

@@ -7,13 +7,13 @@ rule draft_vocab:
         target=get_target_input(),
     output:
         "results/vocab/draft_vocab.safetensors",
-    params:
-        vocab=config["vocab"],
-        target=TARGET,
     log:
         "results/logs/vocab/draft_vocab.log",
     conda:
         "../envs/aerie.yaml"
+    params:
+        vocab=config["vocab"],
+        target=lambda w: TARGET,
     script:
         "../scripts/draft_vocab.py"
 
@@ -29,17 +29,17 @@ rule drafter:
         target=get_target_input(),
     output:
         directory("results/drafter/{run}"),
-    params:
-        drafter=config["drafter"],
-        target=TARGET,
-    threads: all_cores()
-    resources:
-        gpu=gpus("drafter"),
     log:
         "results/logs/drafter/{run}.log",
     benchmark:
         "results/benchmarks/drafter/{run}.tsv"
     conda:
         "../envs/aerie.yaml"
+    threads: all_cores()
+    resources:
+        gpu=gpus("drafter"),
+    params:
+        drafter=config["drafter"],
+        target=lambda w: TARGET,
     script:
         "../scripts/drafter.py"

@@ -7,17 +7,18 @@ rule hidden:
         target=get_target_input(),
     output:
         "results/{dataset}/hidden/shard-{shard}.safetensors",
-    params:
-        hidden=config["hidden"],
-        target=config["target"],
-    threads: all_cores()
-    resources:
-        gpu=gpus("hidden"),
     log:
         "results/logs/{dataset}/hidden/shard-{shard}.log",
     benchmark:
         "results/benchmarks/{dataset}/hidden/shard-{shard}.tsv"
     conda:
         "../envs/aerie.yaml"
+    threads: all_cores()
+    resources:
+        gpu=gpus("hidden"),
+    params:
+        hidden=config["hidden"],
+        target=config["target"],
+        gpus=gpus("hidden"),  # what the job needs; checked against what it is granted (aerie.gpu_slots)
     script:
         "../scripts/hidden.py"

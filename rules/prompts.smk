@@ -6,13 +6,13 @@ rule prompts:
         get_prompt_source,
     output:
         "results/{dataset}/prompts/shard-{shard}.jsonl",
-    params:
-        dataset=lambda w: config["datasets"][w.dataset],
-        range=lambda w: PLANS[w.dataset].shard_range(int(w.shard)),
     log:
         "results/logs/{dataset}/prompts/shard-{shard}.log",
     conda:
         "../envs/aerie.yaml"
+    params:
+        dataset=lambda w: config["datasets"][w.dataset],
+        range=lambda w: PLANS[w.dataset].shard_range(int(w.shard)),
     script:
         "../scripts/prompts.py"
 
@@ -22,12 +22,12 @@ rule bench_prompts:
         get_prompt_source,
     output:
         "results/{dataset}/prompts/bench.jsonl",
-    params:
-        dataset=lambda w: config["datasets"][w.dataset],
-        range=lambda w: PLANS[w.dataset].bench_range(),
     log:
         "results/logs/{dataset}/prompts/bench.log",
     conda:
         "../envs/aerie.yaml"
+    params:
+        dataset=lambda w: config["datasets"][w.dataset],
+        range=lambda w: PLANS[w.dataset].bench_range(),
     script:
         "../scripts/prompts.py"

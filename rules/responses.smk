@@ -8,17 +8,18 @@ rule responses:
         target=get_responses_target,
     output:
         "results/{dataset}/responses/shard-{shard}.jsonl",
-    params:
-        config=config,
-        responses=get_responses_config,
-    threads: get_responses_threads
-    resources:
-        gpu=get_responses_gpus,
     log:
         "results/logs/{dataset}/responses/shard-{shard}.log",
     benchmark:
         "results/benchmarks/{dataset}/responses/shard-{shard}.tsv"
     conda:
         "../envs/aerie.yaml"
+    threads: get_responses_threads
+    resources:
+        gpu=get_responses_gpus,
+    params:
+        config=config,
+        responses=get_responses_config,
+        gpus=get_responses_gpus,  # what the job needs (0 for an API); checked by aerie.gpu_slots
     script:
         "../scripts/responses.py"

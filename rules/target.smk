@@ -7,14 +7,14 @@ if DEMO_TARGET:
     rule demo_target:
         output:
             directory(TARGET),
-        params:
-            demo=config["target"]["demo"],
-        threads: all_cores()
         log:
             "results/logs/demo_target.log",
         benchmark:
             "results/benchmarks/demo_target.tsv"
         conda:
             "../envs/aerie.yaml"
+        threads: all_cores()
+        params:
+            demo=config["target"]["demo"],
         script:
             "../scripts/build_demo_target.py"

@@ -8,12 +8,12 @@ rule tokens:
     output:
         tokens="results/{dataset}/tokens/shard-{shard}.safetensors",
         report="results/{dataset}/tokens/shard-{shard}.report.json",
-    params:
-        tokens=config["tokens"],
-        target=TARGET,
     log:
         "results/logs/{dataset}/tokens/shard-{shard}.log",
     conda:
         "../envs/aerie.yaml"
+    params:
+        tokens=config["tokens"],
+        target=config["target"],
     script:
         "../scripts/tokens.py"

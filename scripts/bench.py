@@ -1,13 +1,20 @@
 """Rule bench: the drafter and two reference drafters vs the plain target, measured in the same run; gated."""
 
-import os
-from pathlib import Path
-
-from aerie.bench.plots import plot_benchmark
-from aerie.bench.run import Gate, gate_failures, run_benchmark
-from aerie.rulelog import open_rule_log, snakemake_threads
+from aerie.gpu_slots import acquire_rule_gpus
+from aerie.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
+# First, before torch is imported: this job's own GPUs (CUDA_VISIBLE_DEVICES), or a clear failure when
+# Snakemake granted fewer than the rule needs; a no-op without GPUs.
+acquire_rule_gpus(snakemake, log)
+
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from aerie.bench.plots import plot_benchmark  # noqa: E402
+from aerie.bench.run import Gate, gate_failures, run_benchmark  # noqa: E402
+from aerie.rulelog import snakemake_threads  # noqa: E402
+
 cfg = snakemake.params.bench
 target = snakemake.params.target
 out_json, out_png = Path(snakemake.output.report), Path(snakemake.output.plot)

@@ -5,17 +5,24 @@ GPU, DDP) started from here; otherwise in this process. Either way a killed job 
 checkpoint left off (results/drafter/.{run}.train_state/, see aerie.drafter.train).
 """
 
-import os
-import shlex
-import signal
-import subprocess
-from dataclasses import replace
-from pathlib import Path
-
-from aerie.drafter.train import TrainConfig, processes_for, torchrun_command, train_drafter
-from aerie.rulelog import open_rule_log, snakemake_threads
+from aerie.gpu_slots import acquire_rule_gpus
+from aerie.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
+# First, before torch is imported: this job's own GPUs (CUDA_VISIBLE_DEVICES), or a clear failure when
+# Snakemake granted fewer than the rule needs; a no-op without GPUs.
+acquire_rule_gpus(snakemake, log)
+
+import os  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from aerie.drafter.train import TrainConfig, processes_for, torchrun_command, train_drafter  # noqa: E402
+from aerie.rulelog import snakemake_threads  # noqa: E402
+
 cfg = TrainConfig(**{"threads": snakemake_threads(snakemake), **(snakemake.params.drafter or {})})
 inputs = (
     [Path(p) for p in snakemake.input.hidden],

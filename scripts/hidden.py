@@ -1,11 +1,18 @@
 """Rule hidden: target hidden states for one tokens shard (aerie.hidden)."""
 
-from pathlib import Path
-
-from aerie.hidden import capture_shard
-from aerie.rulelog import open_rule_log, snakemake_threads
+from aerie.gpu_slots import acquire_rule_gpus
+from aerie.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
+# First, before torch is imported: this job's own GPUs (CUDA_VISIBLE_DEVICES), or a clear failure when
+# Snakemake granted fewer than the rule needs; a no-op without GPUs.
+acquire_rule_gpus(snakemake, log)
+
+from pathlib import Path  # noqa: E402
+
+from aerie.hidden import capture_shard  # noqa: E402
+from aerie.rulelog import snakemake_threads  # noqa: E402
+
 cfg = snakemake.params.hidden
 target = snakemake.params.target
 capture_shard(

@@ -1,14 +1,21 @@
 """Rule responses: the target answers one prompt shard (aerie.responses)."""
 
-from pathlib import Path
-
-from aerie.api.backends import API_BACKENDS
-from aerie.api.client import RegenerationStopped
-from aerie.api.shard import regenerate_api_shard
-from aerie.responses import generate_hf
-from aerie.rulelog import open_rule_log, snakemake_threads
+from aerie.gpu_slots import acquire_rule_gpus
+from aerie.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
+# First, before torch is imported: this job's own GPUs (CUDA_VISIBLE_DEVICES), or a clear failure when
+# Snakemake granted fewer than the rule needs; a no-op without GPUs.
+acquire_rule_gpus(snakemake, log)
+
+from pathlib import Path  # noqa: E402
+
+from aerie.api.backends import API_BACKENDS  # noqa: E402
+from aerie.api.client import RegenerationStopped  # noqa: E402
+from aerie.api.shard import regenerate_api_shard  # noqa: E402
+from aerie.responses import generate_hf  # noqa: E402
+from aerie.rulelog import snakemake_threads  # noqa: E402
+
 cfg = snakemake.params.responses
 config = snakemake.params.config
 target = config["target"]

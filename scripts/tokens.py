@@ -11,7 +11,7 @@ tokenize_shard(
     Path(snakemake.input.responses),
     Path(snakemake.output.tokens),
     Path(snakemake.output.report),
-    snakemake.params.target,
+    snakemake.params.target["path"],
     max_seq_len=cfg["max_seq_len"],
     overlong=cfg["overlong"],
     drop_truncated=cfg["drop_truncated"],

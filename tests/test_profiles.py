@@ -1,0 +1,168 @@
+"""Profiles: `snakemake -n --workflow-profile profiles/{gpu-host,slurm}` on the Kimi K2.5 example config
+resolves, per rule, the resources and threads the profile says (and at least the GPUs the config's rules
+need); profiles/default finds the GPU count the same way as aerie.gpu_slots.
+
+The prompt files of the Kimi config are small stand-ins written here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from aerie import gpu_slots
+from conftest import REPO, snakemake
+
+PROFILES = REPO / "profiles"
+# Rules whose GPU count comes from config resources.<rule>_gpus.
+GPU_RULES = ("responses", "hidden", "drafter", "bench")
+
+
+def kimi_workdir(workdir: Path) -> Path:
+    """The Kimi example config with 3-prompt stand-ins for its prompt files; returns the config path."""
+    config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    for name, ds in config["datasets"].items():
+        src = ds["source"]
+        path = workdir / src["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for i in range(3):
+            if "messages_field" in src:
+                rec = {src["messages_field"]: [{"role": "user", "content": f"{name} question {i}"}]}
+            elif src["text_field"] == "turns":  # MT-bench: a list of turns
+                rec = {"turns": [f"{name} turn one {i}", f"{name} turn two {i}"]}
+            else:
+                rec = {src["text_field"]: f"{name} prompt {i}"}
+            rec[src.get("id_field", "id")] = f"{name}-{i}"
+            lines.append(json.dumps(rec))
+        path.write_text("\n".join(lines) + "\n")
+        ds["shard_size"] = 2
+        if ds.get("bench_prompts"):
+            ds["bench_prompts"] = 3
+    path = workdir / "kimi.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def parse_jobs(out: str) -> list[dict]:
+    """Each job of a dry run: its rule, threads (1 when not printed) and resources (as printed)."""
+    jobs = []
+    for block in re.split(r"^\[.*\]\n(?=(?:local)?rule )", out, flags=re.M)[1:]:
+        rule = re.match(r"(?:local)?rule (\w+):", block).group(1)
+        threads = re.search(r"^\s+threads: (\d+)$", block, flags=re.M)
+        res = re.search(r"^\s+resources: (.*)$", block, flags=re.M)
+        resources = dict(kv.split("=", 1) for kv in res.group(1).split(", ")) if res else {}
+        jobs.append({"rule": rule, "threads": int(threads.group(1)) if threads else 1, "resources": resources})
+    return jobs
+
+
+def expected(profile: dict, rule: str) -> tuple[dict, int | None]:
+    res = {**(profile.get("default-resources") or {}), **(profile.get("set-resources") or {}).get(rule, {})}
+    threads = (profile.get("set-threads") or {}).get(rule)
+    if threads is not None:
+        threads = min(threads, profile["cores"]) if isinstance(profile.get("cores"), int) else threads
+    return res, threads
+
+
+def check_profile(name: str, workdir: Path, *extra: str) -> str:
+    profile = yaml.safe_load((PROFILES / name / "profile.yaml").read_text())
+    configfile = kimi_workdir(workdir)
+    config = yaml.safe_load(configfile.read_text())
+    proc = snakemake(workdir, "-n", "--workflow-profile", str(PROFILES / name), *extra, "--configfile", str(configfile))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    jobs = parse_jobs(out)
+    rules = {j["rule"] for j in jobs}
+    assert {"prompts", "responses", "tokens", "hidden", "draft_vocab", "drafter", "bench"} <= rules, rules
+    table = {}
+    for job in jobs:
+        rule = job["rule"]
+        if rule == "all":
+            continue
+        want, threads = expected(profile, rule)
+        got = job["resources"]
+        for key, value in want.items():
+            assert got.get(key) == str(value), f"{name}: rule {rule}: {key}={got.get(key)}, profile says {value}"
+        if threads is not None:
+            assert job["threads"] == threads, f"{name}: rule {rule}: threads {job['threads']}, profile says {threads}"
+        if rule in GPU_RULES:
+            needed = config["resources"][f"{rule}_gpus"]
+            if rule == "responses" and config["responses"]["backend"] != "hf":
+                needed = 0  # an API backend needs no GPU
+            assert int(got.get("gpu", 0)) >= needed, f"{name}: rule {rule} gets gpu={got.get('gpu')}, needs {needed}"
+            if "gpu" not in want:
+                assert int(got["gpu"]) == needed  # left to the config
+        table[rule] = (job["threads"], {k: got[k] for k in ("gpu", "gpu_model", "mem_mb", "runtime", "slurm_partition")
+                                        if k in got})
+    print(f"\n{name}: " + "\n".join(f"  {rule}: threads={t} {r}" for rule, (t, r) in sorted(table.items())))
+    return out
+
+
+def test_gpu_host_profile_resolves_per_rule_resources(workdir: Path) -> None:
+    # --cores as on the host (the profile says `all`, which is 2 here and would cap the threads).
+    check_profile("gpu-host", workdir, "--cores", "128")
+    profile = yaml.safe_load((PROFILES / "gpu-host" / "profile.yaml").read_text())
+    assert profile["resources"]["gpu"] == 8 and profile["rerun-triggers"] == ["mtime", "input"]
+
+
+def test_slurm_profile_resolves_per_rule_resources(workdir: Path) -> None:
+    if importlib.util.find_spec("snakemake_executor_plugin_slurm") is None:
+        if os.environ.get("CI") == "true":
+            raise AssertionError("snakemake-executor-plugin-slurm is missing, and CI must run every test")
+        pytest.skip('snakemake-executor-plugin-slurm not installed (pip install -e ".[slurm]")')
+    check_profile("slurm", workdir)
+    profile = yaml.safe_load((PROFILES / "slurm" / "profile.yaml").read_text())
+    assert profile["executor"] == "slurm" and profile["slurm-status-command"] == "squeue"
+    assert profile["rerun-triggers"] == ["mtime", "input"]
+
+
+def default_profile_gpus() -> int:
+    """The default profile's `resources: gpu`, evaluated as Snakemake does (YTE) in this environment."""
+    import yte
+
+    text = (PROFILES / "default" / "profile.yaml").read_text()
+    return yte.process_yaml(io.StringIO(text), require_use_yte=True)["resources"]["gpu"]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"AERIE_GPUS": "3"},
+        {"AERIE_GPUS": "0", "CUDA_VISIBLE_DEVICES": "0,1"},
+        {"CUDA_VISIBLE_DEVICES": "0,1"},
+        {"CUDA_VISIBLE_DEVICES": "GPU-aaa,GPU-bbb,GPU-ccc"},
+        {"CUDA_VISIBLE_DEVICES": ""},
+        {"CUDA_VISIBLE_DEVICES": "-1"},
+        {"CUDA_VISIBLE_DEVICES": "4", "SLURM_JOB_ID": "9"},
+        {},
+    ],
+)
+def test_default_profile_detects_the_gpus_like_the_allocator(env: dict, monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    for var in ("AERIE_GPUS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    if not env:  # nvidia-smi: a fake one listing two GPUs
+        fake = tmp_path / "nvidia-smi"
+        fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\necho 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert default_profile_gpus() == gpu_slots.gpu_count()
+    if not env:
+        assert gpu_slots.detect_devices() == (["0", "1"], "nvidia-smi")
+
+
+def test_default_profile_keeps_rerun_triggers() -> None:
+    import yte
+
+    text = (PROFILES / "default" / "profile.yaml").read_text()
+    profile = yte.process_yaml(io.StringIO(text), require_use_yte=True)
+    assert profile["rerun-triggers"] == ["mtime", "input"]
