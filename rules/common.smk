@@ -120,6 +120,17 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
     _preview = cost_preview()
     if _preview is not None:
         print(_preview[0], file=sys.stderr)
+    from aerie.disk import disk_preview, expected_tokens_per_sample
+
+    print(
+        disk_preview(
+            config,
+            PLANS,
+            Path("results"),
+            expected_tokens_per_sample(config, Path("results")),
+        ),
+        file=sys.stderr,
+    )
 
 
 def refuse_over_budget():

@@ -1,0 +1,96 @@
+"""Disk preview: what the pending hidden shards will write, printed by ``snakemake -n``.
+
+Hidden states dominate the pipeline's disk use: for Kimi K2.5 (hidden 7168, three aux layers + the final
+layer, bf16) every token costs 57 KiB, so 10M training tokens are ~550 GiB. The preview counts each
+pending shard's tokens exactly when its tokens shard exists, and estimates them otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def target_hidden_size(target: dict[str, Any]) -> int | None:
+    """``target.hidden_size``, else the local config.json's (Kimi wraps it in ``text_config``)."""
+    if target.get("hidden_size"):
+        return int(target["hidden_size"])
+    if "demo" in target:
+        from aerie.plan import demo_target_config
+
+        return demo_target_config({"target": target}).hidden_size
+    cfg_path = Path(target["path"]) / "config.json"
+    if not cfg_path.exists():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    return cfg.get("text_config", cfg).get("hidden_size")
+
+
+def bytes_per_token(hidden_size: int, num_aux: int, storage_dtype: str) -> int:
+    """aux (A*H) + final (H) states in the storage dtype, plus the int32 id and the uint8 loss mask."""
+    return (num_aux + 1) * hidden_size * DTYPE_BYTES[storage_dtype] + 4 + 1
+
+
+def tokens_in_shard(path: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return int(f.get_slice("input_ids").get_shape()[0])
+
+
+def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Path,
+                 tokens_per_sample: dict[str, float]) -> str | None:
+    """One paragraph for ``snakemake -n``; None when the hidden size is unknown (no local target, no key).
+
+    ``tokens_per_sample``: per dataset, the expected prompt + output tokens of a sample still to generate.
+    """
+    hidden = target_hidden_size(config["target"])
+    if hidden is None:
+        return ("aerie disk preview: unknown target hidden size (set target.hidden_size to preview the disk "
+                "the hidden shards will use)")
+    ids = config["hidden"].get("aux_layer_ids")
+    num_aux = len(ids) if ids else 3
+    per_token = bytes_per_token(hidden, num_aux, config["hidden"]["storage_dtype"])
+    shards = exact = 0
+    tokens = 0.0
+    for name, plan in plans.items():
+        for shard in plan.shard_names:
+            if (results_dir / name / "hidden" / f"shard-{shard}.safetensors").exists():
+                continue
+            shards += 1
+            tok_path = results_dir / name / "tokens" / f"shard-{shard}.safetensors"
+            if tok_path.exists():
+                tokens += tokens_in_shard(tok_path)
+                exact += 1
+            else:
+                start, stop = plan.shard_range(int(shard))
+                tokens += (stop - start) * tokens_per_sample.get(name, 0.0)
+    if not shards:
+        return "aerie disk preview: every hidden shard exists"
+    return (f"aerie disk preview: {shards} pending hidden shards, ~{tokens:,.0f} tokens ({exact} counted from "
+            f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({num_aux} aux + final layer "
+            f"x {hidden} x {config['hidden']['storage_dtype']}) = ~{tokens * per_token / 2**30:,.2f} GiB")
+
+
+
+def expected_tokens_per_sample(config: dict[str, Any], results_dir: Path, sample: int = 200) -> dict[str, float]:
+    """Per dataset: estimated prompt tokens (first ``sample`` prompts, ~4 characters a token) plus the
+    expected output tokens (measured from journals, else ``expected_output_tokens``, else the cap)."""
+    import itertools
+
+    from aerie.api.journal import dataset_journal_totals
+    from aerie.api.money import estimate_prompt_tokens, mean_output_tokens
+    from aerie.plan import responses_config
+    from aerie.prompts import iter_prompts
+
+    out = {}
+    for name, ds in config["datasets"].items():
+        prompts = list(itertools.islice(iter_prompts(name, ds), sample))
+        prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in prompts) / max(len(prompts), 1)
+        spent = dataset_journal_totals(results_dir / name / "responses")
+        output_tokens, _ = mean_output_tokens(responses_config(config, name), spent)
+        out[name] = prompt_tokens + output_tokens
+    return out
