@@ -9,7 +9,11 @@ rule bench:
         target=get_target_input(),
     output:
         report="results/bench/{run}.json",
-        plot="results/bench/{run}.png",
+        plot=report(
+            "results/bench/{run}.png",
+            caption="../report/bench_plot.rst",
+            category="4. Benchmark",
+        ),
     log:
         "results/logs/bench/{run}.log",
     benchmark:

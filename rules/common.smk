@@ -67,7 +67,11 @@ def get_bench_prompts():
 
 
 def get_final_outputs():
-    return [f"results/bench/{RUN}.json", f"results/bench/{RUN}.png"]
+    return [
+        f"results/bench/{RUN}.json",
+        f"results/bench/{RUN}.png",
+        "results/report/spend.png",  # rule report_figures (all figures of snakemake --report)
+    ]
 
 
 def all_cores():

@@ -1,0 +1,383 @@
+"""Figures for the Snakemake HTML report (``snakemake --report``), read from the finished artifacts.
+
+Each ``figure_*`` function reads small things only (JSONL records, JSON reports, safetensors metadata
+and a few sampled rows of the hidden states, never a whole tensor) and writes one PNG. A figure whose
+data is absent says so in the image instead of failing: the in-process demo has no API spend, and the
+SGLang serving benchmark only exists once it was run on a GPU host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from aerie.artifacts import iter_jsonl
+
+FIGURES = ("spend", "lengths", "quality", "hidden", "training", "benchmark")
+HIDDEN_SAMPLE_ROWS = 256  # rows of each hidden shard read for the norm statistics (4 slices of 64)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on build machines and cluster nodes
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> None:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    _plt().close(fig)
+
+
+def _note(ax, text: str) -> None:
+    """An empty panel that says why it is empty."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=11, transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _dataset_of(path: Path) -> str:
+    # results/{dataset}/{stage}/shard-NNNNN.ext
+    return Path(path).parent.parent.name
+
+
+def load_responses(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Every record of the responses shards, reduced to the fields the figures use."""
+    rows = []
+    for path in paths:
+        for _, r in iter_jsonl(path):
+            usage = r.get("usage") or {}
+            completion = usage.get("completion_tokens")
+            if completion is None and r.get("output_token_ids") is not None:
+                completion = len(r["output_token_ids"])
+            details = usage.get("completion_tokens_details") or {}
+            cost = r.get("cost")
+            if cost is None:
+                cost = usage.get("cost")
+            rows.append({
+                "dataset": r.get("dataset") or _dataset_of(Path(path)),
+                "backend": r.get("backend"),
+                "provider": r.get("provider") or r.get("backend") or "unknown",
+                "cost": float(cost) if cost is not None else None,
+                "completion_tokens": completion,
+                "reasoning_chars": len(r["reasoning"]) if r.get("reasoning") else 0,
+                "reasoning_tokens": details.get("reasoning_tokens"),
+                "finish_reason": r.get("finish_reason"),
+                "flags": list(r.get("flags") or []),
+                "has_content": bool(r.get("content")) or bool(r.get("tool_calls")),
+            })
+    return rows
+
+
+def figure_spend(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """USD per dataset, stacked by provider; responses per dataset and backend beside it."""
+    plt = _plt()
+    spend: dict[str, Counter] = defaultdict(Counter)
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for r in records:
+        counts[r["dataset"]][r["backend"]] += 1
+        if r["cost"] is not None:
+            spend[r["dataset"]][r["provider"]] += r["cost"]
+    total = sum(sum(c.values()) for c in spend.values())
+    datasets = sorted(counts)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if total > 0:
+        providers = sorted({p for c in spend.values() for p in c})
+        bottom = [0.0] * len(datasets)
+        for p in providers:
+            vals = [spend[d][p] for d in datasets]
+            ax.bar(datasets, vals, bottom=bottom, label=p)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, b in enumerate(bottom):
+            ax.annotate(f"${b:.4g}", (i, b), ha="center", va="bottom", fontsize=9)
+        ax.set_ylabel("USD")
+        ax.legend(title="provider", fontsize=8)
+        ax.set_title(f"API spend per dataset and provider (total ${total:.4g})")
+    else:
+        api = any(r["backend"] not in ("hf", None) for r in records)
+        _note(ax, "no API spend (in-process generation)" if not api else
+              "no API spend (in-process generation or self-hosted server: cost 0)")
+        ax.set_title("API spend per dataset and provider")
+    if datasets:
+        backends = sorted({b for c in counts.values() for b in c}, key=str)
+        bottom = [0] * len(datasets)
+        for b in backends:
+            vals = [counts[d][b] for d in datasets]
+            ax2.bar(datasets, vals, bottom=bottom, label=str(b))
+            bottom = [x + v for x, v in zip(bottom, vals)]
+        ax2.legend(title="backend", fontsize=8)
+        ax2.set_ylabel("responses")
+    else:
+        _note(ax2, "no responses")
+    ax2.set_title("responses per dataset and backend")
+    _save(fig, out)
+    return {"total_usd": total, "by_dataset": {d: dict(c) for d, c in spend.items()}}
+
+
+def figure_lengths(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """Histograms of response length (tokens) and reasoning length per dataset."""
+    plt = _plt()
+    datasets = sorted({r["dataset"] for r in records})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    lengths = {d: [r["completion_tokens"] for r in records if r["dataset"] == d and r["completion_tokens"] is not None]
+               for d in datasets}
+    if any(lengths.values()):
+        ax.hist([lengths[d] for d in datasets], bins=30, label=datasets, histtype="barstacked")
+        ax.legend(fontsize=8)
+        ax.set_xlabel("completion tokens per response")
+        ax.set_ylabel("responses")
+    else:
+        _note(ax, "no response lengths recorded")
+    ax.set_title("response length")
+    with_reasoning = [r for r in records if r["reasoning_chars"] or r["reasoning_tokens"]]
+    use_tokens = bool(with_reasoning) and all(r["reasoning_tokens"] is not None for r in with_reasoning)
+    key, unit = ("reasoning_tokens", "tokens") if use_tokens else ("reasoning_chars", "characters")
+    reasoning = {d: [r[key] or 0 for r in records if r["dataset"] == d] for d in datasets}
+    if with_reasoning:
+        ax2.hist([reasoning[d] for d in datasets], bins=30, label=datasets, histtype="barstacked")
+        ax2.legend(fontsize=8)
+        ax2.set_xlabel(f"reasoning length ({unit}; 0 = none)")
+        ax2.set_ylabel("responses")
+    else:
+        _note(ax2, "no reasoning in any response")
+    ax2.set_title("reasoning length")
+    _save(fig, out)
+    return {"reasoning_unit": unit}
+
+
+def _rate(num: int, den: int) -> float:
+    return num / den if den else float("nan")
+
+
+def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | Path], out: Path) -> dict[str, Any]:
+    """Truncation and flag rates per dataset (responses), and tokenization fidelity rates (tokens reports)."""
+    plt = _plt()
+    import numpy as np
+
+    datasets = sorted({r["dataset"] for r in records} | {_dataset_of(Path(p)) for p in token_reports})
+    resp: dict[str, dict[str, float]] = {}
+    for d in datasets:
+        rs = [r for r in records if r["dataset"] == d]
+        n = len(rs)
+        resp[d] = {
+            "truncated": _rate(sum(r["finish_reason"] == "length" for r in rs), n),
+            "empty": _rate(sum("empty" in r["flags"] or not r["has_content"] for r in rs), n),
+            "no_reasoning": _rate(sum("no_reasoning" in r["flags"] for r in rs), n),
+        }
+    sums: dict[str, Counter] = defaultdict(Counter)
+    for p in token_reports:
+        rep = json.loads(Path(p).read_text())
+        c = sums[_dataset_of(Path(p))]
+        for k in ("samples", "kept", "exact_ids_available", "retokenized_equal", "usage_length_checked",
+                  "usage_length_equal"):
+            c[k] += int(rep.get(k) or 0)
+    fid = {d: {
+        "retokenized equal / exact ids": _rate(sums[d]["retokenized_equal"], sums[d]["exact_ids_available"]),
+        "usage length equal / checked": _rate(sums[d]["usage_length_equal"], sums[d]["usage_length_checked"]),
+        "kept / samples": _rate(sums[d]["kept"], sums[d]["samples"]),
+    } for d in datasets}
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for axis, table, title in ((ax, resp, "truncation and flag rates (responses)"),
+                               (ax2, fid, "tokenization fidelity (tokens reports)")):
+        if not datasets:
+            _note(axis, "no data")
+            axis.set_title(title)
+            continue
+        names = list(next(iter(table.values())).keys())
+        x = np.arange(len(datasets))
+        w = 0.8 / len(names)
+        for j, name in enumerate(names):
+            vals = [table[d][name] for d in datasets]
+            bars = axis.bar(x + (j - (len(names) - 1) / 2) * w, [0 if v != v else v for v in vals], w, label=name)
+            for b, v in zip(bars, vals):
+                axis.annotate("n/a" if v != v else f"{v:.0%}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                              ha="center", va="bottom", fontsize=7)
+        axis.set_xticks(x, datasets)
+        axis.set_ylim(0, 1.15)
+        axis.set_ylabel("fraction of samples")
+        axis.legend(fontsize=7, loc="upper left")
+        axis.set_title(title)
+    _save(fig, out)
+    return {"responses": resp, "fidelity": fid}
+
+
+def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) -> dict[str, Any]:
+    """Metadata and per-layer RMS norms of a few sampled rows of one hidden shard (never the whole tensor)."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        raw = f.metadata() or {}
+        meta = {}
+        for k, v in raw.items():
+            try:
+                meta[k] = json.loads(v)
+            except json.JSONDecodeError:
+                meta[k] = v
+        aux_s, fin_s = f.get_slice("aux_hidden_states"), f.get_slice("final_hidden_states")
+        rows = aux_s.get_shape()[0]
+        hidden = fin_s.get_shape()[1]
+        chunk = max(1, sample_rows // 4)
+        starts = sorted({min(max(rows - chunk, 0), int(rows * q)) for q in (0.0, 0.25, 0.5, 0.75)}) if rows else []
+        aux = [aux_s[s:s + chunk] for s in starts]
+        fin = [fin_s[s:s + chunk] for s in starts]
+        seqs = f.get_slice("seq_offsets").get_shape()[0] - 1
+    layer_ids = list(meta.get("aux_layer_ids") or [])
+    norms: dict[str, list[float]] = {}
+    if aux:
+        a = torch.cat(aux).float().reshape(-1, len(layer_ids) or 1, hidden)
+        for j, lid in enumerate(layer_ids or [0]):
+            norms[f"aux layer {lid}"] = a[:, j].pow(2).mean(-1).sqrt().tolist()
+        norms["final (normed)"] = torch.cat(fin).float().pow(2).mean(-1).sqrt().tolist()
+    agreement = meta.get("next_token_agreement")
+    return {"tokens": rows, "sequences": seqs, "hidden_size": hidden, "aux_layer_ids": layer_ids,
+            "next_token_agreement": float(agreement) if agreement is not None else None, "rms": norms}
+
+
+def figure_hidden(hidden_shards: Sequence[str | Path], out: Path) -> dict[str, Any]:
+    """Per shard: tokens and the final state's next-token agreement; per layer: RMS of sampled rows."""
+    plt = _plt()
+    stats = [(Path(p), hidden_shard_stats(p)) for p in hidden_shards]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    if not stats:
+        _note(ax, "no hidden shards")
+        _note(ax2, "no hidden shards")
+        _save(fig, out)
+        return {}
+    labels = [f"{_dataset_of(p)}/{p.stem.replace('shard-', '')}" for p, _ in stats]
+    agree = [s["next_token_agreement"] if s["next_token_agreement"] is not None else float("nan") for _, s in stats]
+    bars = ax.bar(labels, [0 if a != a else a for a in agree], color="tab:green")
+    for b, (_, s), a in zip(bars, stats, agree):
+        ax.annotate(("n/a" if a != a else f"{a:.1%}") + f"\n{s['tokens']} tok", (b.get_x() + b.get_width() / 2,
+                    b.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.2)
+    ax.set_ylabel("next-token agreement")
+    ax.set_title("lm_head(final state) reproduces the recorded next token")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for _, s in stats:
+        for k, v in s["rms"].items():
+            pooled[k].extend(v)
+    names = list(pooled)
+    ax2.boxplot([pooled[k] for k in names], showfliers=False)
+    ax2.set_xticks(range(1, len(names) + 1), names, fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("RMS of the hidden vector")
+    ax2.set_title(f"per-layer RMS ({sum(len(v) for v in pooled.values()) // max(len(names), 1)} sampled tokens)")
+    _save(fig, out)
+    return {"shards": len(stats), "tokens": sum(s["tokens"] for _, s in stats)}
+
+
+def figure_training(drafter_dir: str | Path, out: Path) -> dict[str, Any]:
+    """Training loss per optimizer step (held-out loss per evaluation), and acceptance per draft position."""
+    plt = _plt()
+    drafter_dir = Path(drafter_dir)
+    steps, losses, evals = [], [], []
+    log_path = drafter_dir / "train_log.jsonl"
+    if log_path.exists():
+        for _, e in iter_jsonl(log_path):
+            if e.get("event") == "eval" or ("heldout_loss" in e and "loss" not in e):
+                evals.append(e)
+            elif "step" in e and "loss" in e:
+                steps.append(e["step"])
+                losses.append(e["loss"])
+    ev = json.loads((drafter_dir / "eval.json").read_text()) if (drafter_dir / "eval.json").exists() else {}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    if steps:
+        ax.plot(steps, losses, lw=1, label="training loss (sum over TTT steps)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.set_title("drafter training loss")
+        if evals:
+            # Held-out losses on the same axis, at each epoch's last step (epoch 0: before training).
+            per_epoch = max(steps) / max(1, max(int(e.get("epoch", 0)) for e in evals))
+            ax.plot([int(e.get("epoch", 0)) * per_epoch for e in evals], [e["heldout_loss"] for e in evals],
+                     "o--", color="tab:red", label="held-out loss (per epoch; 0 = untrained)")
+        ax.legend(fontsize=8)
+    else:
+        _note(ax, "no train_log.jsonl steps")
+        ax.set_title("drafter training loss")
+    acc = ev.get("acceptance_per_position") or []
+    if acc:
+        pos = list(range(1, len(acc) + 1))
+        ax2.plot(pos, acc, "o-", label=f"trained (simulated acceptance length {ev.get('simulated_acceptance_length', 0):.2f})")
+        un = (ev.get("untrained") or {}).get("acceptance_per_position")
+        if un:
+            ax2.plot(pos[:len(un)], un, "x--", color="gray", label="untrained")
+        ax2.set_xticks(pos)
+        ax2.set_ylim(0, 1.05)
+        ax2.set_xlabel("draft position")
+        ax2.set_ylabel("fraction accepted (held out)")
+        ax2.legend(fontsize=8)
+    else:
+        _note(ax2, "no eval.json acceptance")
+    ax2.set_title("acceptance per position (held-out, greedy verification)")
+    _save(fig, out)
+    return {"steps": len(steps), "acceptance_per_position": acc}
+
+
+def figure_benchmark(bench_json: str | Path, out: Path, sglang_json: str | Path | None = None) -> dict[str, Any]:
+    """In-process tok/s per method with speedups (batch 1); SGLang tok/s and speedup per concurrency."""
+    plt = _plt()
+    bench = json.loads(Path(bench_json).read_text())
+    methods = bench.get("methods") or {"eagle3": {**bench["speculative"], "speedup": bench["speedup"]}}
+    names = ["baseline", *methods]
+    tps = [bench["baseline"]["tokens_per_s"], *(m["tokens_per_s"] for m in methods.values())]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    bars = ax.bar(names, tps, color=["gray"] + ["tab:blue"] * len(methods))
+    for b, name in zip(bars, names):
+        label = "1.00x" if name == "baseline" else f"{methods[name]['speedup']:.2f}x"
+        ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"in-process benchmark: concurrency 1, batch 1 ({bench.get('prompts')} prompts, "
+                 f"{bench.get('device', '?')})", fontsize=10)
+    summary: dict[str, Any] = {"speedup": bench.get("speedup")}
+    sg = json.loads(Path(sglang_json).read_text()) if sglang_json and Path(sglang_json).exists() else None
+    rows = (sg or {}).get("summary", {}).get("by_concurrency") or []
+    if rows:
+        conc = [r["concurrency"] for r in rows]
+        ax2.plot(conc, [r["baseline_output_tokens_per_s"] or 0 for r in rows], "o-", color="gray", label="baseline")
+        ax2.plot(conc, [r["eagle3_output_tokens_per_s"] or 0 for r in rows], "o-", color="tab:blue", label="EAGLE-3")
+        for c, r in zip(conc, rows):
+            if r.get("speedup"):
+                ax2.annotate(f"{r['speedup']:.2f}x", (c, r["eagle3_output_tokens_per_s"]), textcoords="offset points",
+                             xytext=(0, 6), ha="center", fontsize=8)
+        ax2.set_xscale("log", base=2)
+        ax2.set_xticks(conc, [str(c) for c in conc])
+        ax2.set_xlabel("concurrent requests")
+        ax2.set_ylabel("output tokens/s (server)")
+        ax2.legend(fontsize=8)
+        summary["sglang_speedup"] = {r["concurrency"]: r.get("speedup") for r in rows}
+    else:
+        _note(ax2, "no SGLang serving benchmark\n(results/bench/{run}.sglang.json,\n"
+                   "written by aerie.bench.sglang_harness on a GPU host)")
+    ax2.set_title("SGLang serving: tok/s and speedup per concurrency", fontsize=10)
+    _save(fig, out)
+    return summary
+
+
+def write_figures(outputs: dict[str, str | Path], *, responses: Sequence[str | Path], token_reports: Sequence[str | Path],
+                  hidden: Sequence[str | Path], drafter: str | Path, bench: str | Path,
+                  sglang: str | Path | None = None) -> dict[str, Any]:
+    """Write every figure in :data:`FIGURES` to ``outputs[name]``; return the figures' summaries."""
+    missing = set(FIGURES) - set(outputs)
+    if missing:
+        raise ValueError(f"no output path for figures {sorted(missing)}")
+    records = load_responses(responses)
+    return {
+        "spend": figure_spend(records, Path(outputs["spend"])),
+        "lengths": figure_lengths(records, Path(outputs["lengths"])),
+        "quality": figure_quality(records, token_reports, Path(outputs["quality"])),
+        "hidden": figure_hidden(hidden, Path(outputs["hidden"])),
+        "training": figure_training(drafter, Path(outputs["training"])),
+        "benchmark": figure_benchmark(bench, Path(outputs["benchmark"]), sglang),
+    }

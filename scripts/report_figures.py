@@ -1,0 +1,18 @@
+"""Rule report_figures: the figures of the HTML report (snakemake --report), read from finished artifacts."""
+
+from aerie.rulelog import open_rule_log
+
+log = open_rule_log(snakemake.log[0])
+
+from aerie.report import FIGURES, write_figures  # noqa: E402
+
+summary = write_figures(
+    {name: snakemake.output[name] for name in FIGURES},
+    responses=snakemake.input.responses,
+    token_reports=snakemake.input.token_reports,
+    hidden=snakemake.input.hidden,
+    drafter=snakemake.input.drafter,
+    bench=snakemake.input.bench,
+    sglang=snakemake.input.sglang[0] if snakemake.input.sglang else None,
+)
+log(f"report figures written: {summary}")
