@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,9 +166,15 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     rows, per_dataset = [], {}
     prices_seen: Prices | None = None
     budget = config["responses"].get("budget_usd")
+    priced: dict[str, Prices] = {}  # one endpoints-API call per distinct model/routing, not per dataset
     for name in datasets:
         responses = responses_config(config, name)
-        prices = resolve_prices(responses, api_key_from_env(responses), live=live and responses["live_prices"])
+        key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider", "live_prices",
+                                                      "price_per_million_input_usd", "price_per_million_output_usd")],
+                         sort_keys=True)
+        if key not in priced:
+            priced[key] = resolve_prices(responses, api_key_from_env(responses), live=live and responses["live_prices"])
+        prices = priced[key]
         prices_seen = prices_seen or prices
         mean_tokens, basis = mean_output_tokens(responses, spend[name])
         per_dataset[name] = {"basis": basis}
