@@ -205,7 +205,7 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
 
     seen = {}
     monkeypatch.setattr(h, "tokenizer_render", lambda path, **kw: seen.setdefault("render", (path, kw)))
-    monkeypatch.setattr(h, "run_sglang_benchmark", lambda *a, **kw: seen.update(args=a, kw=kw))
+    monkeypatch.setattr(h, "run_sglang_benchmark", lambda *a, **kw: seen.update(args=a, kw=kw) or {"rows": []})
     h.main(["--config", str(REPO / "config" / "kimi-k2.5.yaml"), "--drafter", "d", "--out", str(tmp_path / "o.json"),
             "--prompt-set", "humaneval", "--max-prompts", "2", "--concurrency", "1", "4",
             "--sglang-python", "/envs/sglang/bin/python", "--server-env", "SGLANG_X=1",
