@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
+from aerie.api.client import RESPONSES_FORMAT  # one definition, in the torch-free API client
 from aerie.artifacts import write_jsonl
 from aerie.prompts import read_prompts
 from aerie.target import end_of_turn_ids, load_target, render_prompt_ids, set_threads, special_token_id
 
-RESPONSES_FORMAT = "aerie.responses/1"
-API_BACKENDS = ("openrouter", "openai", "sglang")
 
 
 def params_hash(model: str, params: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""The never-pay-twice journal of a responses shard (format ``aerie.journal/1``).
+"""The never-pay-twice journal of a responses shard (lines are `aerie.responses/1` records).
 
 Snakemake deletes a failed job's declared outputs and treats a leftover partial output as finished
 (../shared/notes/snakemake.md), so paid work cannot live in the declared output while the job runs.
@@ -24,9 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from aerie.artifacts import FormatError
-
-JOURNAL_FORMAT = "aerie.journal/1"
-
 
 def journal_path(shard_output: str | Path) -> Path:
     """``results/x/responses/shard-00000.jsonl`` -> ``results/x/responses/shard-00000.journal.jsonl``."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from aerie.api.backends import API_BACKENDS, BackendSettings
 from aerie.api.client import ClientLimits, LedgerWatcher, MoneyGuard, regenerate_shard
-from aerie.api.journal import dataset_journal_totals, journal_path
+from aerie.api.journal import journal_path
 from aerie.api.money import (
     Prices,
     api_key_from_env,
@@ -20,6 +20,7 @@ from aerie.api.money import (
     format_preview,
     mean_output_tokens,
     resolve_prices,
+    run_spend,
 )
 from aerie.plan import responses_config
 from aerie.prompts import iter_prompts, read_prompts
@@ -100,7 +101,7 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
                            "(the key is read from the environment only)")
 
     datasets = api_datasets(config)
-    spend = {d: dataset_journal_totals(results_dir / d / "responses") for d in datasets}
+    spend = run_spend(results_dir, datasets)
     prices = resolve_prices(responses, api_key, live=responses["live_prices"])
     mean_tokens, basis = mean_output_tokens(responses, spend[dataset])
     guard = MoneyGuard(
@@ -162,7 +163,7 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     datasets = api_datasets(config)
     if not datasets:
         return None
-    spend = {d: dataset_journal_totals(results_dir / d / "responses") for d in datasets}
+    spend = run_spend(results_dir, datasets)
     rows, per_dataset = [], {}
     prices_seen: Prices | None = None
     budget = config["responses"].get("budget_usd")
