@@ -73,6 +73,19 @@ def source_file(source: dict[str, Any]) -> Path | None:
     return None
 
 
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+def _tools_from_jsonl(obj: dict[str, Any], source: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The tool declarations a prompt carries (sent with the request and rendered by the template)."""
+    tools = obj.get(source.get("tools_field", "tools"))
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise PromptSourceError(f"{where}: field '{source.get('tools_field', 'tools')}' must be a list of tool objects")
+    return tools or None
+
+
 def _messages_from_jsonl(obj: dict[str, Any], source: dict[str, Any], where: str) -> list[dict[str, str]]:
     field = source.get("messages_field")
     if field:
@@ -80,9 +93,12 @@ def _messages_from_jsonl(obj: dict[str, Any], source: dict[str, Any], where: str
         if not isinstance(messages, list) or not messages:
             raise PromptSourceError(f"{where}: field '{field}' must be a non-empty list of chat messages")
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise PromptSourceError(f"{where}: every message in '{field}' needs string 'role' and 'content'")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
+            content_ok = isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not content_ok:
+                raise PromptSourceError(f"{where}: every message in '{field}' needs string 'role' and 'content' "
+                                        "(content may be null on an assistant turn with tool_calls)")
+        # Tool-call conversations keep what the chat template renders: calls, results, names, reasoning.
+        return [{k: m[k] for k in MESSAGE_KEYS if k in m} for m in messages]
     field = source.get("text_field", "prompt")
     value = obj.get(field)
     if isinstance(value, list):  # e.g. MT-bench "turns": the first element is the first user turn
@@ -104,7 +120,9 @@ def _jsonl_prompts(name: str, source: dict[str, Any]) -> Iterator[dict[str, Any]
             sid = str(obj[id_field])
         else:
             sid = f"line{lineno}"
-        yield {"id": sid, "messages": messages, "source": {"kind": "jsonl", "file": str(path), "line": lineno}}
+        tools = _tools_from_jsonl(obj, source, where)
+        yield {"id": sid, "messages": messages, **({"tools": tools} if tools else {}),
+               "source": {"kind": "jsonl", "file": str(path), "line": lineno}}
 
 
 def _humaneval_prompts(name: str, source: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -153,7 +171,8 @@ def iter_prompts(name: str, dataset: dict[str, Any]) -> Iterator[dict[str, Any]]
         messages = p["messages"]
         if system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        yield {"format": PROMPTS_FORMAT, "id": f"{name}/{p['id']}", "dataset": name, "messages": messages, "source": p["source"]}
+        yield {"format": PROMPTS_FORMAT, "id": f"{name}/{p['id']}", "dataset": name, "messages": messages,
+               **({"tools": p["tools"]} if p.get("tools") else {}), "source": p["source"]}
 
 
 def plan_dataset(name: str, dataset: dict[str, Any]) -> DatasetPlan:

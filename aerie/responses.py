@@ -19,7 +19,7 @@ import torch
 from aerie.api.client import RESPONSES_FORMAT  # one definition, in the torch-free API client
 from aerie.artifacts import write_jsonl
 from aerie.prompts import read_prompts
-from aerie.target import end_of_turn_ids, load_target, render_prompt_ids, set_threads, special_token_id
+from aerie.target import ChatFormat, load_target, read_chat_format, render_prompt_ids, set_threads
 
 
 
@@ -29,21 +29,24 @@ def params_hash(model: str, params: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def split_generated(tokenizer, output_ids: list[int], think_end_id: int, eos_ids: list[int]) -> dict[str, Any]:
+def split_generated(tokenizer, output_ids: list[int], fmt: ChatFormat) -> dict[str, Any]:
     """Split exact output ids into reasoning / content text and the finish reason.
 
-    The prompt ends with ``<think>``, so the sampled sequence is ``reasoning </think> content <eot>``.
+    The sampled sequence is ``[<think>] reasoning </think> content <turn end>`` (``<think>`` only when the
+    prompt did not open the block itself, as with Kimi-K2-Thinking's template).
     """
-    finish_reason = "stop" if output_ids and output_ids[-1] in eos_ids else "length"
+    finish_reason = "stop" if output_ids and output_ids[-1] in fmt.stop_ids else "length"
     body = output_ids[:-1] if finish_reason == "stop" else output_ids
-    if think_end_id in body:
-        cut = body.index(think_end_id)
+    if fmt.think_end_id is not None and fmt.think_end_id in body:
+        cut = body.index(fmt.think_end_id)
         reasoning_ids, content_ids = body[:cut], body[cut + 1 :]
-        reasoning = tokenizer.decode(reasoning_ids, skip_special_tokens=False)
+        if reasoning_ids[:1] == [fmt.think_start_id]:
+            reasoning_ids = reasoning_ids[1:]
+        reasoning = tokenizer.decode(reasoning_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     else:
         reasoning, content_ids = None, body
     # skip_special_tokens=False: tool-call markers are special tokens and must survive as text.
-    content = tokenizer.decode(content_ids, skip_special_tokens=False)
+    content = tokenizer.decode(content_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return {"reasoning": reasoning, "content": content, "finish_reason": finish_reason}
 
 
@@ -67,8 +70,8 @@ def generate_hf(
     set_threads(threads)
     prompts = read_prompts(prompts_path)
     model, tok, dev = load_target(target_path, device=device, dtype=dtype)
-    eos_ids = end_of_turn_ids(tok, model.generation_config)
-    think_end_id = special_token_id(tok, "</think>")
+    fmt = read_chat_format(tok, model.generation_config)
+    eos_ids = list(fmt.stop_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed}
     phash = params_hash(str(target_path), params)
@@ -77,7 +80,7 @@ def generate_hf(
     started = time.perf_counter()
     for b in range(0, len(prompts), batch_size):
         batch = prompts[b : b + batch_size]
-        prompt_ids = [render_prompt_ids(tok, p["messages"]) for p in batch]
+        prompt_ids = [render_prompt_ids(tok, p["messages"], tools=p.get("tools")) for p in batch]
         width = max(len(ids) for ids in prompt_ids)
         # Left padding: every row's last prompt token sits at the same column, so generation is batched.
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -111,11 +114,12 @@ def generate_hf(
                     "id": p["id"],
                     "dataset": p["dataset"],
                     "messages": p["messages"],
+                    **({"tools": p["tools"]} if p.get("tools") else {}),
                     "backend": "hf",
                     "model": str(target_path),
                     "params": params,
                     "params_hash": phash,
-                    **split_generated(tok, output_ids, think_end_id, eos_ids),
+                    **split_generated(tok, output_ids, fmt),
                     "prompt_token_ids": prompt_ids[i],
                     "output_token_ids": output_ids,
                     "usage": {"prompt_tokens": len(prompt_ids[i]), "completion_tokens": len(output_ids)},

@@ -15,5 +15,6 @@ tokenize_shard(
     max_seq_len=cfg["max_seq_len"],
     overlong=cfg["overlong"],
     drop_truncated=cfg["drop_truncated"],
+    max_dropped_fraction=cfg["max_dropped_fraction"],
     log=log,
 )

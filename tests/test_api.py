@@ -136,6 +136,12 @@ def test_parse_sglang_generate_keeps_exact_ids_and_appends_matched_stop() -> Non
     rec = parse_sglang_generate(SGLANG_GENERATE_RESPONSE, split, [2], want_reasoning=True)
     assert rec["output_token_ids"] == [11, 12, 7, 13, 2]  # the matched end-of-turn id is trained on
     assert rec["finish_reason"] == "stop" and rec["reasoning"] == "[11, 12]"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = request_body(settings("http://x"), [{"role": "user", "content": "q"}], tools=tools)
+    assert chat["tools"] == tools  # the server renders the declarations and parses the calls
+    assert "tools" not in request_body(settings("http://x"), [{"role": "user", "content": "q"}])
+    # A prompt whose tools changed is new work on resume.
+    assert messages_key([{"role": "user", "content": "q"}], tools) != messages_key([{"role": "user", "content": "q"}])
     body = request_body(settings("http://x", backend="sglang"), [], prompt_ids=[1, 2, 3])
     assert body["input_ids"] == [1, 2, 3] and body["sampling_params"]["skip_special_tokens"] is False
 
@@ -314,7 +320,7 @@ def test_sglang_native_backend_sends_ids_and_keeps_exact_output_ids(tmp_path: Pa
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
-        def render(messages):
+        def render(messages, tools=None):
             return [1, 100 + len(messages[0]["content"])]
 
         def split(ids):

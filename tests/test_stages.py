@@ -15,7 +15,7 @@ from aerie.demo_target.tokenizer import train_tokenizer, tokenizer_corpus
 from aerie.hidden import HIDDEN_FORMAT, HiddenStateError, capture_shard, resolve_aux_layer_ids, check_captured
 from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
 from aerie.responses import generate_hf, split_generated
-from aerie.target import special_token_id
+from aerie.target import read_chat_format, special_token_id
 from aerie.tokens import TOKENS_FORMAT, rebuild_output_ids, tokenize_shard
 from aerie.vocab import build_draft_vocab, load_draft_vocab, select_draft_vocab
 
@@ -87,22 +87,26 @@ def test_read_prompts_refuses_other_formats(tmp_path: Path) -> None:
 
 
 def test_split_generated(tok) -> None:
+    fmt = read_chat_format(tok)
     think_end = special_token_id(tok, "</think>")
     eot = special_token_id(tok, "<|im_end|>")
+    assert (fmt.think_end_id, fmt.turn_end_id) == (think_end, eot)
     ids = tok.encode("a b", add_special_tokens=False) + [think_end] + tok.encode("c", add_special_tokens=False) + [eot]
-    r = split_generated(tok, ids, think_end, [eot])
+    r = split_generated(tok, ids, fmt)
     assert r == {"reasoning": "a b", "content": "c", "finish_reason": "stop"}
-    r = split_generated(tok, ids[:-1], think_end, [eot])
+    r = split_generated(tok, ids[:-1], fmt)
     assert r["finish_reason"] == "length"
-    r = split_generated(tok, tok.encode("no think", add_special_tokens=False) + [eot], think_end, [eot])
+    r = split_generated(tok, tok.encode("no think", add_special_tokens=False) + [eot], fmt)
     assert r["reasoning"] is None and r["content"] == "no think"
 
 
 def test_rebuild_turns_tool_markers_into_special_ids(tok) -> None:
+    fmt = read_chat_format(tok)
     think_end = special_token_id(tok, "</think>")
     eot = special_token_id(tok, "<|im_end|>")
     content = "ok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
-    ids = rebuild_output_ids(tok, "think", content, think_end, eot)
+    prompt = [special_token_id(tok, "<think>")]  # the demo template's generation prompt opens the think block
+    ids = rebuild_output_ids(tok, fmt, prompt, "think", content)
     for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_end|>"):
         assert special_token_id(tok, marker) in ids
     assert ids[-1] == eot and think_end in ids
@@ -182,7 +186,8 @@ def test_tokens_drop_truncated_and_overlong(pipeline_dir, tiny_target, tok, tmp_
     write_jsonl(tmp_path / "r.jsonl", recs)
     shortest = min(len(r["prompt_token_ids"]) + len(r["output_token_ids"]) for r in recs[1:])
     report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(tiny_target),
-                            max_seq_len=shortest, overlong="drop", drop_truncated=True, log=lambda m: None)
+                            max_seq_len=shortest, overlong="drop", drop_truncated=True, max_dropped_fraction=1.0,
+                            log=lambda m: None)
     assert report["dropped"]["truncated_response"] == 1
     assert report["dropped"]["over_max_seq_len"] == 2 and report["kept"] == 1
 

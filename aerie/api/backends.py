@@ -81,8 +81,9 @@ class BackendSettings:
 
 
 def request_body(settings: BackendSettings, messages: list[dict[str, Any]],
-                 prompt_ids: list[int] | None = None) -> dict[str, Any]:
-    """The JSON body for one sample. ``prompt_ids`` are required by the native sglang backend."""
+                 prompt_ids: list[int] | None = None, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The JSON body for one sample. ``prompt_ids`` are required by the native sglang backend (they were
+    rendered with ``tools``); chat backends send ``tools`` so the server renders and parses them."""
     if settings.backend == "sglang":
         if prompt_ids is None:
             raise ValueError("the sglang backend sends token ids: render the prompt first")
@@ -96,7 +97,7 @@ def request_body(settings: BackendSettings, messages: list[dict[str, Any]],
         if settings.seed is not None:
             sampling["sampling_seed"] = settings.seed
         return {"input_ids": prompt_ids, "sampling_params": sampling}
-    return {"model": settings.model, "messages": messages, **settings.sampling()}
+    return {"model": settings.model, "messages": messages, **({"tools": tools} if tools else {}), **settings.sampling()}
 
 
 def parse_retry_after(value: str | None) -> float | None:

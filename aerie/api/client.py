@@ -163,7 +163,7 @@ async def regenerate_shard(
     limits: ClientLimits,
     guard: MoneyGuard,
     want_reasoning: bool = True,
-    render_ids: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+    render_ids: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None,
     split_ids: Callable[[list[int]], dict[str, Any]] | None = None,
     eos_ids: list[int] | None = None,
     log: Callable[[str], None] = print,
@@ -177,7 +177,7 @@ async def regenerate_shard(
     phash = settings.params_hash()
     # Prompt texts are compared only against an existing journal (a fresh shard skips the work).
     has_journal = jpath.exists() and jpath.stat().st_size > 0
-    keys = {p["id"]: messages_key(p["messages"]) for p in prompts} if has_journal else {}
+    keys = {p["id"]: messages_key(p["messages"], p.get("tools")) for p in prompts} if has_journal else {}
     state = read_journal(jpath, phash, keys, repair=True)
     if state.torn_bytes:
         log(f"{name}: cut a torn last journal line ({state.torn_bytes} bytes): that sample is requested again")
@@ -226,8 +226,9 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
 
     def make_sample(p: dict[str, Any]) -> _Sample:
         # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
-        ids = render_ids(p["messages"]) if settings.backend == "sglang" else None
-        return _Sample(p, json.dumps(request_body(settings, p["messages"], ids), ensure_ascii=False).encode(), ids)
+        ids = render_ids(p["messages"], p.get("tools")) if settings.backend == "sglang" else None
+        body = request_body(settings, p["messages"], ids, tools=p.get("tools"))
+        return _Sample(p, json.dumps(body, ensure_ascii=False).encode(), ids)
 
     stop = asyncio.Event()
 
@@ -303,6 +304,7 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
                         "id": sample.prompt["id"],
                         "dataset": sample.prompt.get("dataset"),
                         "messages": sample.prompt["messages"],
+                        **({"tools": sample.prompt["tools"]} if sample.prompt.get("tools") else {}),
                         "backend": settings.backend,
                         "model": settings.model,
                         "params": sampling,

@@ -31,9 +31,10 @@ def journal_path(shard_output: str | Path) -> Path:
     return p.with_name(p.name.removesuffix(".jsonl") + ".journal.jsonl")
 
 
-def messages_key(messages: list[dict[str, Any]]) -> str:
+def messages_key(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     """Canonical JSON of a prompt, compared on resume (a prompt edited under the same id is new work)."""
-    return json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    prompt = {"messages": messages, "tools": tools} if tools else messages
+    return json.dumps(prompt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass
@@ -76,7 +77,7 @@ def read_journal(path: Path, params_hash: str | None = None, prompts: dict[str, 
         state.cost += float(rec.get("cost") or 0.0)
         sid = rec.get("id")
         current = params_hash is None or rec.get("params_hash") == params_hash
-        same_prompt = prompts is None or prompts.get(sid) == messages_key(rec.get("messages", []))
+        same_prompt = prompts is None or prompts.get(sid) == messages_key(rec.get("messages", []), rec.get("tools"))
         if current and same_prompt and sid is not None:
             state.finished[sid] = rec  # a later line for the same sample wins (cannot happen normally)
             state.lines[sid] = line + b"\n"

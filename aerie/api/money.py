@@ -112,7 +112,7 @@ def estimate_shard(dataset: str, shard: str, prompts: list[dict[str, Any]], outp
     """Cost of what is still to be requested for one shard (journaled samples are free)."""
     from aerie.api.journal import messages_key
 
-    keys = {p["id"]: messages_key(p["messages"]) for p in prompts}
+    keys = {p["id"]: messages_key(p["messages"], p.get("tools")) for p in prompts}
     done = read_journal(journal_path(output_path), params_hash, keys).finished
     pending = [p for p in prompts if p["id"] not in done]
     prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in pending)

@@ -122,17 +122,17 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
     render_ids = split_ids = eos_ids = None
     if responses["backend"] == "sglang":
         from aerie.responses import split_generated
-        from aerie.target import end_of_turn_ids, load_tokenizer, render_prompt_ids, special_token_id
+        from aerie.target import load_tokenizer, read_chat_format, read_generation_config, render_prompt_ids
 
         tok = load_tokenizer(target["path"])
-        eos_ids = end_of_turn_ids(tok)
-        think_end = special_token_id(tok, "</think>")
+        fmt = read_chat_format(tok, read_generation_config(target["path"]))
+        eos_ids = list(fmt.stop_ids)
 
-        def render_ids(messages):  # noqa: F811 - the sglang backend sends ids rendered by the target's template
-            return render_prompt_ids(tok, messages)
+        def render_ids(messages, tools=None):  # noqa: F811 - the sglang backend sends ids rendered by the target's template
+            return render_prompt_ids(tok, messages, tools=tools)
 
         def split_ids(ids):  # noqa: F811
-            return split_generated(tok, ids, think_end, eos_ids)
+            return split_generated(tok, ids, fmt)
 
     server = contextlib.nullcontext(None)
     if responses.get("serve") == "transformers":

