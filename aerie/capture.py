@@ -40,6 +40,39 @@ def check_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> lis
     return ids
 
 
+# Architectures whose SGLang set_eagle3_layers_to_capture adds the +1 (output i = input of layer i+1) only
+# when the first id is 1, and otherwise captures the INPUTS of the ids, one layer early (sglang 0.5.23
+# models/deepseek_v2.py, inherited by DeepseekV3/V32, wrapped by Kimi K2.5; models/glm4_moe_lite.py). The
+# same mapping applies when SGLang serves the drafter, so for these targets ids must start with 1.
+FIRST_ID_MUST_BE_ONE = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
+    "MistralLarge3ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM",
+})
+
+
+def check_servable_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int,
+                                 architectures: Sequence[str] = ()) -> list[int]:
+    """check_aux_layer_ids plus what SGLang can serve: a drafter trained on these ids must see the same
+    layers when SGLang runs it, or acceptance silently drops.
+
+    - SGLang captures output ``i`` at the input of layer ``i + 1``: the last layer's output never.
+    - DeepSeek-family models in SGLang read ids not starting with 1 as layer inputs (one layer early).
+    """
+    ids = check_aux_layer_ids(layer_ids, num_hidden_layers)
+    if ids[-1] >= num_hidden_layers - 1:
+        raise ValueError(
+            f"aux layer id {ids[-1]} is the last decoder layer's output: SGLang captures a layer's output at the next "
+            f"layer's input, and no layer follows layer {num_hidden_layers - 1} (use ids <= {num_hidden_layers - 2})")
+    family = sorted(set(architectures) & FIRST_ID_MUST_BE_ONE)
+    if family and ids[0] != 1:
+        raise ValueError(
+            f"aux layer ids {ids} do not start with 1: SGLang's {family[0]} adds 1 to the ids (output i = input of "
+            f"layer i+1) only when the first id is 1, so it would capture and serve these layers one early and the "
+            f"drafter would see other features than it was trained on. Start the ids with 1 (SGLang's default "
+            f"[1, L//2-1, L-4] does)")
+    return ids
+
+
 class AuxHiddenCapture:
     """Context manager: while active, every forward of ``model`` records the aux layers' outputs.
 

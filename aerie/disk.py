@@ -1,8 +1,10 @@
 """Disk preview: what the pending hidden shards will write, printed by ``snakemake -n``.
 
-Hidden states dominate the pipeline's disk use: for Kimi K2.5 (hidden 7168, three aux layers + the final
-layer, bf16) every token costs 57 KiB, so 10M training tokens are ~550 GiB. The preview counts each
-pending shard's tokens exactly when its tokens shard exists, and estimates them otherwise.
+Hidden states dominate the pipeline's disk use. For Kimi K2.5 (hidden 7168, three aux layers) the ``full``
+layout (aux + final layer in bf16, what SpecForge stores) costs 56 KiB a token, 10M training tokens ~535 GiB;
+the default ``compact`` layout (fp8 aux + the target's top-k next tokens) 21 KiB a token, ~0.38x of that.
+The preview counts each pending shard's tokens exactly when its tokens shard exists, and estimates them
+otherwise.
 """
 
 from __future__ import annotations
@@ -29,9 +31,31 @@ def target_hidden_size(target: dict[str, Any]) -> int | None:
     return cfg.get("text_config", cfg).get("hidden_size")
 
 
-def bytes_per_token(hidden_size: int, num_aux: int, storage_dtype: str) -> int:
-    """aux (A*H) + final (H) states in the storage dtype, plus the int32 id and the uint8 loss mask."""
-    return (num_aux + 1) * hidden_size * DTYPE_BYTES[storage_dtype] + 4 + 1
+def bytes_per_token(hidden_size: int, num_aux: int, storage_dtype: str = "bfloat16", layout: str = "full",
+                    target_topk: int = 32) -> int:
+    """Bytes a token costs in a hidden shard (aerie.hidden/2), the int32 id and uint8 loss mask included.
+
+    full: aux (A*H) + final (H) states in ``storage_dtype``. compact: aux in float8 (1 byte) + one fp32 scale
+    per aux layer, and per top-k entry an int32 token id and an fp16 log-probability."""
+    if layout == "full":
+        return (num_aux + 1) * hidden_size * DTYPE_BYTES[storage_dtype] + 4 + 1
+    if layout == "compact":
+        return num_aux * hidden_size + 4 * num_aux + 6 * target_topk + 4 + 1
+    raise ValueError(f"hidden.layout: {layout!r} is not compact or full")
+
+
+def specforge_bytes_per_token(hidden_size: int) -> int:
+    """SpecForge's layout for the same data: three aux layers + the final layer in bf16 = 8H bytes."""
+    return 8 * hidden_size
+
+
+def layout_description(hidden_cfg: dict[str, Any], hidden_size: int, num_aux: int, per_token: int) -> str:
+    """What one token holds, for the preview line (compact: and its ratio to SpecForge's 8H bytes)."""
+    if hidden_cfg.get("layout", "compact") == "compact":
+        ratio = per_token / specforge_bytes_per_token(hidden_size)
+        return (f"compact: {num_aux} aux layers x {hidden_size} x float8 + top-{hidden_cfg.get('target_topk', 32)} "
+                f"target tokens, {ratio:.2f}x SpecForge's 8H")
+    return f"full: {num_aux} aux + final layer x {hidden_size} x {hidden_cfg.get('storage_dtype', 'bfloat16')}"
 
 
 def tokens_in_shard(path: Path) -> int:
@@ -53,7 +77,9 @@ def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
                 "the hidden shards will use)")
     ids = config["hidden"].get("aux_layer_ids")
     num_aux = len(ids) if ids else 3
-    per_token = bytes_per_token(hidden, num_aux, config["hidden"]["storage_dtype"])
+    hcfg = config["hidden"]
+    per_token = bytes_per_token(hidden, num_aux, hcfg.get("storage_dtype", "bfloat16"), hcfg.get("layout", "compact"),
+                                hcfg.get("target_topk", 32))
     shards = exact = 0
     tokens = 0.0
     for name, plan in plans.items():
@@ -71,8 +97,8 @@ def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     if not shards:
         return "aerie disk preview: every hidden shard exists"
     return (f"aerie disk preview: {shards} pending hidden shards, ~{tokens:,.0f} tokens ({exact} counted from "
-            f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({num_aux} aux + final layer "
-            f"x {hidden} x {config['hidden']['storage_dtype']}) = ~{tokens * per_token / 2**30:,.2f} GiB")
+            f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout_description(hcfg, hidden, num_aux, per_token)}) "
+            f"= ~{tokens * per_token / 2**30:,.2f} GiB")
 
 
 

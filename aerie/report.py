@@ -177,11 +177,12 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
         rep = json.loads(Path(p).read_text())
         c = sums[_dataset_of(Path(p))]
         for k in ("samples", "kept", "exact_ids_available", "retokenized_equal", "usage_length_checked",
-                  "usage_length_equal"):
+                  "usage_length_equal", "prompt_length_checked", "prompt_length_equal"):
             c[k] += int(rep.get(k) or 0)
     fid = {d: {
         "retokenized equal / exact ids": _rate(sums[d]["retokenized_equal"], sums[d]["exact_ids_available"]),
         "usage length equal / checked": _rate(sums[d]["usage_length_equal"], sums[d]["usage_length_checked"]),
+        "prompt length equal / checked": _rate(sums[d]["prompt_length_equal"], sums[d]["prompt_length_checked"]),
         "kept / samples": _rate(sums[d]["kept"], sums[d]["samples"]),
     } for d in datasets}
 
@@ -223,13 +224,21 @@ def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) 
                 meta[k] = json.loads(v)
             except json.JSONDecodeError:
                 meta[k] = v
-        aux_s, fin_s = f.get_slice("aux_hidden_states"), f.get_slice("final_hidden_states")
+        names = set(f.keys())
+        aux_s = f.get_slice("aux_hidden_states")
+        fin_s = f.get_slice("final_hidden_states") if "final_hidden_states" in names else None  # compact: none
         rows = aux_s.get_shape()[0]
-        hidden = fin_s.get_shape()[1]
+        hidden = int(meta.get("hidden_size") or fin_s.get_shape()[1])
         chunk = max(1, sample_rows // 4)
         starts = sorted({min(max(rows - chunk, 0), int(rows * q)) for q in (0.0, 0.25, 0.5, 0.75)}) if rows else []
-        aux = [aux_s[s:s + chunk] for s in starts]
-        fin = [fin_s[s:s + chunk] for s in starts]
+        if "aux_scales" in names:  # compact layout: float8 values times their per-(token, layer) scale
+            from aerie.hidden import dequantize_aux
+
+            sc_s = f.get_slice("aux_scales")
+            aux = [dequantize_aux(aux_s[s:s + chunk], sc_s[s:s + chunk]) for s in starts]
+        else:
+            aux = [aux_s[s:s + chunk] for s in starts]
+        fin = [fin_s[s:s + chunk] for s in starts] if fin_s is not None else []
         seqs = f.get_slice("seq_offsets").get_shape()[0] - 1
     layer_ids = list(meta.get("aux_layer_ids") or [])
     norms: dict[str, list[float]] = {}
@@ -237,7 +246,8 @@ def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) 
         a = torch.cat(aux).float().reshape(-1, len(layer_ids) or 1, hidden)
         for j, lid in enumerate(layer_ids or [0]):
             norms[f"aux layer {lid}"] = a[:, j].pow(2).mean(-1).sqrt().tolist()
-        norms["final (normed)"] = torch.cat(fin).float().pow(2).mean(-1).sqrt().tolist()
+        if fin:
+            norms["final (normed)"] = torch.cat(fin).float().pow(2).mean(-1).sqrt().tolist()
     agreement = meta.get("next_token_agreement")
     return {"tokens": rows, "sequences": seqs, "hidden_size": hidden, "aux_layer_ids": layer_ids,
             "next_token_agreement": float(agreement) if agreement is not None else None, "rms": norms}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import FormatError, atomic_write_json, pack_sequences, read_jsonl, save_packed, split_packed
+from aerie.artifacts import FormatError, atomic_write_json, read_jsonl, save_packed, split_packed
 from aerie.responses import RESPONSES_FORMAT
 from aerie.target import ChatFormat, load_tokenizer, read_chat_format, read_generation_config, render_prompt_ids
 
@@ -80,8 +81,16 @@ def tool_calls_text(tokenizer, fmt: ChatFormat, messages: list[dict[str, Any]], 
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """Ids of ``text`` with special-token text matched as single ids (no BOS/EOS added)."""
-    return tokenizer.encode(text, add_special_tokens=False) if text else []
+    """Ids of ``text`` with special-token text matched as single ids (no BOS/EOS added).
+
+    Fast tokenizers go straight to their Rust backend (the same call transformers makes, without its
+    per-call bookkeeping); others (Kimi's tiktoken-based one) through ``encode``."""
+    if not text:
+        return []
+    backend = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return backend.encode(text, add_special_tokens=False).ids
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def rebuild_output_ids(tokenizer, fmt: ChatFormat, prompt_ids: Sequence[int], reasoning: str | None, content: str,
@@ -255,7 +264,7 @@ def tokenize_shard(
     fmt = read_chat_format(tok, read_generation_config(target_path))
     stop_ids = set(fmt.stop_ids)
     rep = _Report()
-    seqs, masks, kept_ids, cut = [], [], [], []
+    all_ids, lengths, prompt_lengths, kept_ids, cut = array("i"), [], [], [], []
     records = read_jsonl(responses_path)
     for n, r in enumerate(records, start=1):
         where = f"{responses_path}:{n}"
@@ -336,25 +345,27 @@ def tokenize_shard(
         if not ended and r["finish_reason"] != "length":
             raise FormatError(f"{where}: finish_reason is {r['finish_reason']!r} but the output does not end the turn")
 
-        ids = prompt_ids + output_ids
-        mask = [0] * len(prompt_ids) + [1] * len(output_ids)
-        if len(ids) > max_seq_len:
-            if overlong == "drop" or len(prompt_ids) >= max_seq_len:
+        n_prompt, n_total = len(prompt_ids), len(prompt_ids) + len(output_ids)
+        if n_total > max_seq_len:
+            if overlong == "drop" or n_prompt >= max_seq_len:
                 rep.drop("over_max_seq_len", sid)
                 continue
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
             rep.counts["truncated_to_max_seq_len"] += 1
             ended = False
+        n = min(n_total, max_seq_len)
         if not ended:
-            cut.append(len(seqs))
-        seqs.append(torch.tensor(ids, dtype=torch.int32))
-        masks.append(torch.tensor(mask, dtype=torch.uint8))
+            cut.append(len(lengths))
+        # One flat int32 buffer for the shard: no per-sample tensor, the mask is built from the lengths.
+        all_ids.extend(prompt_ids)
+        all_ids.extend(output_ids[: n - n_prompt])
+        lengths.append(n)
+        prompt_lengths.append(n_prompt)
         kept_ids.append(sid)
-        rep.counts["prompt_tokens"] += len(prompt_ids)
-        rep.counts["generated_tokens"] += sum(mask)
+        rep.counts["prompt_tokens"] += n_prompt
+        rep.counts["generated_tokens"] += n - n_prompt
 
     total_dropped = sum(rep.dropped.values())
-    if records and (not seqs or total_dropped > max_dropped_fraction * len(records)):
+    if records and (not lengths or total_dropped > max_dropped_fraction * len(records)):
         reasons = ", ".join(f"{k}: {v} (e.g. {', '.join(rep.drop_examples[k][:3])})" for k, v in rep.dropped.most_common())
         hint = ""
         if rep.dropped.keys() & {"no_reasoning", "reasoning_missing"}:
@@ -364,11 +375,16 @@ def tokenize_shard(
             hint = " - raise responses.max_new_tokens / tokens.max_seq_len, or set tokens.drop_truncated: false"
         raise FidelityError(f"{responses_path}: {total_dropped} of {len(records)} samples dropped (> "
                             f"tokens.max_dropped_fraction {max_dropped_fraction}): {reasons}{hint}")
-    if not seqs:
+    if not lengths:
         raise FormatError(f"{responses_path}: no samples")
 
-    input_ids, offsets = pack_sequences(seqs)
-    loss_mask, _ = pack_sequences(masks)
+    input_ids = torch.frombuffer(all_ids, dtype=torch.int32).clone()
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    # 1 from each sequence's first generated position to its end: position - start >= prompt length
+    starts = torch.repeat_interleave(offsets[:-1], torch.tensor(lengths))
+    positions = torch.arange(len(input_ids), dtype=torch.int64) - starts
+    loss_mask = (positions >= torch.repeat_interleave(torch.tensor(prompt_lengths), torch.tensor(lengths))).to(torch.uint8)
     meta = {
         "format": TOKENS_FORMAT,
         "sample_ids": kept_ids,

@@ -41,5 +41,6 @@ rule drafter:
     params:
         drafter=config["drafter"],
         target=lambda w: TARGET,
+        aux_layer_ids=config["hidden"]["aux_layer_ids"],  # checked against every hidden shard
     script:
         "../scripts/drafter.py"

@@ -1,4 +1,5 @@
-# Stage 4: target hidden states at the EAGLE-3 aux layers + the final layer, checked per shard.
+# Stage 4: target hidden states at the EAGLE-3 aux layers + the final layer (stored as it is, or as the
+# target's top-k next tokens), checked per shard.
 
 
 rule hidden:
@@ -11,8 +12,12 @@ rule hidden:
         "results/logs/{dataset}/hidden/shard-{shard}.log",
     benchmark:
         "results/benchmarks/{dataset}/hidden/shard-{shard}.tsv"
-    conda:
-        "../envs/aerie.yaml"
+    conda:  # SGLang capture runs in SGLang's own environment (it pins its own torch and transformers)
+        (
+            "../envs/sglang.yaml"
+            if config["hidden"]["backend"] == "sglang"
+            else "../envs/aerie.yaml"
+        )
     threads: all_cores()
     resources:
         gpu=gpus("hidden"),

@@ -20,7 +20,14 @@ import subprocess  # noqa: E402
 from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from aerie.drafter.train import TrainConfig, processes_for, torchrun_command, train_drafter  # noqa: E402
+from aerie.drafter.train import (  # noqa: E402
+    TrainConfig,
+    processes_for,
+    target_num_hidden_layers,
+    torchrun_command,
+    train_drafter,
+)
+from aerie.hidden import resolve_aux_layer_ids  # noqa: E402
 from aerie.rulelog import snakemake_threads  # noqa: E402
 
 cfg = TrainConfig(**{"threads": snakemake_threads(snakemake), **(snakemake.params.drafter or {})})
@@ -30,10 +37,13 @@ inputs = (
     Path(snakemake.params.target),
     Path(snakemake.output[0]),
 )
+# The configured aux layers (null: SGLang's default for the target's depth); training refuses shards captured
+# at other layers or from a target of another depth, and an export naming other layers.
+aux_layer_ids = resolve_aux_layer_ids(snakemake.params.aux_layer_ids, target_num_hidden_layers(inputs[2]))
 nproc = processes_for(int(getattr(snakemake.resources, "gpu", 0) or 0), cfg)
 if nproc > 1:
     cfg = replace(cfg, threads=max(1, cfg.threads // nproc))  # the job's cores, shared by the processes
-    cmd = torchrun_command(nproc, *inputs, cfg)
+    cmd = torchrun_command(nproc, *inputs, cfg, aux_layer_ids=aux_layer_ids)
     log(f"drafter: {nproc} processes: {shlex.join(cmd)}")
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     with open(snakemake.log[0], "a", buffering=1) as out:  # the processes' output goes to the rule log
@@ -44,4 +54,4 @@ if nproc > 1:
     if rc != 0:
         raise SystemExit(f"torchrun exited with status {rc}; see {snakemake.log[0]}")
 else:
-    train_drafter(*inputs, cfg, log=log)
+    train_drafter(*inputs, cfg, log=log, aux_layer_ids=aux_layer_ids)

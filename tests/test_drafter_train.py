@@ -397,7 +397,8 @@ from types import SimpleNamespace as NS
 import aerie.drafter.train as train
 train.processes_for = lambda gpus, cfg: gpus  # pretend CUDA shows the granted GPUs: torchrun runs on CPU (gloo)
 a = json.loads(sys.argv[1])
-snakemake = NS(input=NS(hidden=a["hidden"], vocab=a["vocab"]), params=NS(target=a["target"], drafter=a["drafter"]),
+snakemake = NS(input=NS(hidden=a["hidden"], vocab=a["vocab"]),
+               params=NS(target=a["target"], drafter=a["drafter"], aux_layer_ids=a["aux_layer_ids"]),
                output=[a["out"]], log=[a["log"]], threads=2, resources=NS(gpu=2))
 runpy.run_path(a["script"], init_globals={"snakemake": snakemake})
 """
@@ -409,12 +410,14 @@ def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp
     one (same initial weights, held-out set split over the ranks)."""
     out, rule_log = tmp_path / "d", tmp_path / "drafter.log"
     args = {"hidden": [str(x) for x in data["shards"]], "vocab": str(data["vocab"]), "target": str(data["target_dir"]),
-            "drafter": {**CFG, "epochs": 1}, "out": str(out), "log": str(rule_log), "script": str(REPO / "scripts" / "drafter.py")}
+            "drafter": {**CFG, "epochs": 1}, "out": str(out), "log": str(rule_log), "script": str(REPO / "scripts" / "drafter.py"),
+            "aux_layer_ids": AUX}
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env)
     text = rule_log.read_text() if rule_log.exists() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-3000:]
     assert "torch.distributed.run --standalone --nproc_per_node=2 -m aerie.drafter.train" in text
+    assert "--aux-layer-ids '[0, 1, 2]'" in text  # the configured ids reach every process
     assert "2 processes" in text and text.count("written to") == 1  # rank 0 speaks for the job
     result = json.loads((out / "eval.json").read_text())
     assert result["processes"] == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from aerie.artifacts import read_jsonl
+from aerie.artifacts import read_jsonl, write_jsonl
 from conftest import REPO, snakemake
 
 pytestmark = pytest.mark.slow
@@ -152,3 +152,76 @@ def test_removed_shard_is_recomputed_alone(demo_run) -> None:
     assert proc.returncode == 0, out
     counts = {k: int(v) for k, v in re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M)}
     assert counts == {"hidden": 1, "total": 1}, out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# planted failures: each one stops the pipeline at the right job with a message that says what is wrong
+
+
+def planted_copy(demo_run, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the finished demo (mtimes kept), to plant a failure in without touching the original."""
+    import shutil
+
+    workdir, configfile = demo_run
+    copy = tmp_path / "planted"
+    shutil.copytree(workdir, copy, symlinks=True, ignore=shutil.ignore_patterns("gated.yaml", "changed.yaml"))
+    return copy, copy / configfile.name
+
+
+def run_for(copy: Path, configfile: Path, target: str) -> str:
+    proc = snakemake(copy, target, "--cores", "2", "--configfile", str(configfile))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    return out
+
+
+def test_planted_dropped_reasoning_stops_the_tokens_job(demo_run, tmp_path) -> None:
+    copy, configfile = planted_copy(demo_run, tmp_path)
+    responses = copy / "results" / "humaneval" / "responses" / "shard-00000.jsonl"
+    records = read_jsonl(responses)
+    for r in records:  # a provider that counts reasoning tokens but does not return the reasoning
+        r["reasoning"] = None
+        r["usage"]["completion_tokens_details"] = {"reasoning_tokens": 12}
+    write_jsonl(responses, records)
+    run_for(copy, configfile, "results/humaneval/tokens/shard-00000.safetensors")
+    log = (copy / "results" / "logs" / "humaneval" / "tokens" / "shard-00000.log").read_text()
+    assert f"{len(records)} of {len(records)} samples dropped" in log and "reasoning_missing" in log, log
+    assert "returned no reasoning" in log
+    assert not (copy / "results" / "humaneval" / "tokens" / "shard-00000.safetensors").exists()
+
+
+def test_planted_shifted_loss_mask_stops_the_hidden_job(demo_run, tmp_path) -> None:
+    import torch
+
+    from aerie.artifacts import load_packed, save_packed
+    from aerie.tokens import TOKENS_FORMAT
+
+    copy, configfile = planted_copy(demo_run, tmp_path)
+    tokens = copy / "results" / "tasks" / "tokens" / "shard-00000.safetensors"
+    tensors, meta = load_packed(tokens, TOKENS_FORMAT)
+    shifted = tensors["loss_mask"].clone()
+    offsets = tensors["seq_offsets"].tolist()
+    for a, b in zip(offsets[:-1], offsets[1:]):  # an off-by-one mask: it starts on the last prompt token
+        shifted[a:b] = torch.cat([tensors["loss_mask"][a + 1:b], tensors["loss_mask"][b - 1:b]])
+    save_packed(tokens, {**tensors, "loss_mask": shifted}, meta)
+    run_for(copy, configfile, "results/tasks/hidden/shard-00000.safetensors")
+    log = (copy / "results" / "logs" / "tasks" / "hidden" / "shard-00000.log").read_text()
+    assert "does not follow the generation prompt" in log and "the mask is shifted" in log, log
+
+
+def test_planted_off_by_one_layer_ids_stop_the_drafter_job(demo_run, tmp_path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    copy, configfile = planted_copy(demo_run, tmp_path)
+    for shard in sorted((copy / "results").glob("*/hidden/shard-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            meta = dict(f.metadata())
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        ids = json.loads(meta["aux_layer_ids"])
+        meta["aux_layer_ids"] = json.dumps([i - 1 for i in ids])  # every shard captured one layer too early
+        save_file(tensors, str(shard), metadata=meta)
+    run_for(copy, configfile, "results/drafter/demo")
+    log = (copy / "results" / "logs" / "drafter" / "demo.log").read_text()
+    assert f"captured at aux layers {[i - 1 for i in ids]}" in log and f"configured for aux layers {ids}" in log, log
+    assert "recapture" in log

@@ -126,7 +126,7 @@ def pipeline_dir(tiny_target, tmp_path_factory) -> dict[str, Path]:
     tokenize_shard(paths["responses"], paths["tokens"], paths["report"], str(tiny_target), max_seq_len=4096,
                    drop_truncated=False, log=lambda m: None)
     capture_shard(paths["tokens"], paths["hidden"], str(tiny_target), aux_layer_ids=[1, 3, 4], batch_tokens=64,
-                  storage_dtype="float32", threads=1, min_next_token_agreement=0.99, log=lambda m: None)
+                  layout="full", storage_dtype="float32", threads=1, min_next_token_agreement=0.99, log=lambda m: None)
     return paths
 
 

@@ -36,7 +36,8 @@ TTT in one paragraph: step 0 feeds fc(aux features) with tokens shifted by one, 
 extend. Step k >= 1 feeds each row's own step k-1 ``hidden_out`` with the token one further on, at position
 t+k - exactly what chained draft steps see at inference. Attention follows the same rule (TTTCache): step-k
 row t sees step-0 keys of rows <= t and its own row's keys from steps 1..k. The loss at every step is the
-soft cross-entropy against the target's next-token distribution restricted to the draft vocab.
+soft cross-entropy against the target's next-token distribution restricted to the draft vocab (from the
+final states through lm_head for ``full`` hidden shards; from the stored top-k for ``compact`` ones).
 
 Index conventions for one sequence window starting at row ``a`` (all arrays are relative to ``a``):
 ``ids[p]`` token at p; ``q[p]`` target distribution after p (it predicts token p+1); ``gen[p]`` 1 when token p
@@ -66,13 +67,13 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache, atomic_write
+from aerie.hidden import LAYOUTS, READABLE_FORMATS, dequantize_aux
 
 try:
     import numpy as np
 except ImportError:  # numpy is optional: its RNG state is saved only when it is there
     np = None
 
-HIDDEN_FORMAT = "aerie.hidden/1"
 VOCAB_FORMAT = "aerie.draft-vocab/1"
 EVAL_FORMAT = "aerie.drafter-eval/1"
 STATE_FORMAT = "aerie.drafter-train-state/1"
@@ -119,24 +120,38 @@ RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "devi
 
 
 class HiddenShard:
-    """One aerie.hidden/1 file: small tensors in memory, the big hidden states read lazily per window."""
+    """One hidden shard (aerie.hidden/2, either layout; aerie.hidden/1 reads as ``full``): small tensors in
+    memory, the big per-token tensors read lazily per window."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._file = safe_open(str(self.path), framework="pt")
         meta = self._file.metadata() or {}
-        if meta.get("format") != HIDDEN_FORMAT:
-            raise ValueError(f"{self.path}: format {meta.get('format')!r}, expected {HIDDEN_FORMAT!r}")
+        if meta.get("format") not in READABLE_FORMATS:
+            raise ValueError(f"{self.path}: format {meta.get('format')!r}, expected one of {', '.join(READABLE_FORMATS)}")
+        self.layout = meta.get("layout", "full")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"{self.path}: unknown layout {self.layout!r}")
         self.aux_layer_ids: list[int] = [int(i) for i in json.loads(meta["aux_layer_ids"])]
+        layers = meta.get("num_hidden_layers")
+        self.num_hidden_layers: int | None = int(layers) if layers is not None else None
         self.hidden_size = int(meta["hidden_size"])
         self.vocab_size = int(meta["vocab_size"])
         self.sample_ids: list[str] = json.loads(meta.get("sample_ids", "[]"))
         self.input_ids = self._file.get_tensor("input_ids").long()  # [T]
         self.loss_mask = self._file.get_tensor("loss_mask").bool()  # [T]
         self.seq_offsets = self._file.get_tensor("seq_offsets").long()  # [N+1]
-        aux_shape = self._file.get_slice("aux_hidden_states").get_shape()
-        if aux_shape != [len(self.input_ids), len(self.aux_layer_ids) * self.hidden_size]:
-            raise ValueError(f"{self.path}: aux_hidden_states shape {aux_shape} does not match its metadata")
+        T, A = len(self.input_ids), len(self.aux_layer_ids)
+        expected = {"aux_hidden_states": [T, A * self.hidden_size]}
+        if self.layout == "full":
+            expected["final_hidden_states"] = [T, self.hidden_size]
+            self.topk = 0
+        else:
+            self.topk = int(meta["target_topk"])
+            expected.update(aux_scales=[T, A], target_topk_ids=[T, self.topk], target_topk_logprobs=[T, self.topk])
+        for name, shape in expected.items():
+            if name not in self._file.keys() or self._file.get_slice(name).get_shape() != shape:
+                raise ValueError(f"{self.path}: {name} missing or not of shape {shape} ({self.layout} layout)")
         if len(self.sample_ids) != self.num_seqs:
             self.sample_ids = [f"{self.path.name}#{i}" for i in range(self.num_seqs)]
 
@@ -146,6 +161,12 @@ class HiddenShard:
 
     def rows(self, name: str, start: int, end: int) -> Tensor:
         return self._file.get_slice(name)[start:end]
+
+    def aux_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
+        """[n, A*H] aux features in ``dtype`` (the compact layout's float8 values times their scales)."""
+        if self.layout == "compact":
+            return dequantize_aux(self.rows("aux_hidden_states", start, end), self.rows("aux_scales", start, end), dtype)
+        return self.rows("aux_hidden_states", start, end).to(dtype)
 
 
 def open_hidden_shards(paths: Sequence[Path]) -> list[HiddenShard]:
@@ -162,7 +183,38 @@ def open_hidden_shards(paths: Sequence[Path]) -> list[HiddenShard]:
             )
         if (s.hidden_size, s.vocab_size) != (first.hidden_size, first.vocab_size):
             raise ValueError(f"hidden shards disagree on hidden_size/vocab_size: {first.path} vs {s.path}")
+        # A batch holds one kind of target (final states or top-k lists): one layout, one k for all shards.
+        if (s.layout, s.topk) != (first.layout, first.topk):
+            raise ValueError(
+                f"hidden shards disagree on their layout: {first.path} is {first.layout} (top-k {first.topk}), "
+                f"{s.path} is {s.layout} (top-k {s.topk}); recapture them with one hidden.layout / target_topk"
+            )
     return shards
+
+
+def check_shard_layers(shards: Sequence[HiddenShard], aux_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
+    """Refuse shards captured at other layers than the drafter is configured for, or from a target of another
+    depth: the drafter's fc would be trained on features SGLang never feeds it."""
+    want = [int(i) for i in aux_layer_ids]
+    for s in shards:
+        if s.aux_layer_ids != want or s.num_hidden_layers != num_hidden_layers:
+            raise ValueError(
+                f"{s.path} was captured at aux layers {s.aux_layer_ids} of a {s.num_hidden_layers}-layer target, but "
+                f"the drafter is configured for aux layers {want} of the {num_hidden_layers}-layer target "
+                "(hidden.aux_layer_ids): recapture the hidden shards (delete them and rerun) or fix the setting"
+            )
+
+
+def check_exported_layer_ids(folder: Path, aux_layer_ids: Sequence[int]) -> None:
+    """Re-read an exported drafter's config.json: SGLang captures the layers named there, so they must be the
+    layers the drafter was trained on."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    exported = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if exported != list(aux_layer_ids):
+        raise ValueError(
+            f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is {exported}, but the drafter "
+            f"was trained on hidden shards captured at aux layers {list(aux_layer_ids)}; refusing to publish it"
+        )
 
 
 @dataclass
@@ -271,8 +323,10 @@ class Batch:
     ids: Tensor  # [B, W] token ids, W = T + ttt_steps + 2
     have: Tensor  # [B, W] bool: a token and target feature exist at p
     gen: Tensor  # [B, W] bool: token p was generated
-    final: Tensor  # [B, W, H] target final hidden (after its norm)
+    final: Tensor | None  # full layout: [B, W, H] target final hidden (after its norm)
     rows: int  # number of real rows
+    topk_ids: Tensor | None = None  # compact layout: [B, W, k] target's top-k next-token ids
+    topk_logprobs: Tensor | None = None  # compact layout: [B, W, k] their log-probabilities
 
 
 def load_batch(windows: list[Window], shards: list[HiddenShard], ttt_steps: int, device: torch.device, dtype: torch.dtype) -> Batch:
@@ -280,9 +334,12 @@ def load_batch(windows: list[Window], shards: list[HiddenShard], ttt_steps: int,
     T = max(w.end - w.start for w in windows)
     W = T + ttt_steps + 2
     first = shards[windows[0].shard]
-    A_H, H = len(first.aux_layer_ids) * first.hidden_size, first.hidden_size
+    A_H, H, k = len(first.aux_layer_ids) * first.hidden_size, first.hidden_size, first.topk
+    compact = first.layout == "compact"
     aux = torch.zeros(B, T, A_H, dtype=dtype)
-    final = torch.zeros(B, W, H, dtype=dtype)
+    final = None if compact else torch.zeros(B, W, H, dtype=dtype)
+    topk_ids = torch.zeros(B, W, k, dtype=torch.long) if compact else None
+    topk_lp = torch.zeros(B, W, k, dtype=torch.float32) if compact else None
     ids = torch.zeros(B, W, dtype=torch.long)
     have = torch.zeros(B, W, dtype=torch.bool)
     gen = torch.zeros(B, W, dtype=torch.bool)
@@ -291,23 +348,31 @@ def load_batch(windows: list[Window], shards: list[HiddenShard], ttt_steps: int,
     for i, w in enumerate(windows):
         sh = shards[w.shard]
         n, m = w.end - w.start, w.look_end - w.start
-        aux[i, :n] = sh.rows("aux_hidden_states", w.start, w.end).to(dtype)
-        final[i, :m] = sh.rows("final_hidden_states", w.start, w.look_end).to(dtype)
+        aux[i, :n] = sh.aux_rows(w.start, w.end, dtype)
+        if compact:
+            topk_ids[i, :m] = sh.rows("target_topk_ids", w.start, w.look_end).long()
+            topk_lp[i, :m] = sh.rows("target_topk_logprobs", w.start, w.look_end).float()
+        else:
+            final[i, :m] = sh.rows("final_hidden_states", w.start, w.look_end).to(dtype)
         ids[i, :m] = sh.input_ids[w.start : w.look_end]
         gen[i, :m] = sh.loss_mask[w.start : w.look_end]
         have[i, :m] = True
         row_valid[i, :n] = True
         position_ids[i] = w.pos0 + torch.arange(T)
-    to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-    return Batch(to(aux), to(position_ids), to(row_valid), to(ids), to(have), to(gen), to(final), int(row_valid.sum()))
+    to = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
+    return Batch(to(aux), to(position_ids), to(row_valid), to(ids), to(have), to(gen), to(final), int(row_valid.sum()),
+                 to(topk_ids), to(topk_lp))
 
 
 @dataclass
 class TargetHead:
-    """The target's frozen lm_head: full [V,H] for greedy tokens, draft rows [Vd,H] for the soft targets."""
+    """The target's next-token distribution at every batch position, restricted to the draft vocab.
 
-    full: Tensor
-    draft: Tensor
+    Full layout: from the final states through the frozen lm_head (``full`` [V,H] for the greedy token,
+    ``draft`` [Vd,H] rows for the soft targets). Compact layout: from the stored top-k lists; no lm_head."""
+
+    full: Tensor | None
+    draft: Tensor | None
     t2d: Tensor  # bool [V]
 
     @torch.no_grad()
@@ -321,6 +386,26 @@ class TargetHead:
         flat = final.reshape(-1, final.shape[-1])
         out = torch.cat([(flat[i : i + chunk] @ self.full.T).argmax(-1) for i in range(0, len(flat), chunk)])
         return out.view(final.shape[:-1])
+
+    @torch.no_grad()
+    def topk_targets(self, ids: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor]:
+        """[B,W,k] top-k lists -> ([B,W,Vd] soft targets, [B,W] has any in-vocab entry): the softmax of the
+        entries inside the draft vocab, renormalised among themselves; rows with none get all zeros."""
+        draft_index = torch.cumsum(self.t2d, 0) - 1  # target id -> draft id (draft ids ascend with target ids)
+        valid = self.t2d[ids]
+        has = valid.any(-1)
+        lp = logprobs.float().masked_fill(~valid, float("-inf")).masked_fill(~has[..., None], 0.0)
+        p = torch.softmax(lp, -1) * valid
+        q = torch.zeros(*ids.shape[:-1], int(self.t2d.sum()), device=ids.device)
+        return q.scatter_add_(-1, (draft_index[ids] * valid).long(), p), has
+
+    @torch.no_grad()
+    def targets(self, b: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """(q [B,W,Vd] soft targets, greedy [B,W] target token, has_q [B,W] bool) for a batch of either layout."""
+        if b.topk_ids is not None:
+            q, has = self.topk_targets(b.topk_ids, b.topk_logprobs)
+            return q, b.topk_ids[..., 0], has  # top-1 of the full vocab = the target's greedy token
+        return self.soft_targets(b.final), self.greedy(b.final), torch.ones_like(b.have)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -346,6 +431,11 @@ def _text_config(config: dict) -> dict:
         if isinstance(nested, dict) and "hidden_size" in nested:
             return nested
     return config
+
+
+def target_num_hidden_layers(target: Path) -> int:
+    """The target's decoder-layer count, from its config.json (a multimodal wrapper's text_config)."""
+    return int(_text_config(json.loads((Path(target) / "config.json").read_text()))["num_hidden_layers"])
 
 
 def _tensor_files(target: Path) -> dict[str, Path]:
@@ -447,23 +537,29 @@ def ttt_unroll(model: Eagle3Drafter, aux: Tensor, ids: Tensor, position_ids: Ten
     return logits_per_step
 
 
-def step_weights(batch: Batch, k: int, in_vocab: Tensor | None) -> Tensor:
-    """[B,T] float: rows supervised at step k (real row, predicted token generated, optionally in-vocab target)."""
+def step_weights(batch: Batch, k: int, target_ok: Tensor | None) -> Tensor:
+    """[B,T] float: rows supervised at step k (real row, predicted token generated, and - when given - a usable
+    target: in-vocab greedy token with mask_out_of_vocab_targets, an in-vocab top-k entry for compact shards)."""
     T = batch.row_valid.shape[1]
     w = batch.row_valid & batch.gen[:, 2 + k : 2 + k + T]
-    if in_vocab is not None:
-        w = w & in_vocab[:, 1 + k : 1 + k + T]
+    if target_ok is not None:
+        w = w & target_ok[:, 1 + k : 1 + k + T]
     return w.float()
 
 
-def ttt_loss(logits_per_step: list[Tensor], q: Tensor, batch: Batch, in_vocab: Tensor | None, decay: float):
+def target_mask(head: TargetHead, greedy: Tensor, has_q: Tensor, cfg: TrainConfig) -> Tensor:
+    """[B,W] bool: positions whose target distribution may carry loss."""
+    return has_q & head.t2d[greedy] if cfg.mask_out_of_vocab_targets else has_q
+
+
+def ttt_loss(logits_per_step: list[Tensor], q: Tensor, batch: Batch, target_ok: Tensor | None, decay: float):
     """Weighted sum over steps of masked soft cross-entropy; also per-step (ce_sum, weight_sum, correct)."""
     T = batch.row_valid.shape[1]
     total = torch.zeros((), device=q.device)
     stats = []
     for k, logits in enumerate(logits_per_step):
         q_k = q[:, 1 + k : 1 + k + T]  # [B,T,Vd]
-        w = step_weights(batch, k, in_vocab)  # [B,T]
+        w = step_weights(batch, k, target_ok)  # [B,T]
         ce = -(q_k * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B,T]
         ce_sum, w_sum = (ce * w).sum(), w.sum()
         total = total + decay**k * ce_sum / w_sum.clamp_min(1.0)
@@ -514,12 +610,10 @@ def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: Tar
     for group in groups:
         b = load_batch(group, shards, K, device, dtype)
         T = b.row_valid.shape[1]
-        q = head.soft_targets(b.final)
-        greedy = head.greedy(b.final)  # [B,W]
-        in_vocab = head.t2d[greedy] if cfg.mask_out_of_vocab_targets else None
+        q, greedy, has_q = head.targets(b)  # greedy [B,W]: the token the target verifies against
         with _autocast(device):
             steps = ttt_unroll(model, b.aux, b.ids, b.position_ids, K)
-        _, stats = ttt_loss(steps, q, b, in_vocab, cfg.step_loss_decay)
+        _, stats = ttt_loss(steps, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
         for k, (c, w, r) in enumerate(stats):
             ce[k] += float(c)
             wsum[k] += float(w)
@@ -745,11 +839,15 @@ def train_drafter(
     cfg: TrainConfig,
     log: Callable[[str], None] = print,
     on_step: Callable[[int], None] | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
 ) -> dict:
     """Train a drafter on hidden shards; write out_dir (best drafter, train_log.jsonl, eval.json); return eval.
 
-    Resumes from ``train_state_dir(out_dir)`` when a compatible state is there. ``on_step(step)`` is called
-    after every optimizer step and its checkpoint (tests raise from it to simulate a kill).
+    ``aux_layer_ids``: the configured aux layers (hidden.aux_layer_ids resolved against the target); every
+    shard must have been captured at exactly these layers of a target as deep as ``target_path`` (None: the
+    first shard's ids). Resumes from ``train_state_dir(out_dir)`` when a compatible state is there.
+    ``on_step(step)`` is called after every optimizer step and its checkpoint (tests raise from it to simulate
+    a kill).
     """
     t_start = time.time()
     if cfg.threads:
@@ -765,7 +863,8 @@ def train_drafter(
 
     # data and the target's heads
     shards = open_hidden_shards(hidden_shards)
-    aux_layer_ids = shards[0].aux_layer_ids
+    aux_layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else shards[0].aux_layer_ids
+    check_shard_layers(shards, aux_layer_ids, target_num_hidden_layers(Path(target_path)))
     vocab = load_draft_vocab(Path(vocab_path))
     model, dcfg, lm_head = _load_target_heads(Path(target_path), vocab, aux_layer_ids, cfg)
     if (shards[0].hidden_size, shards[0].vocab_size) != (dcfg.hidden_size, dcfg.vocab_size):
@@ -774,8 +873,11 @@ def train_drafter(
             f"{shards[0].vocab_size}; {target_path} has hidden {dcfg.hidden_size}, vocab {dcfg.vocab_size}"
         )
     model = model.to(device)
-    head = TargetHead(full=lm_head.to(device).float(), draft=lm_head[vocab.target_ids].to(device).float(),
-                      t2d=vocab.t2d.to(device))
+    if shards[0].layout == "full":
+        head = TargetHead(full=lm_head.to(device).float(), draft=lm_head[vocab.target_ids].to(device).float(),
+                          t2d=vocab.t2d.to(device))
+    else:  # compact shards carry the target's top-k: no [V, H] head on the device (4.7 GB fp32 for Kimi)
+        head = TargetHead(full=None, draft=None, t2d=vocab.t2d.to(device))
     del lm_head
 
     # windows, the held-out split (by sequence), and each epoch's batch order (this rank's share of it)
@@ -870,6 +972,7 @@ def train_drafter(
             "heldout_loss": evaluation.get("heldout_loss"),
         }
         model.save_pretrained(folder, extra=facts)
+        check_exported_layer_ids(folder, aux_layer_ids)
 
     try:
         log(
@@ -892,14 +995,13 @@ def train_drafter(
             for group in order[progress.position :]:
                 t0 = time.time()
                 b = load_batch(group, shards, cfg.ttt_steps, device, dtype)
-                q = head.soft_targets(b.final)
-                in_vocab = head.t2d[head.greedy(b.final)] if cfg.mask_out_of_vocab_targets else None
+                q, greedy, has_q = head.targets(b)
                 lr = lr_at(progress.step, total_steps, cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 with _autocast(device):
                     steps = unroll(b.aux, b.ids, b.position_ids)
-                loss, stats = ttt_loss(steps, q, b, in_vocab, cfg.step_loss_decay)
+                loss, stats = ttt_loss(steps, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
@@ -984,6 +1086,7 @@ def train_drafter(
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in ("model.safetensors", "config.json"):
             _copy_atomic(state_dir / "best" / name, out_dir / name)
+        check_exported_layer_ids(out_dir, aux_layer_ids)
         _copy_atomic(log_tmp, out_dir / "train_log.jsonl")
         atomic_write(out_dir / "eval.json", lambda path: Path(path).write_text(json.dumps(result, indent=2) + "\n"))
         state_path.unlink(missing_ok=True)  # nothing left to resume; last/ and best/ stay
@@ -1006,7 +1109,7 @@ def processes_for(gpus: int, cfg: TrainConfig) -> int:
 
 
 def torchrun_command(nproc: int, hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, out_dir: Path,
-                     cfg: TrainConfig, python: str = sys.executable) -> list[str]:
+                     cfg: TrainConfig, python: str = sys.executable, aux_layer_ids: Sequence[int] | None = None) -> list[str]:
     """``torchrun --standalone --nproc_per_node=N -m aerie.drafter.train ...`` (as python -m torch.distributed.run,
     so it runs under the same interpreter)."""
     return [
@@ -1017,16 +1120,18 @@ def torchrun_command(nproc: int, hidden_shards: Sequence[Path], vocab_path: Path
         "--target", str(target_path),
         "--out", str(out_dir),
         "--config", json.dumps(asdict(cfg)),
+        *(["--aux-layer-ids", json.dumps(list(aux_layer_ids))] if aux_layer_ids is not None else []),
     ]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m aerie.drafter.train", description="Train an EAGLE-3 drafter.")
-    ap.add_argument("--hidden", nargs="+", required=True, help="aerie.hidden/1 shards")
+    ap.add_argument("--hidden", nargs="+", required=True, help="aerie.hidden/2 shards")
     ap.add_argument("--vocab", required=True, help="aerie.draft-vocab/1 file")
     ap.add_argument("--target", required=True, help="the target's save_pretrained folder")
     ap.add_argument("--out", required=True, help="output folder for the drafter")
     ap.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
+    ap.add_argument("--aux-layer-ids", default=None, help="the configured aux layer ids as JSON (checked against the shards)")
     args = ap.parse_args(argv)
     cfg = TrainConfig(**json.loads(args.config))
 
@@ -1034,7 +1139,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     try:
-        train_drafter([Path(x) for x in args.hidden], Path(args.vocab), Path(args.target), Path(args.out), cfg, log=log)
+        ids = json.loads(args.aux_layer_ids) if args.aux_layer_ids else None
+        train_drafter([Path(x) for x in args.hidden], Path(args.vocab), Path(args.target), Path(args.out), cfg, log=log,
+                      aux_layer_ids=ids)
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

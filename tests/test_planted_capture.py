@@ -1,0 +1,124 @@
+"""Planted capture failures stop the hidden stage with the message that names them.
+
+The seed project's first drafter had zero acceptance because hidden-state capture was silently off; an
+off-by-one layer costs acceptance without any error. Each failure is planted into a real capture of a tiny
+Llama target (the backend or the hooks are swapped for broken ones) and must fail the shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import aerie.hidden as hidden
+from aerie.artifacts import save_packed
+from aerie.capture import AuxHiddenCapture
+from aerie.hidden import HiddenStateError, capture_shard
+from aerie.tokens import TOKENS_FORMAT
+
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("planted")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    model.save_pretrained(root / "target")
+    ids = torch.randint(3, 200, (6, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(12):  # the target's own greedy continuation: next-token agreement 1.0
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    mask = torch.zeros(ids.shape[1], dtype=torch.uint8)
+    mask[8:] = 1
+    save_packed(root / "tokens.safetensors",
+                {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask.repeat(len(ids)),
+                 "seq_offsets": torch.arange(len(ids) + 1, dtype=torch.int64) * ids.shape[1]},
+                {"format": TOKENS_FORMAT, "sample_ids": [f"p/{i}" for i in range(len(ids))],
+                 "generation_prompt_ids": [], "stop_ids": [], "cut_sequences": list(range(len(ids)))})
+    return {"root": root, "target": str(root / "target"), "tokens": root / "tokens.safetensors"}
+
+
+def capture(world: dict, name: str) -> dict:
+    return capture_shard(world["tokens"], world["root"] / f"{name}.safetensors", world["target"], aux_layer_ids=AUX,
+                         batch_tokens=256, threads=1, min_next_token_agreement=0.995, log=lambda _: None)
+
+
+def test_healthy_capture_passes(world) -> None:
+    summary = capture(world, "ok")
+    assert summary["next_token_agreement"] == 1.0 and summary["aux_layer_ids"] == AUX
+
+
+def test_capture_silently_off_fails(world, monkeypatch) -> None:
+    real = hidden.open_backend
+
+    class CaptureOff:
+        """A server with aux capture off: it answers, with zeros where the aux states should be."""
+
+        def __init__(self, inner):
+            self.inner = inner
+            self.num_hidden_layers, self.hidden_size, self.vocab_size = inner.num_hidden_layers, inner.hidden_size, inner.vocab_size
+
+        def capture(self, seqs):
+            return [(torch.zeros_like(aux), final) for aux, final in self.inner.capture(seqs)]
+
+        def close(self):
+            self.inner.close()
+
+    def broken(*args, **kwargs):
+        cap, head = real(*args, **kwargs)
+        return CaptureOff(cap), head
+
+    monkeypatch.setattr(hidden, "open_backend", broken)
+    with pytest.raises(HiddenStateError, match=r"aux layer 1 is all zeros \(capture silently off\?\)"):
+        capture(world, "off")
+    assert not (world["root"] / "off.safetensors").exists()
+
+
+def test_off_by_one_hooks_fail_the_convention_check(world, monkeypatch) -> None:
+    class OneLate(AuxHiddenCapture):
+        """Hooks registered one layer too deep: id i records layer i+1's output."""
+
+        def __enter__(self):
+            for i in self.layer_ids:
+                self._handles.append(self._layers[i + 1].register_forward_hook(self._hook(i)))
+            return self
+
+    monkeypatch.setattr(hidden, "AuxHiddenCapture", OneLate)
+    with pytest.raises(HiddenStateError, match=r"aux id 1 is not the output of decoder layer 1 .*equals the output "
+                                               r"of layer 2.*off by one"):
+        capture(world, "late")
+
+
+def test_a_layer_that_does_nothing_shows_as_identical_layers(world, tmp_path) -> None:
+    # Layers 2 and 3 whose residual updates are zero: layer 3's output IS layer 1's output - what a capture
+    # that keeps returning one buffer looks like.
+    model = LlamaForCausalLM.from_pretrained(world["target"])
+    with torch.no_grad():
+        for i in (2, 3):
+            model.model.layers[i].self_attn.o_proj.weight.zero_()
+            model.model.layers[i].mlp.down_proj.weight.zero_()
+    model.save_pretrained(tmp_path / "dead")
+    with pytest.raises(HiddenStateError, match="aux layers 1 and 3 are identical"):
+        capture_shard(world["tokens"], tmp_path / "x.safetensors", str(tmp_path / "dead"), aux_layer_ids=AUX,
+                      threads=1, log=lambda _: None)
+
+
+def test_unservable_layer_ids_are_refused_before_any_work(world, tmp_path) -> None:
+    with pytest.raises(ValueError, match="last decoder layer's output"):
+        capture_shard(world["tokens"], tmp_path / "x.safetensors", world["target"], aux_layer_ids=[1, 3, 5],
+                      threads=1, log=lambda _: None)
+
+
+def test_deepseek_family_ids_must_start_with_one() -> None:
+    from aerie.capture import check_servable_aux_layer_ids
+
+    # SGLang's DeepseekV2/V3 (Kimi K2.5) read ids not starting with 1 as layer inputs: served one layer early.
+    with pytest.raises(ValueError, match=r"do not start with 1: SGLang's DeepseekV3ForCausalLM adds 1"):
+        check_servable_aux_layer_ids([2, 30, 58], 61, ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"])
+    assert check_servable_aux_layer_ids([1, 29, 57], 61, ["KimiK25ForConditionalGeneration"]) == [1, 29, 57]
+    assert check_servable_aux_layer_ids([2, 30, 58], 61, ["LlamaForCausalLM"]) == [2, 30, 58]
