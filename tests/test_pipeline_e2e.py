@@ -33,6 +33,7 @@ def small_demo_config() -> dict:
     config["datasets"]["humaneval"]["bench_prompts"] = 2
     config["responses"]["max_new_tokens"] = 48
     config["tokens"]["drop_truncated"] = False  # a barely trained target often runs to the token cap
+    config["tokens"]["max_dropped_fraction"] = 0.75  # ... or answers nothing (flagged empty): few samples here
     config["hidden"]["min_next_token_agreement"] = 0.9
     config["drafter"] = {**(config.get("drafter") or {}), "epochs": 1}
     config["bench"].update({"max_new_tokens": 16, "max_prompts": 3, "warmup": 0})
@@ -223,5 +224,7 @@ def test_planted_off_by_one_layer_ids_stop_the_drafter_job(demo_run, tmp_path) -
         save_file(tensors, str(shard), metadata=meta)
     run_for(copy, configfile, "results/drafter/demo")
     log = (copy / "results" / "logs" / "drafter" / "demo.log").read_text()
-    assert f"captured at aux layers {[i - 1 for i in ids]}" in log and f"configured for aux layers {ids}" in log, log
-    assert "recapture" in log
+    # A shard removed by an earlier test is recaptured at the right ids first: then the shards disagree among
+    # themselves; otherwise they disagree with the configured ids. Either way the job names both and stops.
+    assert str([i - 1 for i in ids]) in log and str(ids) in log and "recapture" in log, log
+    assert "captured at aux layers" in log or "hidden shards disagree on aux_layer_ids" in log
