@@ -34,3 +34,15 @@ def workdir(tmp_path: Path) -> Path:
     d = tmp_path / "work"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core box a second thread that waits for a busy
+    core makes every small matmul many times slower. Modules opt in with ``pytestmark``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

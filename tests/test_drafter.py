@@ -20,14 +20,7 @@ from aerie.drafter import DrafterConfig, DrafterKVCache, Eagle3Drafter, TTTCache
 from aerie.drafter.train import HiddenShard, TrainConfig, load_batch, make_windows, train_drafter, ttt_unroll
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: one thread is ~100x faster than two on a shared 2-core box (thread hand-off dominates).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TARGET = dict(
     vocab_size=300,

@@ -35,6 +35,9 @@ from aerie.drafter.train import (
     train_state_dir,
 )
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 
 TARGET = dict(
@@ -48,14 +51,6 @@ NUM_SEQS, SEQ_LEN, PROMPT_LEN = 40, 20, 6
 # 40 sequences, 20% held out -> ~4 batches of 8 per epoch; checkpoint every 3 steps lands mid-epoch
 CFG = dict(ttt_steps=3, epochs=3, learning_rate=3e-3, warmup_ratio=0.1, batch_size=8, max_seq_len=16,
            eval_fraction=0.2, seed=0, threads=1, log_every=1, checkpoint_every=3, grad_clip=1.0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

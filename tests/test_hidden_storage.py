@@ -33,6 +33,9 @@ from aerie.drafter.train import (
 from aerie.hidden import HIDDEN_FORMAT, HFCapture, capture_shard, dequantize_aux, quantize_aux
 from aerie.tokens import TOKENS_FORMAT
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TARGET = dict(
     vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=5, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, max_position_embeddings=128, initializer_range=0.05,
@@ -42,14 +45,6 @@ NUM_SEQS, PROMPT_LEN, NEW_TOKENS = 48, 8, 24
 TOPK = 16
 TRAIN = dict(ttt_steps=2, epochs=8, learning_rate=3e-3, warmup_ratio=0.1, batch_size=8, max_seq_len=64,
              eval_fraction=0.2, seed=0, threads=1, log_every=100, checkpoint_every=0)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _capture(world: dict, out: Path, **kw) -> dict:

@@ -27,6 +27,9 @@ from aerie.bench.speculative import (
 from aerie.capture import AuxHiddenCapture
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 300
 AUX_IDS = [1, 3, 4]
 MAX_NEW = 40
@@ -51,16 +54,6 @@ def _tiny_drafter(target: LlamaForCausalLM, seed: int = 0) -> Eagle3Drafter:
     d2t = ids - torch.arange(draft_vocab)
     cfg = DrafterConfig.from_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=AUX_IDS)
     return Eagle3Drafter.from_target(target, cfg, d2t, t2d).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # A 64-wide model gains nothing from threads, and on a shared CPU a second thread that waits for a
-    # busy core makes every tiny forward ~10x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
