@@ -27,7 +27,7 @@ from aerie.drafter.train import (  # noqa: E402
     torchrun_command,
     train_drafter,
 )
-from aerie.hidden import resolve_aux_layer_ids  # noqa: E402
+from aerie.hidden import resolve_aux_layer_ids, target_architectures  # noqa: E402
 from aerie.rulelog import snakemake_threads  # noqa: E402
 
 cfg = TrainConfig(**{"threads": snakemake_threads(snakemake), **(snakemake.params.drafter or {})})
@@ -39,7 +39,8 @@ inputs = (
 )
 # The configured aux layers (null: SGLang's default for the target's depth); training refuses shards captured
 # at other layers or from a target of another depth, and an export naming other layers.
-aux_layer_ids = resolve_aux_layer_ids(snakemake.params.aux_layer_ids, target_num_hidden_layers(inputs[2]))
+aux_layer_ids = resolve_aux_layer_ids(snakemake.params.aux_layer_ids, target_num_hidden_layers(inputs[2]),
+                                      target_architectures(inputs[2]))
 nproc = processes_for(int(getattr(snakemake.resources, "gpu", 0) or 0), cfg)
 if nproc > 1:
     cfg = replace(cfg, threads=max(1, cfg.threads // nproc))  # the job's cores, shared by the processes
