@@ -7,7 +7,9 @@ Only the hooked layers' outputs are kept, so memory does not grow with the numbe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -48,6 +50,12 @@ FIRST_ID_MUST_BE_ONE = frozenset({
     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
     "MistralLarge3ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM",
 })
+
+
+def target_architectures(target_path: str | Path) -> list[str]:
+    """``architectures`` of a target folder's config.json and of its text_config (Kimi K2.5 wraps DeepseekV3)."""
+    cfg = json.loads((Path(target_path) / "config.json").read_text())
+    return [*(cfg.get("architectures") or []), *((cfg.get("text_config") or {}).get("architectures") or [])]
 
 
 def check_servable_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int,

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from aerie.artifacts import load_packed, save_packed, split_packed
-from aerie.capture import AuxHiddenCapture, check_servable_aux_layer_ids, default_aux_layer_ids
+from aerie.capture import AuxHiddenCapture, check_servable_aux_layer_ids, default_aux_layer_ids, target_architectures
 
 HIDDEN_FORMAT = "aerie.hidden/2"
 READABLE_FORMATS = ("aerie.hidden/1", HIDDEN_FORMAT)  # aerie.hidden/1 is read as the full layout
@@ -46,12 +46,6 @@ def resolve_aux_layer_ids(configured: Sequence[int] | None, num_hidden_layers: i
     """The configured ids (null: SGLang's default), refused unless SGLang can capture and serve exactly them."""
     ids = list(configured) if configured else default_aux_layer_ids(num_hidden_layers)
     return check_servable_aux_layer_ids(ids, num_hidden_layers, architectures)
-
-
-def target_architectures(target_path: str | Path) -> list[str]:
-    """``architectures`` of the target's config.json and of its text_config (Kimi K2.5 wraps DeepseekV3)."""
-    cfg = json.loads((Path(target_path) / "config.json").read_text())
-    return [*(cfg.get("architectures") or []), *((cfg.get("text_config") or {}).get("architectures") or [])]
 
 
 def target_text_config(target_path: str | Path) -> dict[str, Any]:

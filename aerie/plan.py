@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from aerie.capture import check_servable_aux_layer_ids, default_aux_layer_ids
+from aerie.capture import check_servable_aux_layer_ids, default_aux_layer_ids, target_architectures
 from aerie.prompts import DatasetPlan, plan_dataset
 
 
@@ -65,8 +65,9 @@ def check_config(config: dict[str, Any]) -> None:
         layers = DemoTargetConfig(**target["demo"] or {}).num_hidden_layers
     if ids or layers:
         try:
+            local = "demo" not in target and (Path(target["path"]) / "config.json").exists()
             check_servable_aux_layer_ids(ids or default_aux_layer_ids(layers), layers or max(ids) + 2,
-                                         _local_architectures(target))
+                                         target_architectures(target["path"]) if local else ())
         except ValueError as e:
             hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
             raise ConfigError(f"hidden.aux_layer_ids: {e}{hint}") from None
@@ -98,15 +99,6 @@ def _schema() -> dict[str, Any]:
     import yaml
 
     return yaml.safe_load((Path(__file__).resolve().parent.parent / "config" / "schema.yaml").read_text())
-
-
-def _local_architectures(target: dict[str, Any]) -> list[str]:
-    """``architectures`` of a local target's config.json and its text_config (none for the demo or a remote one)."""
-    cfg_path = Path(target["path"]) / "config.json"
-    if "demo" in target or not cfg_path.exists():
-        return []
-    cfg = json.loads(cfg_path.read_text())
-    return [*(cfg.get("architectures") or []), *((cfg.get("text_config") or {}).get("architectures") or [])]
 
 
 def _local_num_layers(target: dict[str, Any]) -> int | None:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aerie.capture import FIRST_ID_MUST_BE_ONE, check_aux_layer_ids
+from aerie.capture import FIRST_ID_MUST_BE_ONE, check_servable_aux_layer_ids
 
 TESTED_SGLANG_VERSION = "0.5.23"  # the version SGLang0523 was written against (envs/sglang.yaml)
 ANY_VERSION_ENV = "AERIE_SGLANG_ANY_VERSION"  # set to 1 to try another SGLang version anyway
@@ -83,16 +83,6 @@ def sglang_capture_inputs(layer_ids: Sequence[int]) -> list[int]:
 def captured_output_ids(layers_to_capture: Sequence[int]) -> list[int]:
     """The inverse: what aerie calls the tensors SGLang captures at the inputs of ``layers_to_capture``."""
     return [int(j) - 1 for j in layers_to_capture]
-
-
-def check_capturable(layer_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
-    """aerie's id checks plus SGLang's limit: the last layer's output is never captured."""
-    ids = check_aux_layer_ids(layer_ids, num_hidden_layers)
-    if ids and ids[-1] == num_hidden_layers - 1:
-        raise SGLangCaptureError(
-            f"aux layer id {ids[-1]} is the last decoder layer's output: SGLang captures a layer's output at the "
-            f"next layer's input, and no layer follows layer {num_hidden_layers - 1} (use ids <= {num_hidden_layers - 2})")
-    return ids
 
 
 def predicted_capture_inputs(architectures: Sequence[str], layer_ids: Sequence[int]) -> list[int]:
@@ -518,7 +508,7 @@ class SGLangCapture:
         dims = target_dims(json.loads(config_path.read_text()))
         self.num_hidden_layers, self.hidden_size, self.vocab_size = (
             dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"])
-        self.layer_ids = check_capturable(layer_ids, self.num_hidden_layers)
+        self.layer_ids = check_servable_aux_layer_ids(layer_ids, self.num_hidden_layers)
         if self.early_mapping_check:
             predicted = predicted_capture_inputs(dims["architectures"], self.layer_ids)
             check_capture_mapping(self.layer_ids, predicted, "/".join(dims["architectures"]) or str(target_path))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import FormatError, atomic_write_json, read_jsonl, save_packed, split_packed
+from aerie.artifacts import FormatError, atomic_write_json, read_jsonl, save_packed
 from aerie.responses import RESPONSES_FORMAT
 from aerie.target import ChatFormat, load_tokenizer, read_chat_format, read_generation_config, render_prompt_ids
 
@@ -136,10 +136,9 @@ def classify_mismatch(tokenizer, fmt: ChatFormat, exact: Sequence[int], rebuilt:
     if fmt.think_end_id is not None and fmt.think_end_id in exact and fmt.think_end_id in rebuilt:
         e, r = list(exact), list(rebuilt)
         ei, ri = e.index(fmt.think_end_id), r.index(fmt.think_end_id)
-        strip = lambda ids: "".join(_decode(tokenizer, ids).split())  # noqa: E731
-        if (strip(e[:ei]) == strip(r[:ri]) and strip(e[ei + 1:]) == strip(r[ri + 1:])
-                and _decode(tokenizer, e[:ei]).strip() == _decode(tokenizer, r[:ri]).strip()
-                and _decode(tokenizer, e[ei + 1:]).strip() == _decode(tokenizer, r[ri + 1:]).strip()):
+        # Each side of </think> equal up to the whitespace around it.
+        same = lambda a, b: _decode(tokenizer, a).strip() == _decode(tokenizer, b).strip()  # noqa: E731
+        if same(e[:ei], r[:ri]) and same(e[ei + 1:], r[ri + 1:]):
             return "boundary_whitespace"
     return "other"
 
@@ -443,11 +442,3 @@ def _tokenizer_sha(target_path: str) -> str:
     tokenizer_file = Path(target_path) / "tokenizer.json"
     return hashlib.sha256(tokenizer_file.read_bytes()).hexdigest() if tokenizer_file.exists() else ""
 
-
-def read_tokens_shard(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[torch.Tensor]]:
-    """(tensors, metadata, per-sequence ids) of a tokens shard, its loss mask checked."""
-    from aerie.artifacts import load_packed
-
-    tensors, meta = load_packed(path, TOKENS_FORMAT)
-    check_tokens_shard(tensors, meta, str(path))
-    return tensors, meta, split_packed(tensors["input_ids"], tensors["seq_offsets"])

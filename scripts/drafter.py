@@ -27,7 +27,8 @@ from aerie.drafter.train import (  # noqa: E402
     torchrun_command,
     train_drafter,
 )
-from aerie.hidden import resolve_aux_layer_ids, target_architectures  # noqa: E402
+from aerie.capture import target_architectures  # noqa: E402
+from aerie.hidden import resolve_aux_layer_ids  # noqa: E402
 from aerie.rulelog import snakemake_threads  # noqa: E402
 
 cfg = TrainConfig(**{"threads": snakemake_threads(snakemake), **(snakemake.params.drafter or {})})

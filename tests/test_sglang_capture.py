@@ -207,12 +207,13 @@ def test_sglang_capture_points_are_transformers_hidden_states_id_plus_one() -> N
 
 
 def test_last_layer_output_cannot_be_captured_and_aerie_id_checks_apply() -> None:
-    assert sc.check_capturable([1, 3, 6], 8) == [1, 3, 6]
-    with pytest.raises(SGLangCaptureError, match="last decoder layer"):
-        sc.check_capturable([1, 3, 7], 8)
+    # The SGLang capture checks its ids with check_servable_aux_layer_ids (shared with the hf capture).
+    assert sc.check_servable_aux_layer_ids([1, 3, 6], 8) == [1, 3, 6]
+    with pytest.raises(ValueError, match="last decoder layer"):
+        sc.check_servable_aux_layer_ids([1, 3, 7], 8)
     for bad in ([1, 1, 3], [3, 1, 4], [1, 3, 8], [-1, 2, 3]):
         with pytest.raises(ValueError):
-            sc.check_capturable(bad, 8)
+            sc.check_servable_aux_layer_ids(bad, 8)
 
 
 def test_loaded_model_mapping_is_checked_llama_and_deepseek_styles() -> None:
@@ -274,7 +275,7 @@ def test_kimi_ids_not_starting_at_one_are_refused_before_any_model_load(tmp_path
     (target / "config.json").write_text((FIXTURES / "kimi_k25_config.json").read_text())
     with pytest.raises(SGLangCaptureError, match="add 1 only when the first id is 1"):
         Cap(str(target), [2, 30, 58], tp_size=8)
-    with pytest.raises(SGLangCaptureError, match="last decoder layer"):
+    with pytest.raises(ValueError, match="last decoder layer"):
         Cap(str(target), [1, 29, 60], tp_size=8)
 
 
