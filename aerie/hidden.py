@@ -1,7 +1,7 @@
 """Stage 4: token shards -> target hidden states (format ``aerie.hidden/2``).
 
 A capture backend runs the target over each training sequence and returns, per sequence, the EAGLE-3 aux
-layers' outputs (SGLang's layer convention, see aerie.capture) and the final post-norm hidden state:
+layers' outputs (SGLang's layer convention, see aerie.target.config) and the final post-norm hidden state:
 ``hf`` in-process with transformers hooks, ``sglang`` through SGLang's engine (aerie.sglang_capture).
 Every shard is checked on the full-precision states, before anything is compressed: finite values, aux
 layers neither all zero, constant nor identical to each other, one state per token of the tokens shard, and
@@ -18,7 +18,6 @@ Two storage layouts (``hidden.layout``, both documented in docs/formats.md):
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,33 +25,16 @@ from typing import Any, Protocol
 
 import torch
 
-from aerie.artifacts import load_packed, save_packed, split_packed
-from aerie.capture import AuxHiddenCapture, check_servable_aux_layer_ids, default_aux_layer_ids, target_architectures
-
-HIDDEN_FORMAT = "aerie.hidden/2"
-READABLE_FORMATS = ("aerie.hidden/1", HIDDEN_FORMAT)  # aerie.hidden/1 is read as the full layout
-LAYOUTS = ("compact", "full")
+from aerie.artifacts import split_packed
+from aerie.capture import AuxHiddenCapture
+from aerie.formats.hidden import LAYOUTS, quantize_aux, write_hidden_shard
+from aerie.formats.tokens import read_tokens_shard
+from aerie.target.config import read_text_config, resolve_aux_layer_ids, target_architectures
 BACKENDS = ("hf", "sglang")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
 
 class HiddenStateError(ValueError):
     """A captured shard is unusable for training (the message says why)."""
-
-
-def resolve_aux_layer_ids(configured: Sequence[int] | None, num_hidden_layers: int,
-                          architectures: Sequence[str] = ()) -> list[int]:
-    """The configured ids (null: SGLang's default), refused unless SGLang can capture and serve exactly them."""
-    ids = list(configured) if configured else default_aux_layer_ids(num_hidden_layers)
-    return check_servable_aux_layer_ids(ids, num_hidden_layers, architectures)
-
-
-def target_text_config(target_path: str | Path) -> dict[str, Any]:
-    """The language model's config.json entries (Kimi K2.5 nests them in ``text_config``); reads no weights."""
-    from aerie.drafter.train import _text_config
-
-    return _text_config(json.loads((Path(target_path) / "config.json").read_text()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,27 +86,6 @@ def check_captured(aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int],
     checks = CaptureChecks(layer_ids, final.shape[-1], where)
     checks.update(aux, final)
     checks.finish()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the compact layout's codecs (training reads them back with dequantize_aux)
-
-
-def quantize_aux(aux: torch.Tensor, num_aux: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, A*H] -> (float8 e4m3fn [n, A*H], fp32 scales [n, A]); scale = absmax / 448 per (token, layer).
-
-    One scale per layer row keeps each layer's own range (residual streams grow with depth, and a few
-    outlier channels set it); e4m3's 3 mantissa bits then bound every value's error at 1/16 of itself."""
-    x = aux.float().reshape(aux.shape[0], num_aux, -1)
-    scale = x.abs().amax(-1) / FP8_MAX  # [n, A]
-    q = (x / scale.clamp_min(1e-30)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.reshape(aux.shape), scale
-
-
-def dequantize_aux(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(float8 [n, A*H], scales [n, A]) -> [n, A*H] in ``dtype``."""
-    n, A = scale.shape
-    return (q.float().reshape(n, A, -1) * scale.float()[..., None]).reshape(n, -1).to(dtype)
 
 
 def lm_head_topk(final: torch.Tensor, lm_head: torch.Tensor, k: int, max_elements: int = 1 << 26
@@ -186,9 +147,9 @@ class HFCapture:
                  batch_tokens: int = 8192):
         from transformers import AutoModelForCausalLM
 
-        from aerie.target import pick_device, pick_dtype
+        from aerie.target.model import pick_device, pick_dtype
 
-        # The model alone, as aerie.target.load_target loads it: capture never needs the tokenizer.
+        # The model alone, as aerie.target.model.load_target loads it: capture never needs the tokenizer.
         self.device = pick_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=pick_dtype(dtype, self.device))
         self.model.to(self.device).eval()
@@ -258,13 +219,13 @@ def open_backend(name: str, target_path: str, layer_ids: list[int], *, device: s
         cap = HFCapture(target_path, layer_ids, device=device, dtype=dtype, batch_tokens=batch_tokens)
         return cap, cap.lm_head
     if name == "sglang":
-        from aerie.drafter.train import read_target_heads
         from aerie.sglang_capture import SGLangCapture  # SGLang's environment only: imported when asked for
-        from aerie.target import pick_device
+        from aerie.target.heads import read_target_heads
+        from aerie.target.model import pick_device
 
         cap = SGLangCapture(target_path, layer_ids, dtype=dtype, **(options or {}))
-        # SGLang keeps its weights to itself: read only the lm_head tensor(s) from the safetensors files
-        return cap, read_target_heads(Path(target_path)).lm_head.to(pick_device(device))
+        # SGLang keeps its weights to itself: read only the lm_head tensor from the safetensors files
+        return cap, read_target_heads(target_path, roles=["lm_head"]).lm_head.to(pick_device(device))
     raise ValueError(f"hidden.backend: {name!r} is not one of {', '.join(BACKENDS)}")
 
 
@@ -293,15 +254,13 @@ def capture_shard(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Capture the aux + final states of every sequence of a tokens shard, check them, write one shard."""
-    from aerie.target import set_threads
-    from aerie.tokens import TOKENS_FORMAT, check_tokens_shard
+    from aerie.target.model import set_threads
 
     if layout not in LAYOUTS:
         raise ValueError(f"hidden.layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
     set_threads(threads)
-    tensors, meta = load_packed(tokens_path, TOKENS_FORMAT)
-    check_tokens_shard(tensors, meta, str(tokens_path))  # a shifted or partial loss mask stops here
-    text = target_text_config(target_path)
+    tensors, meta = read_tokens_shard(tokens_path)  # a shifted or partial loss mask stops here
+    text = read_text_config(target_path)
     num_layers = int(text["num_hidden_layers"])
     layer_ids = resolve_aux_layer_ids(aux_layer_ids, num_layers, target_architectures(target_path))
     A = len(layer_ids)
@@ -375,7 +334,6 @@ def capture_shard(
     stored = {name: torch.cat([p[name] for p in per_seq]) for name in (per_seq[0] if per_seq else ())}
 
     facts: dict[str, Any] = {
-        "format": HIDDEN_FORMAT,
         "layout": layout,
         "aux_layer_ids": layer_ids,
         "num_hidden_layers": num_layers,
@@ -384,7 +342,7 @@ def capture_shard(
         "target": str(target_path),
         "backend": backend,
         "sample_ids": meta.get("sample_ids", []),
-        # the tokens shard's mask facts, so readers can check the mask again (aerie.tokens.check_tokens_shard)
+        # the tokens shard's mask facts, so readers can check the mask again (aerie.formats.tokens.check_tokens_shard)
         **{key: meta[key] for key in ("generation_prompt_ids", "stop_ids", "cut_sequences")},
         "next_token_agreement": round(agreement, 6),
         "next_token_in_topk": round(topk_rate, 6),
@@ -395,7 +353,7 @@ def capture_shard(
                      target_topk_mass=round(mass_sum / mass_rows, 6) if mass_rows else None)
     else:
         facts["storage_dtype"] = storage_dtype
-    save_packed(
+    write_hidden_shard(
         out_path,
         {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"], "seq_offsets": tensors["seq_offsets"], **stored},
         facts,

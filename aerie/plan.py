@@ -7,12 +7,16 @@ Snakemake calls these while reading the workflow, so a bad setting or a malforme
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from pathlib import Path
 from typing import Any
 
-from aerie.capture import check_servable_aux_layer_ids, default_aux_layer_ids, target_architectures
+from aerie.demo_target.config import DemoTargetConfig
+from aerie.drafter.config import TrainConfig
 from aerie.prompts import DatasetPlan, plan_dataset
+from aerie.target.config import (
+    check_servable_aux_layer_ids, default_aux_layer_ids, read_text_config, target_architectures,
+)
 
 
 class ConfigError(ValueError):
@@ -26,23 +30,16 @@ def _check_dataclass_keys(section: str, values: dict[str, Any], cls: type) -> No
         raise ConfigError(f"{section}: unknown key(s) {unknown}; known keys: {sorted(known)}")
 
 
-def demo_target_config(config: dict[str, Any]):
-    from aerie.demo_target.pretrain import DemoTargetConfig
-
+def demo_target_config(config: dict[str, Any]) -> DemoTargetConfig:
     return DemoTargetConfig(**config["target"].get("demo") or {})
 
 
-def train_config(config: dict[str, Any]):
-    from aerie.drafter.train import TrainConfig
-
+def train_config(config: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**config.get("drafter") or {})
 
 
 def check_config(config: dict[str, Any]) -> None:
     """Checks beyond the schema: keys of dataclass-backed sections, backend needs, the benchmark set."""
-    from aerie.demo_target.pretrain import DemoTargetConfig
-    from aerie.drafter.train import TrainConfig
-
     target = config["target"]
     if "demo" in target:
         _check_dataclass_keys("target.demo", target["demo"] or {}, DemoTargetConfig)
@@ -95,6 +92,7 @@ def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
     return merged
 
 
+@functools.cache
 def _schema() -> dict[str, Any]:
     import yaml
 
@@ -103,12 +101,9 @@ def _schema() -> dict[str, Any]:
 
 def _local_num_layers(target: dict[str, Any]) -> int | None:
     """Decoder layers of a local target folder (reads config.json only), else None."""
-    cfg_path = Path(target["path"]) / "config.json"
-    if "demo" in target or not cfg_path.exists():
+    if "demo" in target or not (Path(target["path"]) / "config.json").exists():
         return None
-    cfg = json.loads(cfg_path.read_text())
-    cfg = cfg.get("text_config", cfg)  # Kimi K2.5 wraps the language model config
-    return cfg.get("num_hidden_layers")
+    return read_text_config(target["path"]).get("num_hidden_layers")
 
 
 def plan_datasets(config: dict[str, Any]) -> dict[str, DatasetPlan]:

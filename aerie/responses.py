@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from aerie.api.client import RESPONSES_FORMAT  # one definition, in the torch-free API client
+from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.artifacts import write_jsonl
 from aerie.prompts import read_prompts
-from aerie.target import ChatFormat, load_target, read_chat_format, render_prompt_ids, set_threads
+from aerie.target.chat import ChatFormat, read_chat_format, render_prompt_ids
+from aerie.target.model import load_target, set_threads
 
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aerie.capture import FIRST_ID_MUST_BE_ONE, check_servable_aux_layer_ids
+from aerie.target.config import FIRST_ID_MUST_BE_ONE, check_servable_aux_layer_ids
 
 TESTED_SGLANG_VERSION = "0.5.23"  # the version SGLang0523 was written against (envs/sglang.yaml)
 ANY_VERSION_ENV = "AERIE_SGLANG_ANY_VERSION"  # set to 1 to try another SGLang version anyway
@@ -60,7 +60,7 @@ MANAGED_KWARGS = frozenset({
 # Settings the capture cannot support: hidden rows would be split across ranks or pipeline stages.
 REFUSED_KWARGS = {"pp_size": 1, "dp_size": 1, "enable_dp_attention": False, "nnodes": 1}
 
-# FIRST_ID_MUST_BE_ONE (aerie.capture): DeepSeek-family models, whose ids must start with 1 in SGLang.
+# FIRST_ID_MUST_BE_ONE (aerie.target.config): DeepSeek-family models, whose ids must start with 1 in SGLang.
 
 
 class SGLangUnavailableError(ImportError):

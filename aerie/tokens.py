@@ -19,7 +19,6 @@ many samples a text-only API would have reproduced exactly and why the others di
 from __future__ import annotations
 
 import hashlib
-import json
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -28,12 +27,14 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import FormatError, atomic_write_json, read_jsonl, save_packed
-from aerie.responses import RESPONSES_FORMAT
-from aerie.target import ChatFormat, load_tokenizer, read_chat_format, read_generation_config, render_prompt_ids
+from aerie.artifacts import FormatError, atomic_write_json, read_jsonl
+from aerie.formats.responses import RESPONSES_FORMAT
+from aerie.formats.tokens import (  # noqa: F401 - re-exported for the stage's readers and tests
+    REPORT_FORMAT, TOKENS_FORMAT, FidelityError, check_loss_mask, check_tokens_shard, write_tokens_shard,
+)
+from aerie.target.chat import ChatFormat, read_chat_format, render_prompt_ids
+from aerie.target.model import load_tokenizer, read_generation_config
 
-TOKENS_FORMAT = "aerie.tokens/2"
-REPORT_FORMAT = "aerie.tokens-report/2"
 MAX_EXAMPLES = 5  # per mismatch class / drop reason
 
 # Why the text rebuild of a sample differs from the ids the model sampled (see classify_mismatch).
@@ -47,10 +48,6 @@ MISMATCH_CLASSES = (
 )
 # Drops that say the data is unfaithful (not ones the config asked for, such as over-long samples).
 FIDELITY_DROPS = ("empty", "no_reasoning", "reasoning_missing", "replacement_characters", "invalid_text")
-
-
-class FidelityError(FormatError):
-    """A tokens shard whose data does not faithfully show what the target generated (message says why)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -141,56 +138,6 @@ def classify_mismatch(tokenizer, fmt: ChatFormat, exact: Sequence[int], rebuilt:
         if same(e[:ei], r[:ri]) and same(e[ei + 1:], r[ri + 1:]):
             return "boundary_whitespace"
     return "other"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# checking a tokens shard's loss mask
-
-
-def check_loss_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_offsets: torch.Tensor,
-                    generation_prompt_ids: Sequence[int], stop_ids: Sequence[int], where: str,
-                    cut: Sequence[int] = ()) -> None:
-    """Refuse a mask that is not exactly the generated tokens of every sequence.
-
-    Each sequence must be ``prompt + generated``: one block of ones that starts right after the
-    generation prompt and runs to the end of the sequence, whose last token ends the turn unless the
-    sequence was cut (``cut``: indices of sequences truncated by the token limit or max_seq_len).
-    A mask shifted by one position, or covering prompt tokens, fails here.
-    """
-    gp = torch.tensor(list(generation_prompt_ids), dtype=torch.long)
-    stops = set(int(i) for i in stop_ids)
-    cut_set = set(int(i) for i in cut)
-    if not torch.all((loss_mask == 0) | (loss_mask == 1)):
-        raise FidelityError(f"{where}: loss_mask holds values other than 0 and 1")
-    for s in range(len(seq_offsets) - 1):
-        a, b = int(seq_offsets[s]), int(seq_offsets[s + 1])
-        ids, mask = input_ids[a:b].long(), loss_mask[a:b]
-        ones = torch.nonzero(mask).flatten()
-        if len(ones) == 0:
-            raise FidelityError(f"{where}: sequence {s} has no generated (loss-masked) token")
-        start = int(ones[0])
-        if int(ones[-1]) != len(mask) - 1 or len(ones) != len(mask) - start:
-            raise FidelityError(f"{where}: sequence {s}: the loss mask is not one block running to the end of "
-                                f"the sequence (masked positions {start}..{int(ones[-1])} of {len(mask)})")
-        if start < len(gp) or not torch.equal(ids[start - len(gp):start], gp):
-            raise FidelityError(
-                f"{where}: sequence {s}: the loss mask starts at position {start}, which does not follow the "
-                f"generation prompt {gp.tolist()} (tokens before it: {ids[max(0, start - len(gp)):start].tolist()}): "
-                f"the mask is shifted or covers prompt tokens")
-        if s not in cut_set and int(ids[-1]) not in stops:
-            raise FidelityError(f"{where}: sequence {s} is complete but its last masked token {int(ids[-1])} does "
-                                f"not end the turn (end-of-turn ids {sorted(stops)})")
-
-
-def check_tokens_shard(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where: str) -> None:
-    """check_loss_mask with the facts an ``aerie.tokens/2`` shard (or a hidden shard copied from it) carries.
-
-    ``meta`` as load_packed returns it (JSON values decoded)."""
-    try:
-        gp, stops, cut = meta["generation_prompt_ids"], meta["stop_ids"], meta.get("cut_sequences", [])
-    except KeyError as missing:
-        raise FidelityError(f"{where}: metadata lacks {missing}: not written by the aerie.tokens/2 stage") from None
-    check_loss_mask(tensors["input_ids"], tensors["loss_mask"], tensors["seq_offsets"], gp, stops, where, cut)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -385,7 +332,6 @@ def tokenize_shard(
     positions = torch.arange(len(input_ids), dtype=torch.int64) - starts
     loss_mask = (positions >= torch.repeat_interleave(torch.tensor(prompt_lengths), torch.tensor(lengths))).to(torch.uint8)
     meta = {
-        "format": TOKENS_FORMAT,
         "sample_ids": kept_ids,
         "target": str(target_path),
         "tokenizer_sha256": _tokenizer_sha(target_path),
@@ -394,9 +340,8 @@ def tokenize_shard(
         "stop_ids": list(fmt.stop_ids),
         "cut_sequences": cut,
     }
-    # Self-check before publishing: a mask bug in this stage must never reach training.
-    check_tokens_shard({"input_ids": input_ids, "loss_mask": loss_mask, "seq_offsets": offsets}, meta, str(out_path))
-    save_packed(out_path, {"input_ids": input_ids, "loss_mask": loss_mask, "seq_offsets": offsets}, meta)
+    # Self-checked before publishing: a mask bug in this stage must never reach training.
+    write_tokens_shard(out_path, {"input_ids": input_ids, "loss_mask": loss_mask, "seq_offsets": offsets}, meta)
 
     c = rep.counts
     report = {

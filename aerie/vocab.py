@@ -1,8 +1,4 @@
-"""Stage 5a: the draft vocabulary - the most frequent loss-masked target tokens (``aerie.draft-vocab/1``).
-
-Stored the way SGLang's EAGLE-3 drafter reads it: ``d2t[draft_id] = target_id - draft_id`` and a
-boolean ``t2d`` over the target vocabulary.
-"""
+"""Stage 5a: the draft vocabulary - the most frequent loss-masked target tokens (aerie.formats.vocab)."""
 
 from __future__ import annotations
 
@@ -12,17 +8,15 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import load_packed, save_packed
-from aerie.tokens import TOKENS_FORMAT
-
-VOCAB_FORMAT = "aerie.draft-vocab/1"
+from aerie.formats.tokens import read_tokens_shard
+from aerie.formats.vocab import write_draft_vocab
 
 
 def count_tokens(token_shards: Sequence[Path], vocab_size: int) -> torch.Tensor:
     """Frequency of each target id over generated (loss-masked) positions of all shards: int64 [V]."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in token_shards:
-        t, _ = load_packed(path, TOKENS_FORMAT, ["input_ids", "loss_mask"])
+        t, _ = read_tokens_shard(path, ["input_ids", "loss_mask"])
         ids = t["input_ids"][t["loss_mask"].bool()].long()
         if ids.numel() and int(ids.max()) >= vocab_size:
             raise ValueError(f"{path}: token id {int(ids.max())} >= target vocab size {vocab_size}")
@@ -60,18 +54,12 @@ def build_draft_vocab(
     total = int(counts.sum())
     coverage = float(counts[chosen].sum()) / total if total else 0.0
     meta = {
-        "format": VOCAB_FORMAT,
         "draft_vocab_size": int(chosen.numel()),
         "target_vocab_size": target_vocab_size,
         "coverage": round(coverage, 6),
         "distinct_tokens_seen": int((counts > 0).sum()),
         "tokens_counted": total,
     }
-    save_packed(out_path, {"d2t": d2t, "t2d": t2d, "token_counts": counts}, meta)
+    write_draft_vocab(out_path, d2t, t2d, counts, meta)
     log(f"{out_path.name}: {meta}")
     return meta
-
-
-def load_draft_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    t, meta = load_packed(path, VOCAB_FORMAT, ["d2t", "t2d"])
-    return t["d2t"], t["t2d"], meta

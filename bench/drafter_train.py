@@ -30,7 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
-from aerie.drafter.train import TrainConfig, train_drafter  # noqa: E402
+from aerie.drafter.config import TrainConfig  # noqa: E402
+from aerie.drafter.loop import train_drafter  # noqa: E402
 
 DEMO_TARGET = dict(  # aerie.demo_target.pretrain defaults
     vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,

@@ -40,20 +40,16 @@ sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
 from aerie.disk import specforge_bytes_per_token  # noqa: E402
 from aerie.drafter.model import Eagle3Drafter  # noqa: E402
-from aerie.drafter.train import (  # noqa: E402
-    TargetHead,
-    TrainConfig,
-    batches,
-    evaluate,
-    load_draft_vocab,
-    make_windows,
-    open_hidden_shards,
-    read_target_heads,
-    split_heldout,
-    train_drafter,
-)
-from aerie.hidden import capture_shard, dequantize_aux  # noqa: E402
-from aerie.tokens import TOKENS_FORMAT  # noqa: E402
+from aerie.drafter.config import TrainConfig  # noqa: E402
+from aerie.drafter.data import batches, make_windows, split_heldout  # noqa: E402
+from aerie.drafter.evaluate import evaluate  # noqa: E402
+from aerie.drafter.loop import train_drafter  # noqa: E402
+from aerie.drafter.ttt import TargetHead  # noqa: E402
+from aerie.formats.hidden import dequantize_aux, open_hidden_shards  # noqa: E402
+from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
+from aerie.formats.vocab import load_draft_vocab  # noqa: E402
+from aerie.hidden import capture_shard  # noqa: E402
+from aerie.target.heads import read_target_heads  # noqa: E402
 
 OLDER_TOKENS_FORMATS = ("aerie.tokens/1",)  # same tensors (input_ids, loss_mask, seq_offsets)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from aerie.capture import AuxHiddenCapture, default_aux_layer_ids
+from aerie.capture import AuxHiddenCapture
+from aerie.target.config import default_aux_layer_ids
 
 
 @pytest.fixture(scope="module")

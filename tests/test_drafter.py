@@ -16,8 +16,12 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from aerie.capture import AuxHiddenCapture
-from aerie.drafter import DrafterConfig, DrafterKVCache, Eagle3Drafter, TTTCache
-from aerie.drafter.train import HiddenShard, TrainConfig, load_batch, make_windows, train_drafter, ttt_unroll
+from aerie.drafter.model import DrafterConfig, DrafterKVCache, Eagle3Drafter, TTTCache
+from aerie.drafter.config import TrainConfig
+from aerie.drafter.data import load_batch, make_windows
+from aerie.drafter.loop import train_drafter
+from aerie.drafter.ttt import ttt_unroll
+from aerie.formats.hidden import HiddenShard
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,20 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from aerie.drafter import DrafterConfig, Eagle3Drafter
-from aerie.drafter.train import (
-    TrainConfig,
-    Window,
-    _load_target_heads,
-    epoch_batches,
-    load_draft_vocab,
-    processes_for,
-    read_target_heads,
-    shard_for_rank,
-    torchrun_command,
-    train_drafter,
-    train_state_dir,
-)
+from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter.config import TrainConfig
+from aerie.drafter.data import Window, epoch_batches
+from aerie.drafter.distributed import processes_for, shard_for_rank, torchrun_command
+from aerie.drafter.loop import build_drafter, train_drafter
+from aerie.drafter.state import train_state_dir
+from aerie.formats.vocab import load_draft_vocab
+from aerie.target.heads import read_target_heads
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -163,7 +157,7 @@ def test_resume_after_kills_matches_uninterrupted_run(data, uninterrupted):
 
 
 def test_resume_from_epoch_end_and_from_finished_state(data, uninterrupted, tmp_path, monkeypatch):
-    import aerie.drafter.train as train
+    import aerie.drafter.loop as loop
 
     out = tmp_path / "d"
     n = len(_events(uninterrupted["out"], "train")) // CFG["epochs"]
@@ -173,17 +167,17 @@ def test_resume_from_epoch_end_and_from_finished_state(data, uninterrupted, tmp_
     assert (saved["epoch"], saved["position"], saved["step"]) == (2, 0, n)
 
     # then killed while publishing the finished run: the next attempt only publishes
-    real_copy = train._copy_atomic
+    real_copy = loop.copy_atomic
 
     def copy_then_die(src, dst):
         if dst.name == "train_log.jsonl":
             raise Killed("publishing")
         real_copy(src, dst)
 
-    monkeypatch.setattr(train, "_copy_atomic", copy_then_die)
+    monkeypatch.setattr(loop, "copy_atomic", copy_then_die)
     with pytest.raises(Killed):
         _train(data, out, checkpoint_every=0)
-    monkeypatch.setattr(train, "_copy_atomic", real_copy)
+    monkeypatch.setattr(loop, "copy_atomic", real_copy)
     lines: list[str] = []
     result = _train(data, out, checkpoint_every=0, lines=lines)
     assert any(f"epoch {CFG['epochs'] + 1}, batch 0, step {3 * n}/{3 * n}" in line for line in lines)
@@ -217,7 +211,7 @@ def test_killed_process_resumes(data, uninterrupted, tmp_path):
     out = tmp_path / "d"
     state = train_state_dir(out) / "state.pt"
     cfg = TrainConfig(**{**CFG, "checkpoint_every": 1})
-    cmd = [sys.executable, "-m", "aerie.drafter.train", "--hidden", *map(str, data["shards"]), "--vocab", str(data["vocab"]),
+    cmd = [sys.executable, "-m", "aerie.drafter.cli", "--hidden", *map(str, data["shards"]), "--vocab", str(data["vocab"]),
            "--target", str(data["target_dir"]), "--out", str(out), "--config", json.dumps({**CFG, "checkpoint_every": 1})]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -267,14 +261,14 @@ def test_best_and_last_checkpoints(uninterrupted):
 
 def test_best_is_the_epoch_with_highest_heldout_acceptance(data, tmp_path, monkeypatch):
     """A scripted evaluation (acceptance 1.2, 1.5, 1.4): the output is epoch 2's drafter, last/ is epoch 3's."""
-    import aerie.drafter.train as train
+    import aerie.drafter.loop as loop
 
     scripted = iter([1.0, 1.2, 1.5, 1.4])
 
     def fake_evaluate(*args, **kwargs):
-        return {**train.EMPTY_EVAL, "simulated_acceptance_length": next(scripted), "heldout_loss": 1.0, "heldout_start_positions": 1}
+        return {**loop.EMPTY_EVAL, "simulated_acceptance_length": next(scripted), "heldout_loss": 1.0, "heldout_start_positions": 1}
 
-    monkeypatch.setattr(train, "evaluate", fake_evaluate)
+    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
     result = _train(data, tmp_path / "d")
     state = train_state_dir(tmp_path / "d")
     assert result["best_epoch"] == 2 and result["simulated_acceptance_length"] == 1.5
@@ -318,11 +312,11 @@ def test_target_heads_read_only_what_they_need(layout, tmp_path, monkeypatch):
     files = sorted(folder.glob("*.safetensors"))
     assert len(files) == 1 if layout == "single-file" else len(files) > 3
 
-    import aerie.drafter.train as train
+    import aerie.target.heads as heads_module
 
     opened = []
-    real_safe_open = train.safe_open
-    monkeypatch.setattr(train, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_safe_open(path, **kw))
+    real_safe_open = heads_module.safe_open
+    monkeypatch.setattr(heads_module, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_safe_open(path, **kw))
     heads = read_target_heads(folder)
     prefix = "language_model." if layout == "wrapped" else ""
     assert heads.names["embed"] == f"{prefix}model.embed_tokens.weight" and heads.names["norm"] == f"{prefix}model.norm.weight"
@@ -345,7 +339,7 @@ def test_drafter_from_heads_equals_from_loaded_target(data):
     """The drafter built from the heads alone is the one Eagle3Drafter.from_target builds from the full model."""
     vocab = load_draft_vocab(data["vocab"])
     cfg = TrainConfig(**CFG)
-    model, dcfg, lm_head = _load_target_heads(data["target_dir"], vocab, AUX, cfg)
+    model, dcfg, lm_head = build_drafter(data["target_dir"], vocab, AUX, cfg, need_lm_head=True)
     full = AutoModelForCausalLM.from_pretrained(data["target_dir"], dtype=torch.float32)
     assert dcfg == DrafterConfig.from_target(full.config, DRAFT_VOCAB, AUX)
     torch.manual_seed(cfg.seed)
@@ -376,7 +370,7 @@ def test_torchrun_command_and_process_count():
     cfg = TrainConfig(epochs=1, threads=2)
     cmd = torchrun_command(8, [Path("a.safetensors"), Path("b.safetensors")], Path("v"), Path("/models/K"), Path("results/drafter/x"), cfg, python="py")
     assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
-    assert cmd[5:7] == ["-m", "aerie.drafter.train"]
+    assert cmd[5:7] == ["-m", "aerie.drafter.cli"]
     assert cmd[cmd.index("--hidden") + 1 : cmd.index("--vocab")] == ["a.safetensors", "b.safetensors"]
     assert cmd[cmd.index("--out") + 1] == "results/drafter/x" and cmd[cmd.index("--target") + 1] == "/models/K"
     assert TrainConfig(**json.loads(cmd[cmd.index("--config") + 1])) == cfg
@@ -389,8 +383,8 @@ def test_torchrun_command_and_process_count():
 DRIVER = """
 import json, runpy, sys
 from types import SimpleNamespace as NS
-import aerie.drafter.train as train
-train.processes_for = lambda gpus, cfg: gpus  # pretend CUDA shows the granted GPUs: torchrun runs on CPU (gloo)
+import aerie.drafter.distributed as distributed
+distributed.processes_for = lambda gpus, cfg: gpus  # pretend CUDA shows the granted GPUs: torchrun runs on CPU (gloo)
 a = json.loads(sys.argv[1])
 snakemake = NS(input=NS(hidden=a["hidden"], vocab=a["vocab"]),
                params=NS(target=a["target"], drafter=a["drafter"], aux_layer_ids=a["aux_layer_ids"]),
@@ -411,7 +405,7 @@ def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env)
     text = rule_log.read_text() if rule_log.exists() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-3000:]
-    assert "torch.distributed.run --standalone --nproc_per_node=2 -m aerie.drafter.train" in text
+    assert "torch.distributed.run --standalone --nproc_per_node=2 -m aerie.drafter.cli" in text
     assert "--aux-layer-ids '[0, 1, 2]'" in text  # the configured ids reach every process
     assert "2 processes" in text and text.count("written to") == 1  # rank 0 speaks for the job
     result = json.loads((out / "eval.json").read_text())

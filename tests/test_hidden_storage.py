@@ -20,18 +20,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from aerie.artifacts import load_packed, save_packed
 from aerie.disk import bytes_per_token, disk_preview, specforge_bytes_per_token
-from aerie.drafter.train import (
-    HiddenShard,
-    TargetHead,
-    TrainConfig,
-    load_batch,
-    load_draft_vocab,
-    make_windows,
-    open_hidden_shards,
-    train_drafter,
-)
-from aerie.hidden import HIDDEN_FORMAT, HFCapture, capture_shard, dequantize_aux, quantize_aux
-from aerie.tokens import TOKENS_FORMAT
+from aerie.drafter.config import TrainConfig
+from aerie.drafter.data import load_batch, make_windows
+from aerie.drafter.loop import train_drafter
+from aerie.drafter.ttt import TargetHead
+from aerie.formats.hidden import HIDDEN_FORMAT, HiddenShard, dequantize_aux, open_hidden_shards, quantize_aux
+from aerie.formats.tokens import TOKENS_FORMAT
+from aerie.formats.vocab import load_draft_vocab
+from aerie.hidden import HFCapture, capture_shard
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,14 +10,17 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from aerie.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
-from aerie.capture import default_aux_layer_ids
+from aerie.target.config import default_aux_layer_ids
 from aerie.demo_target.tokenizer import train_tokenizer, tokenizer_corpus
-from aerie.hidden import HIDDEN_FORMAT, HiddenStateError, capture_shard, resolve_aux_layer_ids, check_captured
+from aerie.formats.hidden import HIDDEN_FORMAT
+from aerie.hidden import HiddenStateError, capture_shard, check_captured
+from aerie.target.config import resolve_aux_layer_ids
 from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
 from aerie.responses import generate_hf, split_generated
-from aerie.target import read_chat_format, special_token_id
+from aerie.target.chat import read_chat_format, special_token_id
 from aerie.tokens import TOKENS_FORMAT, rebuild_output_ids, tokenize_shard
-from aerie.vocab import build_draft_vocab, load_draft_vocab, select_draft_vocab
+from aerie.formats.vocab import load_draft_vocab
+from aerie.vocab import build_draft_vocab, select_draft_vocab
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +264,7 @@ def test_draft_vocab_semantics(pipeline_dir, tmp_path) -> None:
     assert chosen.numel() == 8 and bool(t2d.all())
     meta = build_draft_vocab([pipeline_dir["tokens"]], tmp_path / "v.safetensors", target_vocab_size=400,
                              draft_vocab_size=50, log=lambda m: None)
-    d2t, t2d, meta2 = load_draft_vocab(tmp_path / "v.safetensors")
-    assert meta2["draft_vocab_size"] == d2t.numel() == 50 and int(t2d.sum()) == 50
+    vocab = load_draft_vocab(tmp_path / "v.safetensors")
+    d2t, t2d = vocab.d2t, vocab.t2d
+    assert vocab.meta["draft_vocab_size"] == d2t.numel() == 50 and int(t2d.sum()) == 50
     assert 0 < meta["coverage"] <= 1

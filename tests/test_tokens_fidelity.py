@@ -16,7 +16,7 @@ import torch
 
 from aerie.artifacts import load_packed, split_packed, write_jsonl
 from aerie.responses import RESPONSES_FORMAT, split_generated
-from aerie.target import read_chat_format, render_prompt_ids
+from aerie.target.chat import read_chat_format, render_prompt_ids
 from aerie.tokens import (
     TOKENS_FORMAT, FidelityError, check_loss_mask, classify_mismatch, rebuild_output_ids, tokenize_shard,
 )
@@ -36,7 +36,7 @@ def kimi_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(kimi_target):
-    from aerie.target import load_tokenizer
+    from aerie.target.model import load_tokenizer
 
     return load_tokenizer(kimi_target)
 

@@ -32,7 +32,8 @@ from aerie.bench.speculative import (
     speculative_generate,
 )
 from aerie.prompts import read_prompts
-from aerie.target import end_of_turn_ids, load_target, render_prompt_ids, set_threads
+from aerie.target.chat import render_prompt_ids
+from aerie.target.model import end_of_turn_ids, load_target, set_threads
 
 BENCH_FORMAT = "aerie.bench/2"
 REFERENCES = ("untrained", "ngram")  # drafters the trained one must beat

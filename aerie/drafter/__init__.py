@@ -1,5 +1,14 @@
-"""EAGLE-3 drafter: the model SGLang serves (model.py) and its training-time-test trainer (train.py)."""
+"""The EAGLE-3 drafter and its training.
 
-from aerie.drafter.model import DrafterConfig, DrafterKVCache, Eagle3Drafter, TTTCache
+- ``model``: the drafter SGLang serves (config, layer, caches, SGLang export);
+- ``config``: the training settings (torch-free: parse time checks them);
+- ``data``: hidden-shard windows, the held-out split, batches;
+- ``ttt``: the training-time-test unroll and its loss against the target's distribution;
+- ``evaluate``: held-out simulated acceptance;
+- ``state``: checkpoint and exact resume;
+- ``distributed``: torchrun processes and their share of each epoch;
+- ``loop``: ``train_drafter``, the training loop read top to bottom;
+- ``cli``: the command line torchrun starts.
 
-__all__ = ["DrafterConfig", "DrafterKVCache", "Eagle3Drafter", "TTTCache"]
+Submodules are imported where used, so reading the settings never imports torch.
+"""

@@ -1,0 +1,64 @@
+"""The drafter's training settings (the config's ``drafter`` section): torch-free, so parse time can check them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_KINDS = ("auto", "llama", "mla")
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7  # unrolled draft steps per position (EAGLE-3 uses 7)
+    step_loss_decay: float = 0.8  # weight of step k is decay**k
+    epochs: int = 2
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0  # applied to matrices only, never to norms
+    warmup_ratio: float = 0.03
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    grad_clip: float = 0.5
+    max_seq_len: int = 2048  # longer sequences are cut into windows of this many rows
+    batch_size: int = 4  # windows per optimizer step (per process under torchrun)
+    max_batch_tokens: int = 0  # optional cap on batch_size * padded length (0 = none)
+    eval_fraction: float = 0.05  # held-out share of sequences, chosen by hashing sample ids
+    mask_out_of_vocab_targets: bool = True  # skip positions whose target argmax is outside the draft vocab
+    init_head_from_target: bool = True  # start lm_head/norm from the target's (draft-vocab rows)
+    seed: int = 0
+    threads: int = 0  # torch CPU threads (0 = leave as is)
+    log_every: int = 10
+    checkpoint_every: int = 500  # optimizer steps between resumable training states (0 = after epochs only)
+    resume: bool = True  # continue from a compatible training state beside out_dir; false = start over
+    device: str = "auto"  # auto | cpu | cuda
+    # the drafter's shape (SGLang serves both kinds); 0 = derived from the target
+    attention: str = "auto"  # auto (mla for MLA targets such as Kimi K2.5, else llama) | llama | mla
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0  # llama only
+    head_dim: int = 0  # llama only
+    intermediate_size: int = 0
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer before fc (mla only)
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm hidden state (mla only)
+
+    def __post_init__(self) -> None:
+        for name in ("ttt_steps", "epochs", "batch_size", "max_seq_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"drafter.{name} must be at least 1, not {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"drafter.checkpoint_every must be >= 0, not {self.checkpoint_every}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"drafter.attention must be one of {', '.join(ATTENTION_KINDS)}, not {self.attention!r}")
+        for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"drafter.{name} must be >= 0 (0 = derived from the target), not {getattr(self, name)}")
+
+    def drafter_shape(self) -> dict:
+        """The keyword arguments DrafterConfig.from_target takes for the drafter's shape (None = derived)."""
+        return {
+            "attention": self.attention,
+            **{name: getattr(self, name) or None
+               for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")},
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+        }
+
+
+# Settings a resumed run may change: they do not alter what is computed.
+RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device")

@@ -1,0 +1,81 @@
+"""Held-out evaluation: TTT loss, simulated chain acceptance length and per-position acceptance."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from aerie.drafter.config import TrainConfig
+from aerie.drafter.data import Window, load_batch
+from aerie.drafter.model import Eagle3Drafter
+from aerie.drafter.ttt import TargetHead, autocast, target_mask, ttt_loss, ttt_unroll
+
+
+EMPTY_EVAL = {  # what eval.json says when there is nothing held out
+    "simulated_acceptance_length": None,
+    "acceptance_per_position": [],
+    "simulated_acceptance_length_by_steps": [],
+    "heldout_loss": None,
+    "heldout_loss_per_step": [],
+    "heldout_accuracy_per_step": [],
+    "heldout_start_positions": 0,
+}
+
+@torch.no_grad()
+def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: TargetHead, cfg: TrainConfig, device, dtype,
+             all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict:
+    """Held-out TTT loss plus simulated chain acceptance with greedy verification.
+
+    For every held-out start row t whose first drafted token is a generated one, draft step k is accepted
+    when its argmax (mapped to a target id) equals the target's greedy token at t+1+k and all earlier steps
+    were accepted; acceptance length = 1 (bonus token) + accepted steps. Later steps are fed the recorded
+    tokens, which equal the accepted drafts when the data was generated greedily (exact simulation then).
+    Under torchrun each rank evaluates its share of ``groups`` and ``all_reduce`` sums the counts.
+    """
+    model.eval()
+    K = cfg.ttt_steps
+    ce = torch.zeros(K, dtype=torch.float64)
+    wsum = torch.zeros(K, dtype=torch.float64)
+    correct = torch.zeros(K, dtype=torch.float64)
+    accepted_at = torch.zeros(K, dtype=torch.float64)  # starts whose chain reached step k accepted
+    starts = 0
+    for group in groups:
+        b = load_batch(group, shards, K, device, dtype)
+        T = b.row_valid.shape[1]
+        q, greedy, has_q = head.targets(b)  # greedy [B,W]: the token the target verifies against
+        with autocast(device):
+            steps = ttt_unroll(model, b.aux, b.ids, b.position_ids, K)
+        _, stats = ttt_loss(steps, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
+        for k, (c, w, r) in enumerate(stats):
+            ce[k] += float(c)
+            wsum[k] += float(w)
+            correct[k] += float(r)
+        start = b.row_valid & b.gen[:, 2 : 2 + T]  # [B,T]
+        chain = start.clone()
+        for k, logits in enumerate(steps):
+            draft = model.draft_to_target(logits.argmax(-1))  # [B,T] target ids
+            ok = (draft == greedy[:, 1 + k : 1 + k + T]) & b.have[:, 2 + k : 2 + k + T]
+            chain = chain & ok
+            accepted_at[k] += float(chain.sum())
+        starts += int(start.sum())
+    model.train()
+    if all_reduce is not None:
+        totals = all_reduce(torch.cat([ce, wsum, correct, accepted_at, torch.tensor([starts], dtype=torch.float64)]))
+        ce, wsum, correct, accepted_at = totals[: 4 * K].view(4, K)
+        starts = int(totals[-1])
+    if starts == 0:
+        return dict(EMPTY_EVAL)
+    loss_k = (ce / wsum.clamp_min(1)).tolist()
+    per_pos = (accepted_at / starts).tolist()
+    return {
+        "simulated_acceptance_length": 1.0 + sum(per_pos),
+        "acceptance_per_position": per_pos,
+        # what a chain of n draft steps would give: 1 + sum of the first n per-position rates
+        "simulated_acceptance_length_by_steps": [1.0 + sum(per_pos[:n]) for n in range(1, K + 1)],
+        "heldout_loss": sum(cfg.step_loss_decay**k * l for k, l in enumerate(loss_k)),
+        "heldout_loss_per_step": loss_k,
+        "heldout_accuracy_per_step": (correct / wsum.clamp_min(1)).tolist(),
+        "heldout_start_positions": starts,
+    }

@@ -1,0 +1,72 @@
+"""Loading the target model and tokenizer by path, the same way for the demo target and Kimi K2.5; devices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """``auto`` -> the first visible CUDA device when there is one, else the CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bf16 on GPU, fp32 on CPU (CPU runs stay exact and deterministic)."""
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, requested)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if tok.chat_template is None:
+        raise ValueError(f"{path}: the tokenizer has no chat_template; aerie renders prompts with the model's own template")
+    return tok
+
+
+def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
+    """(model in eval mode, tokenizer, device) for a local save_pretrained folder."""
+    from transformers import AutoModelForCausalLM
+
+    dev = pick_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=pick_dtype(dtype, dev), trust_remote_code=trust_remote_code
+    ).to(dev)
+    model.eval()
+    return model, load_tokenizer(path, trust_remote_code), dev
+
+
+def read_generation_config(path: str | Path) -> Any | None:
+    """The target folder's generation_config.json as attributes (its eos ids end generation too), if any."""
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return None
+    import json
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**json.loads(file.read_text()))
+
+
+def end_of_turn_ids(tokenizer, model_config: Any | None = None) -> list[int]:
+    """Ids that end a generated turn: the tokenizer's eos plus generation_config's eos ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+    if isinstance(gen, int):
+        ids.add(gen)
+    elif isinstance(gen, (list, tuple)):
+        ids.update(int(i) for i in gen)
+    return sorted(ids)
