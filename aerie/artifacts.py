@@ -1,8 +1,9 @@
 """Reading and writing aerie's artifacts: atomic publication and versioned packed shards.
 
-Every declared output is written to a temporary name in the same folder and published with
-``os.replace``, so an interrupted job never leaves a half-written file that a later run would take
-for finished work. Formats are documented in docs/formats.md.
+Every output is published by ``atomic_publish``: written to a temporary name in the same folder,
+fsynced, given the user's umask mode and renamed into place, so an interrupted job never leaves a
+half-written file that a later run would take for finished work. The formats themselves live in
+aerie.formats and are documented in docs/formats.md.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import gzip
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,24 +25,54 @@ class FormatError(ValueError):
     """An artifact is missing, of another format version, or inconsistent."""
 
 
-def _tmp_path(path: Path) -> Path:
+def publish_mode() -> int:
+    """0666 minus the process umask, read without changing it (os.umask would race with other threads).
+
+    Temporary files are created 0600 (mkstemp, safetensors); published files get the mode any other file
+    the user creates would get (0644 under umask 022)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: read it the racy way, once
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's or a folder's contents and metadata to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_publish(path: str | Path, write: Callable[[str], None]) -> None:
+    """The one way aerie publishes a file: ``write(tmp)`` writes a temporary file in the same folder, which
+    is fsynced, given the user's umask mode, renamed over ``path`` and made durable by fsyncing the folder.
+
+    Readers never see a partial file, and a crash at any point leaves either the old file or the new one
+    (plus, at worst, a dot-named ``.tmp`` file that the next publication of a sibling ignores)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    return Path(tmp)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+        os.chmod(tmp, publish_mode())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    fsync_path(path.parent)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_publish(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -58,12 +89,7 @@ def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: di
     from safetensors.torch import save_file
 
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-    tmp = _tmp_path(path)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_publish(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta))
 
 
 def load_packed(path: str | Path, expected_format: str, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

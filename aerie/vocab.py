@@ -10,6 +10,7 @@ import torch
 
 from aerie.formats.tokens import read_tokens_shard
 from aerie.formats.vocab import write_draft_vocab
+from aerie.target.config import read_text_config
 
 
 def count_tokens(token_shards: Sequence[Path], vocab_size: int) -> torch.Tensor:
@@ -63,3 +64,11 @@ def build_draft_vocab(
     write_draft_vocab(out_path, d2t, t2d, counts, meta)
     log(f"{out_path.name}: {meta}")
     return meta
+
+
+def build_draft_vocab_for_target(token_shards: Sequence[Path], out_path: Path, *, target_path: Path,
+                                 draft_vocab_size: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """build_draft_vocab over the target's vocabulary (its config.json; a wrapper's text_config)."""
+    vocab_size = int(read_text_config(target_path)["vocab_size"])
+    return build_draft_vocab(token_shards, out_path, target_vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
+                             log=log)

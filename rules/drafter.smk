@@ -9,6 +9,8 @@ rule draft_vocab:
         "results/vocab/draft_vocab.safetensors",
     log:
         "results/logs/vocab/draft_vocab.log",
+    benchmark:
+        "results/benchmarks/vocab/draft_vocab.tsv"
     conda:
         "../envs/aerie.yaml"
     params:

@@ -1,6 +1,8 @@
 # Stage 1: prompt sources -> fixed-size shards (+ the held-out benchmark prompts).
 
 
+# Both rules only cut JSONL into shards (well under a second): they run where snakemake runs, never as
+# cluster jobs.
 rule prompts:
     input:
         get_prompt_source,
@@ -8,6 +10,7 @@ rule prompts:
         "results/{dataset}/prompts/shard-{shard}.jsonl",
     log:
         "results/logs/{dataset}/prompts/shard-{shard}.log",
+    localrule: True
     conda:
         "../envs/aerie.yaml"
     params:
@@ -24,6 +27,7 @@ rule bench_prompts:
         "results/{dataset}/prompts/bench.jsonl",
     log:
         "results/logs/{dataset}/prompts/bench.log",
+    localrule: True
     conda:
         "../envs/aerie.yaml"
     params:

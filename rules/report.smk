@@ -49,6 +49,7 @@ rule report_figures:
         ),
     log:
         "results/logs/report/report_figures.log",
+    localrule: True
     conda:
         "../envs/aerie.yaml"
     script:

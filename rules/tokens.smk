@@ -10,6 +10,8 @@ rule tokens:
         report="results/{dataset}/tokens/shard-{shard}.report.json",
     log:
         "results/logs/{dataset}/tokens/shard-{shard}.log",
+    benchmark:
+        "results/benchmarks/{dataset}/tokens/shard-{shard}.tsv"
     conda:
         "../envs/aerie.yaml"
     params:

@@ -10,30 +10,30 @@ ATTENTION_KINDS = ("auto", "llama", "mla")
 class TrainConfig:
     ttt_steps: int = 7  # unrolled draft steps per position (EAGLE-3 uses 7)
     step_loss_decay: float = 0.8  # weight of step k is decay**k
-    epochs: int = 2
-    learning_rate: float = 1e-4
+    epochs: int = 2  # passes over the training windows; the best epoch (held-out acceptance) is exported
+    learning_rate: float = 1e-4  # peak AdamW learning rate (write 0.0001 or 1.0e-4 in YAML: 1e-4 is a string)
     weight_decay: float = 0.0  # applied to matrices only, never to norms
-    warmup_ratio: float = 0.03
+    warmup_ratio: float = 0.03  # share of the optimizer steps with a linear warmup
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
-    grad_clip: float = 0.5
+    grad_clip: float = 0.5  # gradient norm clip (0 = none)
     max_seq_len: int = 2048  # longer sequences are cut into windows of this many rows
     batch_size: int = 4  # windows per optimizer step (per process under torchrun)
     max_batch_tokens: int = 0  # optional cap on batch_size * padded length (0 = none)
     eval_fraction: float = 0.05  # held-out share of sequences, chosen by hashing sample ids
     mask_out_of_vocab_targets: bool = True  # skip positions whose target argmax is outside the draft vocab
-    init_head_from_target: bool = True  # start lm_head/norm from the target's (draft-vocab rows)
-    seed: int = 0
+    init_head_from_target: bool = True  # start lm_head and norm from the target's (its draft-vocab rows)
+    seed: int = 0  # drafter init, held-out split and batch order
     threads: int = 0  # torch CPU threads (0 = leave as is)
-    log_every: int = 10
+    log_every: int = 10  # optimizer steps between train_log.jsonl lines
     checkpoint_every: int = 500  # optimizer steps between resumable training states (0 = after epochs only)
     resume: bool = True  # continue from a compatible training state beside out_dir; false = start over
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto (CUDA when visible), cpu or cuda
     # the drafter's shape (SGLang serves both kinds); 0 = derived from the target
-    attention: str = "auto"  # auto (mla for MLA targets such as Kimi K2.5, else llama) | llama | mla
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0  # llama only
-    head_dim: int = 0  # llama only
-    intermediate_size: int = 0
+    attention: str = "auto"  # llama or mla (SGLang serves both); auto = mla for MLA targets (Kimi K2.5), else llama
+    num_attention_heads: int = 0  # 0 = the target's (llama on an MLA target: hidden_size / 128)
+    num_key_value_heads: int = 0  # llama only; 0 = the target's (8 on an MLA target)
+    head_dim: int = 0  # llama only; 0 = the target's (128 on an MLA target)
+    intermediate_size: int = 0  # the drafter's MLP width; 0 = the target's
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer before fc (mla only)
     norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm hidden state (mla only)
 

@@ -1,0 +1,103 @@
+"""The package's shape: imports run one way, and parse-time code never pays for torch.
+
+Layers (a module may import from its own layer or a lower one, never a higher one):
+  0  aerie.artifacts                      atomic publishing, packed safetensors, JSONL
+  1  aerie.formats.*, aerie.target.*      one module per on-disk format; everything about the target model
+  2  everything else (the stages, the drafter, the API client, benchmarks, the plan)
+and no import cycle anywhere, counting imports inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "aerie"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the aerie modules it imports (anywhere in the file)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def layer(module: str) -> int:
+    if module == "aerie.artifacts":
+        return 0
+    if module.startswith(("aerie.formats", "aerie.target")):
+        return 1
+    return 2
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    wrong = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+             for m, deps in import_graph().items() for d in deps if layer(d) > layer(m)]
+    assert not wrong, "\n".join(wrong)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep.startswith(node + ".") or node.startswith(dep + "."):
+                continue  # a package and its own submodules
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# What Snakemake imports while it reads the workflow (rules/common.smk, the dry-run previews).
+PARSE_TIME = ["aerie.plan", "aerie.disk", "aerie.api.shard", "aerie.prompts", "aerie.target.config",
+              "aerie.drafter.config", "aerie.demo_target.config"]
+
+
+def test_parse_time_imports_neither_torch_nor_transformers() -> None:
+    code = (f"import sys\nfor m in {PARSE_TIME!r}: __import__(m)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"parse-time modules import {proc.stdout.strip()}"
