@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +30,8 @@ from aerie.drafter.distributed import setup_distributed, shard_for_rank
 from aerie.drafter.evaluate import EMPTY_EVAL, evaluate
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter, atomic_write
 from aerie.drafter.state import (
-    Progress, copy_atomic, data_fingerprint, load_train_state, save_train_state, set_rng_state, train_state_dir,
+    Progress, TrainLog, copy_atomic, data_fingerprint, load_train_state, save_train_state, set_rng_state,
+    train_state_dir,
 )
 from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast, target_mask, ttt_loss
 from aerie.formats.hidden import check_shard_layers, open_hidden_shards
@@ -53,6 +53,12 @@ def check_exported_layer_ids(folder: Path, aux_layer_ids: Sequence[int]) -> None
             f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is {exported}, but the drafter "
             f"was trained on hidden shards captured at aux layers {list(aux_layer_ids)}; refusing to publish it"
         )
+
+
+def export_drafter(model: Eagle3Drafter, folder: Path, aux_layer_ids: Sequence[int], facts: dict) -> None:
+    """The drafter in SGLang's layout at ``folder`` (with aerie's training facts), re-read to check its layers."""
+    model.save_pretrained(folder, extra=facts)
+    check_exported_layer_ids(folder, aux_layer_ids)
 
 
 def build_drafter(target_path: Path, vocab: DraftVocab, aux_layer_ids: list[int], cfg: TrainConfig,
@@ -198,40 +204,13 @@ def train_drafter(
         unroll = nn.parallel.DistributedDataParallel(unroll, device_ids=[device] if device.type == "cuda" else None)
 
     # the train log, kept beside out_dir until the end; a resumed run cuts it back to its checkpoint
-    log_file = None
-    if dist.main:
-        if resumed:
-            log_file = log_tmp.open("a+")
-            log_file.truncate(min(progress.log_bytes, log_file.seek(0, os.SEEK_END)))
-            log_file.seek(0, os.SEEK_END)
-        else:
-            log_file = log_tmp.open("w")
+    train_log = TrainLog(log_tmp, enabled=dist.main, resume_at=progress.log_bytes if resumed else None)
 
-    def record(event: dict) -> None:
-        if log_file is not None:
-            log_file.write(json.dumps(event) + "\n")
-            log_file.flush()
-
-    def checkpoint() -> None:
+    def checkpoint() -> None:  # the one place a training state is written
         progress.seconds = elapsed_before + time.time() - t_start
         if dist.main:
-            progress.log_bytes = log_file.tell()
+            progress.log_bytes = train_log.tell()
             save_train_state(state_path, model, opt, progress, cfg, fingerprint, dist.world, total_steps)
-
-    def export(folder: Path, epoch: int, evaluation: dict) -> None:
-        facts = {
-            "target": str(target_path),
-            "hidden_shards": [str(x) for x in hidden_shards],
-            "draft_vocab": str(vocab_path),
-            "train_config": asdict(cfg),
-            "epoch": epoch,
-            "tokens_trained": progress.tokens,
-            "seconds": round(elapsed_before + time.time() - t_start, 3),
-            "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
-            "heldout_loss": evaluation.get("heldout_loss"),
-        }
-        model.save_pretrained(folder, extra=facts)
-        check_exported_layer_ids(folder, aux_layer_ids)
 
     try:
         log(
@@ -241,12 +220,12 @@ def train_drafter(
         )
         if not resumed:
             progress.untrained = held_out_eval()
-            record({"event": "eval", "epoch": 0, **progress.untrained})
+            train_log.write({"event": "eval", "epoch": 0, **progress.untrained})
             untrained = progress.untrained
             if untrained.get("heldout_start_positions"):
                 log(f"untrained: acceptance {untrained['simulated_acceptance_length']:.3f}, loss {untrained['heldout_loss']:.4f}")
         else:
-            record({"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step})
+            train_log.write({"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step})
 
         model.train()
         for epoch in range(progress.epoch, cfg.epochs + 1):
@@ -285,7 +264,7 @@ def train_drafter(
                         "tokens": progress.tokens,
                         "tokens_per_s": progress.tokens / max(progress.train_seconds, 1e-9),
                     }
-                    record(event)
+                    train_log.write(event)
                     log(f"step {progress.step}/{total_steps} loss {event['loss']:.4f} "
                         f"acc0 {event['acc_per_step'][0]:.3f} {event['tokens_per_s']:.0f} tok/s")
                 if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.position < len(order):
@@ -295,13 +274,19 @@ def train_drafter(
 
             # end of epoch: evaluate, export `last` (and `best` when held-out acceptance improved), checkpoint
             evaluation = held_out_eval()
-            record({"event": "eval", "epoch": epoch, **evaluation})
+            train_log.write({"event": "eval", "epoch": epoch, **evaluation})
             progress.epochs.append({"epoch": epoch, **evaluation})
             acceptance = evaluation.get("simulated_acceptance_length")
             # the first epoch, a better held-out acceptance, or every epoch when nothing is held out
             improved = acceptance is None or progress.best_acceptance is None or acceptance > progress.best_acceptance
             if dist.main:
-                export(state_dir / "last", epoch, evaluation)
+                facts = {"target": str(target_path), "hidden_shards": [str(x) for x in hidden_shards],
+                         "draft_vocab": str(vocab_path), "train_config": asdict(cfg), "epoch": epoch,
+                         "tokens_trained": progress.tokens,
+                         "seconds": round(elapsed_before + time.time() - t_start, 3),
+                         "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
+                         "heldout_loss": evaluation.get("heldout_loss")}
+                export_drafter(model, state_dir / "last", aux_layer_ids, facts)
                 if improved:
                     for name in ("model.safetensors", "config.json"):
                         copy_atomic(state_dir / "last" / name, state_dir / "best" / name)
@@ -313,8 +298,7 @@ def train_drafter(
             progress.epoch, progress.position = epoch + 1, 0
             checkpoint()
     finally:
-        if log_file is not None:
-            log_file.close()
+        train_log.close()
 
     # finished: the best epoch's drafter, the log and eval.json go into out_dir; the resumable state goes
     best = {k: v for k, v in progress.epochs[progress.best_epoch - 1].items() if k != "epoch"}

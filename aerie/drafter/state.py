@@ -11,6 +11,7 @@ weights as an uninterrupted one (exactly, on CPU); a state of other data or sett
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -145,3 +146,32 @@ def load_train_state(path: Path, cfg: TrainConfig, fingerprint: dict, world: int
 def copy_atomic(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(dst, lambda p: shutil.copyfile(src, p))
+
+
+class TrainLog:
+    """train_log.jsonl while training runs: kept beside out_dir as ``train_log.jsonl.partial``, one JSON event
+    a line; a resumed run cuts it back to the length its checkpoint recorded. Only rank 0 writes (others
+    get ``enabled=False`` and every call is a no-op)."""
+
+    def __init__(self, path: Path, *, enabled: bool, resume_at: int | None):
+        self._file = None
+        if not enabled:
+            return
+        if resume_at is not None:
+            self._file = path.open("a+")
+            self._file.truncate(min(resume_at, self._file.seek(0, os.SEEK_END)))
+            self._file.seek(0, os.SEEK_END)
+        else:
+            self._file = path.open("w")
+
+    def write(self, event: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(event) + "\n")
+            self._file.flush()
+
+    def tell(self) -> int:
+        return self._file.tell() if self._file is not None else 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
