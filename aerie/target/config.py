@@ -96,10 +96,16 @@ def check_servable_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: in
     """check_aux_layer_ids plus what SGLang can serve: a drafter trained on these ids must see the same
     layers when SGLang runs it, or acceptance silently drops.
 
+    - At least two ids: with one, SGLang's drafter skips fc (captured width == hidden size).
     - SGLang captures output ``i`` at the input of layer ``i + 1``: the last layer's output never.
     - DeepSeek-family models in SGLang read ids not starting with 1 as layer inputs (one layer early).
     """
     ids = check_aux_layer_ids(layer_ids, num_hidden_layers)
+    if len(ids) < 2:
+        raise ValueError(
+            f"aux layer ids {ids}: at least two are needed. With one aux layer the captured width equals the "
+            "hidden size, and SGLang's EAGLE-3 drafter then skips its fc projection entirely, so the drafter would "
+            "be served with unprojected features it was never trained on")
     if ids[-1] >= num_hidden_layers - 1:
         raise ValueError(
             f"aux layer id {ids[-1]} is the last decoder layer's output: SGLang captures a layer's output at the next "
