@@ -11,23 +11,34 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from aerie.config_file import ConfigError, ConfigSources, check_against_schema
 from aerie.demo_target.config import DemoTargetConfig
 from aerie.drafter.config import TrainConfig
 from aerie.prompts import DatasetPlan, plan_dataset
 from aerie.target.config import (
-    check_servable_aux_layer_ids, default_aux_layer_ids, read_text_config, target_architectures,
+    check_servable_aux_layer_ids,
+    default_aux_layer_ids,
+    read_text_config,
+    target_architectures,
 )
 
 
-class ConfigError(ValueError):
-    """A configuration value that the JSON schema cannot express is wrong; the message names it."""
+def validate_config(config: dict[str, Any], sources: ConfigSources) -> None:
+    """Check the merged config against config/schema.yaml (every key typed and ranged; errors name the key path and
+    the config file and line) and fill in the schema's defaults. Raises ConfigError."""
+    check_against_schema(config, _schema(), sources)
 
 
-def _check_dataclass_keys(section: str, values: dict[str, Any], cls: type) -> None:
+def _dataclass_section(section: tuple[str, ...], values: dict[str, Any], cls: type) -> Any:
+    """Build a dataclass-backed section (its own checks run in __post_init__) so a value it refuses fails now."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"{section}: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        raise ConfigError(f"unknown key(s) {unknown}; known keys: {sorted(known)}", section + (unknown[0],))
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e), section) from None
 
 
 def demo_target_config(config: dict[str, Any]) -> DemoTargetConfig:
@@ -42,19 +53,19 @@ def check_config(config: dict[str, Any]) -> None:
     """Checks beyond the schema: keys of dataclass-backed sections, backend needs, the benchmark set."""
     target = config["target"]
     if "demo" in target:
-        _check_dataclass_keys("target.demo", target["demo"] or {}, DemoTargetConfig)
-    _check_dataclass_keys("drafter", config.get("drafter") or {}, TrainConfig)
+        _dataclass_section(("target", "demo"), target["demo"] or {}, DemoTargetConfig)
+    _dataclass_section(("drafter",), config.get("drafter") or {}, TrainConfig)
 
     for name in config["datasets"]:
         responses = responses_config(config, name)
-        where = "responses" if "responses" not in config["datasets"][name] else f"datasets.{name}.responses"
+        where = ("responses",) if "responses" not in config["datasets"][name] else ("datasets", name, "responses")
         backend = responses["backend"]
         if backend in ("openrouter", "openai") and not responses.get("model") and not responses.get("serve"):
-            raise ConfigError(f"{where}.model: required for the '{backend}' backend (the API model name)")
+            raise ConfigError(f"required for the '{backend}' backend (the API model name)", where + ("model",))
         if backend != "hf" and not responses.get("base_url") and not responses.get("serve"):
-            raise ConfigError(f"{where}.base_url: required for the '{backend}' backend")
+            raise ConfigError(f"required for the '{backend}' backend", where + ("base_url",))
         if responses.get("serve") and backend != "openai":
-            raise ConfigError(f"{where}.serve: starts an OpenAI-compatible server, so backend must be 'openai'")
+            raise ConfigError("starts an OpenAI-compatible server, so backend must be 'openai'", where + ("serve",))
 
     ids = config["hidden"].get("aux_layer_ids")
     layers = target.get("num_hidden_layers") or _local_num_layers(target)
@@ -67,10 +78,10 @@ def check_config(config: dict[str, Any]) -> None:
                                          target_architectures(target["path"]) if local else ())
         except ValueError as e:
             hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
-            raise ConfigError(f"hidden.aux_layer_ids: {e}{hint}") from None
+            raise ConfigError(f"{e}{hint}", ("hidden", "aux_layer_ids")) from None
 
     if not any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values()):
-        raise ConfigError("datasets: no dataset reserves bench_prompts, so the benchmark would have no prompts")
+        raise ConfigError("no dataset reserves bench_prompts, so the benchmark would have no prompts", ("datasets",))
 
 
 def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
@@ -78,17 +89,17 @@ def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
 
     Overrides are checked against the responses schema (unknown keys and bad values name the dataset).
     """
-    import jsonschema
+    from aerie.config_file import schema_errors
 
     override = config["datasets"][dataset].get("responses") or {}
     merged = {**config["responses"], **override}
     if override:
-        schema = _schema()["properties"]["responses"]
-        try:
-            jsonschema.validate(merged, schema)
-        except jsonschema.ValidationError as e:
-            path = ".".join(str(p) for p in e.absolute_path)
-            raise ConfigError(f"datasets.{dataset}.responses{'.' + path if path else ''}: {e.message}") from None
+        errors = schema_errors(merged, _schema()["properties"]["responses"])
+        if errors:
+            path, message = errors[0]
+            # A key the dataset overrides is named where the dataset sets it; a merged-in global key where it is.
+            where = ("datasets", dataset, "responses") if path and path[0] in override else ("responses",)
+            raise ConfigError(message, where + path)
     return merged
 
 
@@ -110,5 +121,5 @@ def plan_datasets(config: dict[str, Any]) -> dict[str, DatasetPlan]:
     """Shard plan of every dataset (reads and validates each prompt source once)."""
     plans = {name: plan_dataset(name, ds) for name, ds in config["datasets"].items()}
     if not any(p.num_shards for p in plans.values()):
-        raise ConfigError("datasets: every dataset is benchmark-only, so there is nothing to train on")
+        raise ConfigError("every dataset is benchmark-only, so there is nothing to train on", ("datasets",))
     return plans

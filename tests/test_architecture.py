@@ -91,7 +91,7 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 # What Snakemake imports while it reads the workflow (rules/common.smk, the dry-run previews).
-PARSE_TIME = ["aerie.plan", "aerie.disk", "aerie.api.shard", "aerie.prompts", "aerie.target.config",
+PARSE_TIME = ["aerie.plan", "aerie.config_file", "aerie.disk", "aerie.api.shard", "aerie.prompts", "aerie.target.config",
               "aerie.drafter.config", "aerie.demo_target.config"]
 
 
