@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from aerie.capture import AuxHiddenCapture
-from aerie.drafter.model import DrafterConfig, DrafterKVCache, Eagle3Drafter, TTTCache
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import load_batch, make_windows
 from aerie.drafter.loop import train_drafter
+from aerie.drafter.layers import DrafterKVCache, TTTCache
+from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.ttt import ttt_unroll
 from aerie.formats.hidden import HiddenShard
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -117,8 +117,16 @@ def world(tmp_path_factory) -> dict:
             "coverage": str(float(counts[draft_ids].sum() / counts.sum())),
         },
     )
-    return {"root": root, "target": target, "target_dir": target_dir, "shards": shards, "vocab": vocab_path,
-            "seqs": seqs, "d2t": d2t, "t2d": t2d}
+    return {
+        "root": root,
+        "target": target,
+        "target_dir": target_dir,
+        "shards": shards,
+        "vocab": vocab_path,
+        "seqs": seqs,
+        "d2t": d2t,
+        "t2d": t2d,
+    }
 
 
 def _drafter(world, seed: int = 0) -> Eagle3Drafter:
@@ -193,7 +201,8 @@ def test_ttt_unroll_equals_chained_inference(world):
 
 @torch.no_grad()
 def _unroll_perturbed(model, aux, ids, K: int, perturb_step: int | None, rows: list[int]) -> list[torch.Tensor]:
-    """Manual TTT unroll; noise is added to the hidden fed into `perturb_step` at `rows`. Returns hidden_out per step."""
+    """Manual TTT unroll; noise is added to the hidden fed into `perturb_step` at `rows`.
+    Returns hidden_out per step."""
     T = aux.shape[1]
     cache, hidden, outs = TTTCache(), model.project_aux(aux), []
     noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7))
@@ -234,7 +243,9 @@ def test_mismatched_aux_layer_ids_refused(world, tmp_path):
     other = tmp_path / "shard-other.safetensors"
     _write_shard(other, world["seqs"][:2], [0, 2, 4], world["target_dir"])
     with pytest.raises(ValueError, match=r"aux_layer_ids.*\[1, 2, 4\].*\[0, 2, 4\]"):
-        train_drafter([world["shards"][0], other], world["vocab"], world["target_dir"], tmp_path / "out", TrainConfig(epochs=1))
+        train_drafter(
+            [world["shards"][0], other], world["vocab"], world["target_dir"], tmp_path / "out", TrainConfig(epochs=1)
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,15 +257,23 @@ def test_long_sequences_are_cut_into_windows_with_lookahead(world, tmp_path):
     g = torch.Generator().manual_seed(3)
     mask = torch.ones(n, dtype=torch.bool)
     mask[:10] = False
-    seq = {"id": "long/0", "ids": torch.randint(0, 300, (n,), generator=g), "mask": mask,
-           "aux": torch.randn(n, 3 * H, generator=g), "final": torch.randn(n, H, generator=g)}
+    seq = {
+        "id": "long/0",
+        "ids": torch.randint(0, 300, (n,), generator=g),
+        "mask": mask,
+        "aux": torch.randn(n, 3 * H, generator=g),
+        "final": torch.randn(n, H, generator=g),
+    }
     path = tmp_path / "long.safetensors"
     _write_shard(path, [world["seqs"][0], seq], AUX_LAYER_IDS, world["target_dir"])
     shard = HiddenShard(path)
     s = int(shard.seq_offsets[1])
     windows = make_windows(0, shard, 1, max_len=64, ttt_steps=3)
     assert [(w.start - s, w.end - s, w.look_end - s, w.pos0) for w in windows] == [
-        (0, 64, 68, 0), (64, 128, 132, 64), (128, 150, 150, 128)]
+        (0, 64, 68, 0),
+        (64, 128, 132, 64),
+        (128, 150, 150, 128),
+    ]
     b = load_batch(windows, [shard], 3, torch.device("cpu"), torch.float32)
     assert b.ids.shape == (3, 64 + 3 + 2) and b.rows == n
     assert torch.equal(b.ids[1, :68], seq["ids"][64:132]) and int(b.position_ids[1, 0]) == 64
@@ -263,8 +282,17 @@ def test_long_sequences_are_cut_into_windows_with_lookahead(world, tmp_path):
 
 
 TRAIN = dict(
-    ttt_steps=3, epochs=10, learning_rate=3e-3, warmup_ratio=0.05, batch_size=8, max_seq_len=64,
-    eval_fraction=0.2, seed=0, threads=1, log_every=5, grad_clip=1.0,
+    ttt_steps=3,
+    epochs=10,
+    learning_rate=3e-3,
+    warmup_ratio=0.05,
+    batch_size=8,
+    max_seq_len=64,
+    eval_fraction=0.2,
+    seed=0,
+    threads=1,
+    log_every=5,
+    grad_clip=1.0,
 )
 
 
@@ -278,7 +306,9 @@ def trained(world) -> dict:
 
 
 def test_training_is_deterministic_on_cpu(world, trained, tmp_path):
-    again = train_drafter(world["shards"], world["vocab"], world["target_dir"], tmp_path, TrainConfig(**TRAIN), log=lambda _: None)
+    again = train_drafter(
+        world["shards"], world["vocab"], world["target_dir"], tmp_path, TrainConfig(**TRAIN), log=lambda _: None
+    )
     assert again["acceptance_per_position"] == trained["eval"]["acceptance_per_position"]
     a = (trained["out"] / "model.safetensors").read_bytes()
     assert a == (tmp_path / "model.safetensors").read_bytes()
@@ -290,7 +320,9 @@ def test_training_reduces_loss_and_raises_acceptance(trained):
     assert ev["simulated_acceptance_length"] > ev["untrained"]["simulated_acceptance_length"] + 0.3
     assert len(ev["acceptance_per_position"]) == 3
     assert all(a >= b for a, b in zip(ev["acceptance_per_position"], ev["acceptance_per_position"][1:]))
-    train_losses = [e["loss"] for e in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if e["event"] == "train"]
+    train_losses = [
+        e["loss"] for e in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if e["event"] == "train"
+    ]
     assert train_losses[-1] < 0.7 * train_losses[0]
     on_disk = json.loads((out / "eval.json").read_text())
     assert on_disk["simulated_acceptance_length"] == ev["simulated_acceptance_length"]
@@ -304,8 +336,8 @@ def test_training_reduces_loss_and_raises_acceptance(trained):
 # 03d5a7771f6082e7737a5f19cae7d1e863087013 (with models/llama.py at 00239548 for LlamaAttention/LlamaMLP):
 #   checkpoint name -> (shape in symbols, dtype). V target vocab, Vd draft vocab, H hidden, I intermediate,
 #   h/kv heads, d head_dim. fc is Linear(3 * target_hidden, hidden); q/k/v read 2H (qkv_proj override).
+# embed_tokens is not exported: SGLang's EAGLE worker replaces it with the target's (set_embed).
 SGLANG_EAGLE3_TENSORS = {
-    "embed_tokens.weight": (("V", "H"), "float"),
     "fc.weight": (("H", "3H"), "float"),
     "midlayer.input_layernorm.weight": (("H",), "float"),
     "midlayer.hidden_norm.weight": (("H",), "float"),
@@ -325,14 +357,25 @@ SGLANG_EAGLE3_TENSORS = {
 # LlamaForCausalLMEagle3's own parameters; load_weights maps q/k/v -> qkv_proj and gate/up -> gate_up_proj,
 # then looks a name up as-is or with a "model." prefix.
 SGLANG_PARAMS = {
-    "model.embed_tokens.weight", "model.fc.weight", "model.midlayer.input_layernorm.weight",
-    "model.midlayer.hidden_norm.weight", "model.midlayer.self_attn.qkv_proj.weight",
-    "model.midlayer.self_attn.o_proj.weight", "model.midlayer.post_attention_layernorm.weight",
-    "model.midlayer.mlp.gate_up_proj.weight", "model.midlayer.mlp.down_proj.weight", "model.norm.weight",
+    "model.embed_tokens.weight",
+    "model.fc.weight",
+    "model.midlayer.input_layernorm.weight",
+    "model.midlayer.hidden_norm.weight",
+    "model.midlayer.self_attn.qkv_proj.weight",
+    "model.midlayer.self_attn.o_proj.weight",
+    "model.midlayer.post_attention_layernorm.weight",
+    "model.midlayer.mlp.gate_up_proj.weight",
+    "model.midlayer.mlp.down_proj.weight",
+    "model.norm.weight",
     "lm_head.weight",
 }
-SGLANG_STACKED = [(".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
-                  (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj")]
+SGLANG_STACKED = [
+    (".q_proj", ".qkv_proj"),
+    (".k_proj", ".qkv_proj"),
+    (".v_proj", ".qkv_proj"),
+    (".gate_proj", ".gate_up_proj"),
+    (".up_proj", ".gate_up_proj"),
+]
 
 
 def _sglang_param_for(name: str) -> str | None:
@@ -348,9 +391,16 @@ def _sglang_param_for(name: str) -> str | None:
 def test_export_matches_sglang_and_reloads_identically(world, trained, tmp_path):
     out = trained["out"]
     c = TARGET
-    sym = {"V": c["vocab_size"], "Vd": DRAFT_VOCAB, "H": c["hidden_size"], "3H": 3 * c["hidden_size"],
-           "2H": 2 * c["hidden_size"], "I": c["intermediate_size"], "h*d": c["num_attention_heads"] * c["head_dim"],
-           "kv*d": c["num_key_value_heads"] * c["head_dim"]}
+    sym = {
+        "V": c["vocab_size"],
+        "Vd": DRAFT_VOCAB,
+        "H": c["hidden_size"],
+        "3H": 3 * c["hidden_size"],
+        "2H": 2 * c["hidden_size"],
+        "I": c["intermediate_size"],
+        "h*d": c["num_attention_heads"] * c["head_dim"],
+        "kv*d": c["num_key_value_heads"] * c["head_dim"],
+    }
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
         assert names == set(SGLANG_EAGLE3_TENSORS)
@@ -359,30 +409,43 @@ def test_export_matches_sglang_and_reloads_identically(world, trained, tmp_path)
             assert tuple(t.shape) == tuple(sym[s] for s in shape), name
             assert t.dtype == (torch.bfloat16 if dtype == "float" else dtype), name
         assert torch.equal(f.get_tensor("d2t"), world["d2t"]) and torch.equal(f.get_tensor("t2d"), world["t2d"])
-        # frozen and copied: the exported embeddings are the target's
-        assert torch.equal(f.get_tensor("embed_tokens.weight"), world["target"].model.embed_tokens.weight.detach().bfloat16())
-    assert {_sglang_param_for(n) for n in names} - {None} == SGLANG_PARAMS
+    # every parameter but the embeddings, which the target provides
+    assert {_sglang_param_for(n) for n in names} - {None} == SGLANG_PARAMS - {"model.embed_tokens.weight"}
 
     cfg = json.loads((out / "config.json").read_text())
     expected = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": c["hidden_size"], "intermediate_size": c["intermediate_size"],
-        "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_key_value_heads"],
-        "head_dim": c["head_dim"], "vocab_size": c["vocab_size"], "draft_vocab_size": DRAFT_VOCAB,
-        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": c["hidden_size"],
+        "intermediate_size": c["intermediate_size"],
+        "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": c["num_key_value_heads"],
+        "head_dim": c["head_dim"],
+        "vocab_size": c["vocab_size"],
+        "draft_vocab_size": DRAFT_VOCAB,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "max_position_embeddings": c["max_position_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYER_IDS, "use_aux_hidden_state": True},
     }
     assert {k: cfg.get(k) for k in expected} == expected
-    assert cfg["aerie"]["format"] == "aerie.drafter/1" and cfg["aerie"]["tokens_trained"] > 0
+    assert cfg["aerie"]["format"] == "aerie.drafter/2" and cfg["aerie"]["tokens_trained"] > 0
     hf = AutoConfig.from_pretrained(out)  # transformers reads it as a LlamaConfig with the extra fields
     assert isinstance(hf, LlamaConfig) and hf.draft_vocab_size == DRAFT_VOCAB and hf.head_dim == c["head_dim"]
-    assert hf.rope_parameters["rope_theta"] == 10000.0 and hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == AUX_LAYER_IDS
+    assert (
+        hf.rope_parameters["rope_theta"] == 10000.0
+        and hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == AUX_LAYER_IDS
+    )
 
-    # reload: an fp32 re-export round-trips bit-exactly
-    model = Eagle3Drafter.from_pretrained(out).eval()
+    # reload (with the target's embeddings): an fp32 re-export round-trips bit-exactly
+    embed = world["target"].get_input_embeddings().weight
+    model = Eagle3Drafter.from_pretrained(out, embed_tokens=embed).eval()
     model.save_pretrained(tmp_path / "fp32", dtype=None)
-    again = Eagle3Drafter.from_pretrained(tmp_path / "fp32").eval()
+    again = Eagle3Drafter.from_pretrained(tmp_path / "fp32", embed_tokens=embed).eval()
     aux, ids = _seq_inputs(world, 2)
     n = ids.shape[1] - 1
     with torch.no_grad():
@@ -392,23 +455,28 @@ def test_export_matches_sglang_and_reloads_identically(world, trained, tmp_path)
     assert torch.equal(model.draft_to_target(torch.arange(DRAFT_VOCAB)), torch.nonzero(world["t2d"]).flatten())
 
 
-def _sglang_style_forward(folder: Path, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor):
-    """The drafter forward re-derived from llama_eagle3.py's structure, straight from the checkpoint tensors:
-    stacked qkv / gate_up weights as SGLang's load_weights builds them, fused add+norm, neox RoPE."""
+def _sglang_style_forward(
+    folder: Path, embed: torch.Tensor, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
+):
+    """The drafter forward re-derived from llama_eagle3.py's structure, straight from the checkpoint tensors
+    and the target's embeddings: stacked qkv / gate_up weights as SGLang's load_weights builds them, fused
+    add+norm, neox RoPE."""
     cfg = json.loads((folder / "config.json").read_text())
     from safetensors.torch import load_file
 
     sd = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
-    eps, H = cfg["rms_norm_eps"], cfg["hidden_size"]
+    eps = cfg["rms_norm_eps"]
     h, kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
 
     def rms(x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     p = "midlayer."
-    qkv_w = torch.cat([sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"]])
+    qkv_w = torch.cat(
+        [sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"], sd[p + "self_attn.v_proj.weight"]]
+    )
     gate_up_w = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-    embeds = sd["embed_tokens.weight"][ids]  # [T, H]
+    embeds = embed.float()[ids]  # [T, H]: the target's, as SGLang's worker sets them
     hidden = aux @ sd["fc.weight"].T  # hidden_states.shape[-1] != embeds.shape[-1] -> fc
     residual = hidden
     x = torch.cat([rms(embeds, sd[p + "input_layernorm.weight"]), rms(hidden, sd[p + "hidden_norm.weight"])], -1)
@@ -436,12 +504,13 @@ def _sglang_style_forward(folder: Path, aux: torch.Tensor, ids: torch.Tensor, po
 
 
 def test_forward_follows_sglang_eagle3_structure(world, trained, tmp_path):
+    embed = world["target"].get_input_embeddings().weight.detach()
     Eagle3Drafter.from_pretrained(trained["out"]).save_pretrained(tmp_path, dtype=None)  # fp32 copy
-    model = Eagle3Drafter.from_pretrained(tmp_path).eval()
+    model = Eagle3Drafter.from_pretrained(tmp_path, embed_tokens=embed).eval()
     aux, ids = _seq_inputs(world, 4)
     n = ids.shape[1] - 1
     with torch.no_grad():
         logits, hidden = model(model.project_aux(aux[:, :n]), ids[:, 1:], torch.arange(n)[None])
-        ref_logits, ref_hidden = _sglang_style_forward(tmp_path, aux[0, :n], ids[0, 1:], torch.arange(n))
+        ref_logits, ref_hidden = _sglang_style_forward(tmp_path, embed, aux[0, :n], ids[0, 1:], torch.arange(n))
     torch.testing.assert_close(logits[0], ref_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(hidden[0], ref_hidden, atol=1e-4, rtol=1e-4)

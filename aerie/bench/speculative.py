@@ -76,7 +76,7 @@ class EagleProposer:
         self.reset()
 
     def reset(self) -> None:
-        from aerie.drafter.model import DrafterKVCache  # lazy: the baseline needs no drafter code
+        from aerie.drafter.layers import DrafterKVCache  # lazy: the baseline needs no drafter code
 
         self.cache = DrafterKVCache()
         self.true_len = 0  # drafter-cache positions computed from true target features

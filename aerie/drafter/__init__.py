@@ -1,6 +1,7 @@
 """The EAGLE-3 drafter and its training.
 
-- ``model``: the drafter SGLang serves (config, layer, caches, SGLang export);
+- ``model``: the drafter SGLang serves (config, layer, caches, SGLang export), Llama attention;
+- ``mla_layer``: its multi-latent attention (the kind SGLang serves for Kimi K2.x);
 - ``config``: the training settings (torch-free: parse time checks them);
 - ``data``: hidden-shard windows, the held-out split, batches;
 - ``ttt``: the training-time-test unroll and its loss against the target's distribution;

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Batch
-from aerie.drafter.model import Eagle3Drafter, TTTCache
+from aerie.drafter.layers import TTTCache
+from aerie.drafter.model import Eagle3Drafter
 
 
 @dataclass
