@@ -352,7 +352,7 @@ def run_with_gpus(count: int, command: list[str], name: str | None = None) -> No
     """
     name = name or Path(command[0]).name
     try:
-        acquire_gpus(count, count, name, setting=f"the GPU count given to `python -m aerie.gpu_slots run`")
+        acquire_gpus(count, count, name, setting="the GPU count given to `aerie-gpu-slots run`")
     except GpuSlotError as e:
         raise SystemExit(str(e)) from None
     for fd in _held.values():
@@ -360,12 +360,18 @@ def run_with_gpus(count: int, command: list[str], name: str | None = None) -> No
     os.execvp(command[0], command)
 
 
-USAGE = """usage: python -m aerie.gpu_slots                 devices and who holds each
-       python -m aerie.gpu_slots --count         how many GPUs (what --resources gpu= should be here)
-       python -m aerie.gpu_slots run N -- CMD..  run CMD holding N GPUs of its own (waits for them)"""
+USAGE = """usage: aerie-gpu-slots                 devices and who holds each
+       aerie-gpu-slots --count         how many GPUs (what --resources gpu= should be here)
+       aerie-gpu-slots run N -- CMD..  run CMD holding N GPUs of its own (waits for them)
+(python -m aerie.gpu_slots ... is the same tool)"""
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The ``aerie-gpu-slots`` tool (also ``python -m aerie.gpu_slots``); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     if not argv:
         return _status()
     if argv == ["--count"]:
@@ -378,4 +384,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

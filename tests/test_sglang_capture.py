@@ -1,11 +1,14 @@
 """SGLang capture backend without SGLang: the layer-id convention (against a real transformers forward), the
-arguments it hands SGLang, batching, splitting SGLang's flat outputs in recorded shapes, and the worker
-processes (spawned for real, tensor-parallel ranks included) with a CPU stand-in for the SGLang-specific part."""
+arguments it hands SGLang, batching, splitting SGLang's flat outputs in recorded shapes, the worker processes
+(spawned for real, tensor-parallel ranks included) with a CPU stand-in for the SGLang-specific part, and the
+GPU-host check tool started as `python -m aerie.sglang_capture` (the module form of the README's
+`aerie-sglang-capture`; tests/test_entry_points.py starts the console script)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,12 +22,15 @@ from torch import nn
 from aerie import sglang_capture as sc
 from aerie.capture import AuxHiddenCapture
 from aerie.sglang_capture import SGLangCapture, SGLangCaptureError, SGLangUnavailableError
+from aerie.sglang_capture.sglang_0523 import request_capacity
+from aerie.sglang_capture.worker import backend_reference, resolve_backend
+from aerie.target.config import check_servable_aux_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_capture"
 TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-FAIL_ID, DIE_ID = 62, 63  # token ids that make the stand-in's rank 1 raise / exit
+FAIL_ID, DIE_ID = 62, 63  # a sequence starting with two of these makes the stand-in's rank 1 raise / exit
 
 
 def tiny_llama():
@@ -99,6 +105,8 @@ class FakeBackend:
     @staticmethod
     def load(payload: dict, rank: int, gpu_id: int):
         torch.set_num_threads(1)
+        if payload.get("fake_crash") == "segv" and rank == 1:  # a kernel crash: no Python error reaches the queue
+            os.kill(os.getpid(), signal.SIGSEGV)
         kind = payload.get("fake_model", "llama")
         # "light": SGLang's llama mapping without a forward (tests that never capture need no transformers model)
         model = {"llama": LlamaLike, "light": LlamaLike, "deepseek": DeepseekLike, "no-eagle3": NoEagle3}[kind]()
@@ -111,7 +119,8 @@ class FakeBackend:
     def runner_info(runner) -> dict:
         return {"layers_to_capture": sc.capture_layers_of(runner.model), "model_class": type(runner.model).__name__,
                 "max_tokens": runner.payload.get("fake_max_tokens", 4096), "max_requests": 8, "context_len": 256,
-                "chunk_tokens": None, "hidden_size": TINY["hidden_size"], "num_hidden_layers": TINY["num_hidden_layers"]}
+                "chunk_tokens": None, "hidden_size": TINY["hidden_size"],
+                "num_hidden_layers": TINY["num_hidden_layers"]}
 
     @staticmethod
     @torch.no_grad()
@@ -119,10 +128,10 @@ class FakeBackend:
         if runner.payload.get("fake_log"):
             with open(runner.payload["fake_log"], "a") as f:
                 f.write(json.dumps([runner.rank, [len(s) for s in seqs]]) + "\n")
-        if any(FAIL_ID in s or DIE_ID in s for s in seqs):
+        if any(s[:2] in ([FAIL_ID] * 2, [DIE_ID] * 2) for s in seqs):
             if runner.rank == 0:
                 time.sleep(60)  # as in a real forward, rank 0 waits in a collective for its failed peer
-            if any(FAIL_ID in s for s in seqs):
+            if any(s[:2] == [FAIL_ID] * 2 for s in seqs):
                 raise ValueError("boom on rank 1")
             os._exit(7)
         hf, capture = runner.hf, runner.model.model.layers_to_capture
@@ -130,7 +139,8 @@ class FakeBackend:
         for ids in seqs:
             seen: dict[int, torch.Tensor] = {}
             hooks = [hf.model.layers[j].register_forward_pre_hook(
-                lambda _m, args, kwargs, j=j: seen.__setitem__(j, kwargs.get("hidden_states", args[0] if args else None)),
+                lambda _m, args, kwargs, j=j, seen=seen: seen.__setitem__(
+                    j, kwargs.get("hidden_states", args[0] if args else None)),
                 with_kwargs=True) for j in capture]
             try:
                 final.append(hf.get_decoder()(input_ids=torch.tensor([ids])).last_hidden_state[0])
@@ -143,6 +153,14 @@ class FakeBackend:
     @staticmethod
     def release(runner) -> None:
         pass
+
+
+class FakeDeepseekBackend(FakeBackend):
+    """The stand-in with SGLang's DeepseekV2 id mapping and no forward (for --expect-refusal runs of the tool)."""
+
+    @staticmethod
+    def load(payload: dict, rank: int, gpu_id: int):
+        return FakeBackend.load({**payload, "fake_model": "deepseek"}, rank, gpu_id)
 
 
 class FakeCapture(SGLangCapture):
@@ -208,12 +226,12 @@ def test_sglang_capture_points_are_transformers_hidden_states_id_plus_one() -> N
 
 def test_last_layer_output_cannot_be_captured_and_aerie_id_checks_apply() -> None:
     # The SGLang capture checks its ids with check_servable_aux_layer_ids (shared with the hf capture).
-    assert sc.check_servable_aux_layer_ids([1, 3, 6], 8) == [1, 3, 6]
+    assert check_servable_aux_layer_ids([1, 3, 6], 8) == [1, 3, 6]
     with pytest.raises(ValueError, match="last decoder layer"):
-        sc.check_servable_aux_layer_ids([1, 3, 7], 8)
+        check_servable_aux_layer_ids([1, 3, 7], 8)
     for bad in ([1, 1, 3], [3, 1, 4], [1, 3, 8], [-1, 2, 3]):
         with pytest.raises(ValueError):
-            sc.check_servable_aux_layer_ids(bad, 8)
+            check_servable_aux_layer_ids(bad, 8)
 
 
 def test_loaded_model_mapping_is_checked_llama_and_deepseek_styles() -> None:
@@ -255,7 +273,7 @@ def test_prediction_before_loading_matches_sglang_models() -> None:
 def test_target_dims_read_kimi_nested_text_config() -> None:
     kimi = sc.target_dims(json.loads((FIXTURES / "kimi_k25_config.json").read_text()))
     assert kimi == {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
-                    "architectures": ["KimiK25ForConditionalGeneration"]}
+                    "architectures": ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"]}
     assert sc.target_dims({"architectures": ["LlamaForCausalLM"], **TINY})["num_hidden_layers"] == 6
     with pytest.raises(ValueError, match="vocab_size"):
         sc.target_dims({"num_hidden_layers": 2, "hidden_size": 8})
@@ -346,7 +364,8 @@ def test_flat_batch_outputs_split_into_sequences(shapes) -> None:
 def test_wrong_capture_shapes_are_explained(shapes, mode, message) -> None:
     b, m = shapes["batch"], shapes["modes"][mode]
     aux = torch.randn(m["hidden_states"])
-    final = torch.randn(m["last_hidden_states"]) if m["last_hidden_states"] else torch.randn(aux.shape[0], b["hidden_size"])
+    final = (torch.randn(m["last_hidden_states"]) if m["last_hidden_states"]
+             else torch.randn(aux.shape[0], b["hidden_size"]))
     with pytest.raises(SGLangCaptureError, match=message):
         sc.split_capture(aux, final, b["lengths"], b["num_aux"], b["hidden_size"])
 
@@ -385,7 +404,7 @@ def test_tensor_parallel_workers_capture_then_fail_cleanly(tmp_path) -> None:
         assert sorted(calls) == sorted([[r, b] for r in (0, 1) for b in ([9, 4], [12, 7])])
         # A rank that fails reports its error; the capture is closed afterwards.
         with pytest.raises(SGLangCaptureError, match=r"rank 1 failed while capturing:(.|\n)*boom on rank 1"):
-            cap.capture([torch.tensor([1, FAIL_ID, 2])])
+            cap.capture([torch.tensor([FAIL_ID, FAIL_ID, 2])])
         assert cap._procs == []
         with pytest.raises(SGLangCaptureError, match="closed"):
             cap.capture(seqs)
@@ -397,8 +416,9 @@ def test_a_dead_worker_is_detected(tmp_path) -> None:
     target = write_target(tmp_path / "t", ["LlamaForCausalLM"])
     with FakeCapture(str(target), [0, 2, 4], tp_size=2, fake_model="light") as cap:
         procs = list(cap._procs)
-        with pytest.raises(SGLangCaptureError, match=r"rank 1 \(exit code 7\)"):
-            cap.capture([torch.tensor([3, DIE_ID])])
+        with pytest.raises(SGLangCaptureError,
+                           match=r"while capturing without reporting an error:\nrank 1: exit code 7\n"):
+            cap.capture([torch.tensor([DIE_ID, DIE_ID])])
     assert not any(p.is_alive() for p in procs)
 
 
@@ -430,6 +450,89 @@ def test_workers_do_not_rerun_the_main_script(tmp_path) -> None:
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert marker.read_text() == "run\n", r.stderr
     assert r.returncode == 0, r.stderr
+
+
+def test_a_worker_killed_by_a_signal_says_how_it_died(tmp_path) -> None:
+    """A crash inside a kernel sends no Python error: the message names the signal and the stack it hit."""
+    target = write_target(tmp_path / "t", ["LlamaForCausalLM"])
+    with pytest.raises(SGLangCaptureError,
+                       match=r"(?s)while loading the target without reporting an error:\n"
+                             r"rank 1: killed by SIGSEGV; its fatal-error stack:.*Segmentation fault.*in load"):
+        FakeCapture(str(target), [0, 2, 4], tp_size=2, fake_model="light", fake_crash="segv")
+
+
+def test_backends_must_be_importable_by_name() -> None:
+    """Workers import the backend by name: a class in __main__ or in a function would die unpickled in them."""
+    ref = backend_reference(FakeBackend)
+    assert ref == f"{FakeBackend.__module__}:FakeBackend" and resolve_backend(ref) is FakeBackend
+    assert backend_reference(sc.SGLang0523) == "aerie.sglang_capture.sglang_0523:SGLang0523"
+
+    class Local(FakeBackend):
+        pass
+
+    with pytest.raises(SGLangCaptureError, match="defined in a function"):
+        backend_reference(Local)
+    with pytest.raises(SGLangCaptureError, match="defined in __main__"):
+        backend_reference(type("InMain", (FakeBackend,), {"__module__": "__main__"}))
+    for bad, message in (("FakeBackend", "expected MODULE:CLASS"), ("aerie.sglang_capture:Nope", "has no Nope")):
+        with pytest.raises(ValueError, match=message):
+            resolve_backend(bad)
+
+
+def test_a_worker_reports_a_backend_it_cannot_import(tmp_path) -> None:
+    """The worker resolves the backend and unpickles the payload inside its error handling: the parent gets the
+    traceback, not only an exit code."""
+    import faulthandler
+    import pickle
+    import queue
+
+    from aerie.sglang_capture.worker import run_rank
+
+    outbox: queue.Queue = queue.Queue()
+    was_enabled = faulthandler.is_enabled()  # run_rank points faulthandler at its file: pytest's is restored below
+    try:
+        run_rank("aerie_no_such_module:Backend", pickle.dumps({}), 0, 0, queue.Queue(), outbox, os.getpid(),
+                 str(tmp_path))
+        run_rank(f"{FakeBackend.__module__}:FakeBackend", b"not a pickle", 1, 0, queue.Queue(), outbox, os.getpid(),
+                 str(tmp_path))
+    finally:
+        if was_enabled:
+            faulthandler.enable(file=sys.stderr)
+    kind, rank, text = outbox.get_nowait()
+    assert (kind, rank) == ("error", 0) and "No module named 'aerie_no_such_module'" in text
+    kind, rank, text = outbox.get_nowait()
+    assert (kind, rank) == ("error", 1) and "UnpicklingError" in text
+
+
+class ReqToTokenPool0523:
+    """The row bookkeeping of sglang 0.5.23's ReqToTokenPool (srt/mem_cache/memory_pool.py): ``size + 1`` rows,
+    row 0 kept as padding for CUDA-graph batches, ``free_slots = range(1, size + 1)``."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._alloc_size = size, size + 1
+        self.free_slots = list(range(1, self._alloc_size))
+
+    def alloc_rows(self, need: int) -> list[int] | None:
+        if need > len(self.free_slots):
+            return None
+        rows, self.free_slots = self.free_slots[-need:], self.free_slots[:-need]
+        return rows
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(1, self._alloc_size))
+
+
+def test_request_pool_capacity_is_every_row_but_the_padding_row() -> None:
+    pool = ReqToTokenPool0523(8)
+    pool.alloc_rows(3)  # left over from an earlier forward: the capture empties the pool first
+    assert request_capacity(pool) == 8 == pool.size  # `size` already excludes the padding row
+    assert pool.alloc_rows(8) is not None and pool.alloc_rows(1) is None
+    assert sc.plan_forwards([4] * 9, max_tokens=100, max_requests=request_capacity(pool)) == [list(range(8)), [8]]
+    with pytest.raises(ValueError, match="request pool"):
+        sc.plan_forwards([4], max_tokens=100, max_requests=0)
 
 
 # ---- the environment and the GPU-host check tool ---------------------------------------------------------
@@ -464,3 +567,27 @@ def test_gpu_check_tool_tells_right_from_off_by_one(tmp_path) -> None:
     bad = sc.compare_with_transformers(tmp_path / "t", layer_ids, early, seqs)
     assert not bad["ok"]
     assert [bad["aux"][i]["closest_hidden_states_index"] for i in layer_ids] == [0, 2, 4]
+
+
+def run_tool(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m aerie.sglang_capture ARGS``, with this test module importable (it holds the stand-in backend)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "aerie.sglang_capture", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def test_check_tool_started_with_python_m_runs_its_workers(tmp_path) -> None:
+    """`python -m aerie.sglang_capture check` (the README's first GPU step) on CPU with the stand-in backend: the
+    tool's own module is __main__, and its spawned worker must still start, load, capture, and match transformers
+    (before the fix the worker died unpickling `__main__._worker_main`)."""
+    tiny_llama().save_pretrained(tmp_path / "t")  # the same weights the stand-in's worker builds
+    report_path = tmp_path / "report.json"
+    r = run_tool(["check", "--target", str(tmp_path / "t"), "--layers", "0", "2", "4", "--seqs", "2", "--len", "12",
+                  "--backend", f"{FakeBackend.__module__}:FakeBackend", "--out", str(report_path)], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.rstrip().endswith("PASS")
+    report = json.loads(report_path.read_text())
+    assert report["ok"] and report["runner_info"]["layers_to_capture"] == [1, 3, 5]
+    assert [row["closest_hidden_states_index"] for row in report["aux"].values()] == [1, 3, 5]
+    assert [s["aux"] for s in report["shapes"]] == [[n, 3 * TINY["hidden_size"]] for n in report["lengths"]]

@@ -1,5 +1,6 @@
-"""SGLang serving harness: command lines, recorded response shapes, prompt loaders, and whole runs
-against a fake SGLang that the harness launches as a real subprocess (port, health wait, shutdown)."""
+"""SGLang serving harness: command lines, recorded response shapes, the benchmark prompt readers, statistics
+(acceptance, degenerate outputs), and whole runs against a fake SGLang that the harness launches as a real
+subprocess (port, health wait, shutdown) and that keeps SGLang 0.5.23's server-side acceptance counter."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from conftest import REPO
 
+from aerie.bench import sglang_client as client
 from aerie.bench import sglang_harness as h
-from aerie.bench.sglang_harness import PromptSet
-from conftest import REPO, shared_path
+from aerie.bench import sglang_server, sglang_stats
+from aerie.prompts import PromptSet, benchmark_prompts, parse_prompt_set
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+BENCHMARKS = Path(__file__).parent / "fixtures" / "benchmarks"  # MT-bench and GSM8K, provenance in README.md
 SECRET = "sk-fake-0123456789abcdef"
 
 
@@ -33,24 +37,26 @@ SG = {"tp": 8, "speculative_num_steps": 3, "speculative_eagle_topk": 1, "specula
 
 
 def test_baseline_and_eagle3_commands_use_sglang_flag_names() -> None:
-    base = h.server_command("/models/K", 41000, SG, python="/envs/sglang/bin/python")
+    base = sglang_server.server_command("/models/K", 41000, SG, python="/envs/sglang/bin/python")
     assert base == ["/envs/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/K",
                     "--tp-size", "8", "--host", "127.0.0.1", "--port", "41000", "--mem-fraction-static", "0.85",
                     "--trust-remote-code", "--reasoning-parser", "kimi_k2"]
-    eagle = h.server_command("/models/K", 41001, SG, drafter_dir="/d/run", python="/envs/sglang/bin/python")
+    eagle = sglang_server.server_command("/models/K", 41001, SG, drafter_dir="/d/run", python="/envs/sglang/bin/python")
     assert eagle == base[:10] + ["41001", "--mem-fraction-static", "0.85",
                                 "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d/run",
                                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                                 "--speculative-num-draft-tokens", "4",
                                 "--trust-remote-code", "--reasoning-parser", "kimi_k2"]
     # Defaults: this interpreter, tp 1, no --mem-fraction-static unless configured.
-    assert h.server_command("/m", 5, None) == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/m",
-                                               "--tp-size", "1", "--host", "127.0.0.1", "--port", "5"]
+    assert sglang_server.server_command("/m", 5, None) == [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--tp-size", "1", "--host", "127.0.0.1",
+        "--port", "5"]
 
 
 def test_kimi_config_gives_the_published_serving_command() -> None:
     cfg = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    cmd = h.server_command(cfg["target"]["path"], 30000, cfg["sglang"], drafter_dir="results/drafter/x", python="py")
+    cmd = sglang_server.server_command(cfg["target"]["path"], 30000, cfg["sglang"], drafter_dir="results/drafter/x",
+                                       python="py")
     line = " ".join(cmd)
     assert "--tp-size 8 " in line and "--mem-fraction-static 0.85" in line
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in line
@@ -59,21 +65,21 @@ def test_kimi_config_gives_the_published_serving_command() -> None:
 
 def test_settings_defaults_match_the_config_schema_and_bad_values_are_refused() -> None:
     schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())["properties"]["sglang"]["properties"]
-    assert set(schema) == set(h.SGLANG_DEFAULTS)
+    assert set(schema) == set(sglang_server.SGLANG_DEFAULTS)
     for key, prop in schema.items():
-        assert h.SGLANG_DEFAULTS[key] == prop.get("default"), key
-    assert h.sglang_settings({"tp": 2})["concurrency"] == [1]
+        assert sglang_server.SGLANG_DEFAULTS[key] == prop.get("default"), key
+    assert sglang_server.sglang_settings({"tp": 2})["concurrency"] == [1]
     for bad in ({"tpp": 1}, {"tp": 0}, {"concurrency": []}, {"concurrency": [0]}, {"mem_fraction_static": 1.5},
                 {"extra_args": "--x"}, {"extra_args": ["--port=1"]}, {"extra_args": ["--tp", "2"]},
                 {"extra_args": ["--speculative-num-steps", "5"]}):
         with pytest.raises(ValueError):
-            h.sglang_settings(bad)
+            sglang_server.sglang_settings(bad)
 
 
 def test_secrets_are_redacted_from_recorded_commands() -> None:
     argv = ["py", "--api-key", SECRET, "--admin-api-key=adm", "--hf-token", "hf_x",
             "--speculative-num-draft-tokens", "4", "--max-total-tokens", "10", "--tool-call-parser", "kimi_k2"]
-    assert h.redact_command(argv) == ["py", "--api-key", "***", "--admin-api-key=***", "--hf-token", "***",
+    assert sglang_server.redact_command(argv) == ["py", "--api-key", "***", "--admin-api-key=***", "--hf-token", "***",
                                       "--speculative-num-draft-tokens", "4", "--max-total-tokens", "10",
                                       "--tool-call-parser", "kimi_k2"]
 
@@ -82,7 +88,7 @@ def test_secrets_are_redacted_from_recorded_commands() -> None:
 
 def test_generate_response_of_an_eagle3_server() -> None:
     body = fixture("generate_eagle3.json")
-    rec = h.parse_generate_response(body)
+    rec = client.parse_generate_response(body)
     meta = body["meta_info"]
     assert rec["error"] is None
     assert rec["completion_tokens"] == 32 == len(rec["output_ids"])
@@ -95,27 +101,31 @@ def test_generate_response_of_an_eagle3_server() -> None:
 
 def test_generate_response_of_a_baseline_server_and_failures() -> None:
     body = fixture("generate_baseline.json")
-    rec = h.parse_generate_response(body)
+    rec = client.parse_generate_response(body)
     assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["accept_length"] is None
     assert rec["finish_reason"] == "stop" and rec["output_ids"][-1] == body["meta_info"]["finish_reason"]["matched"]
     aborted = json.loads(json.dumps(body))
     aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory", "status_code": 503,
                                              "err_type": None}
-    assert "out of memory" in h.parse_generate_response(aborted)["error"]
-    assert h.parse_generate_response({"text": "x"})["error"] == "response has no meta_info"
-    assert h.parse_generate_response({"error": {"message": "bad"}})["error"].startswith("server error")
+    assert "out of memory" in client.parse_generate_response(aborted)["error"]
+    assert client.parse_generate_response({"text": "x"})["error"] == "response has no meta_info"
+    assert client.parse_generate_response({"error": {"message": "bad"}})["error"].startswith("server error")
 
 
 def test_server_info_shapes() -> None:
-    eagle = h.parse_server_info(fixture("server_info_eagle3.json"))
+    eagle = client.parse_server_info(fixture("server_info_eagle3.json"))
     assert eagle["avg_spec_accept_length"] == pytest.approx(2.8731884057971016)
     assert eagle["fields"]["version"] == "0.5.23" and eagle["fields"]["speculative_num_draft_tokens"] == 4
     assert "api_key" not in eagle["fields"] and "launch_command" not in eagle["fields"]
-    assert h.parse_server_info(fixture("server_info_baseline.json"))["avg_spec_accept_length"] is None
-    assert h.parse_server_info(fixture("server_info_legacy.json"))["avg_spec_accept_length"] == 2.61
+    # 0.5.23 sizes decode and prefill CUDA graphs separately; both are kept, and the counter's fold interval.
+    assert eagle["fields"]["cuda_graph_max_bs_decode"] == 64 and "cuda_graph_max_bs_prefill" in eagle["fields"]
+    assert eagle["fields"]["decode_log_interval"] == 40 and "cuda_graph_max_bs" not in eagle["fields"]
+    assert client.parse_server_info({"cuda_graph_max_bs": 32})["fields"] == {"cuda_graph_max_bs": 32}  # older
+    assert client.parse_server_info(fixture("server_info_baseline.json"))["avg_spec_accept_length"] is None
+    assert client.parse_server_info(fixture("server_info_legacy.json"))["avg_spec_accept_length"] == 2.61
     two_dp = {"internal_states": [{"avg_spec_accept_length": 2.0}, {"avg_spec_accept_length": 3.0}]}
-    assert h.parse_server_info(two_dp)["avg_spec_accept_length"] == 2.5
-    assert h.parse_server_info(None)["avg_spec_accept_length"] is None
+    assert client.parse_server_info(two_dp)["avg_spec_accept_length"] == 2.5
+    assert client.parse_server_info(None)["avg_spec_accept_length"] is None
 
 
 # ---- statistics -----------------------------------------------------------------------------------------
@@ -130,22 +140,40 @@ def _rec(pid, ids, latency=1.0, verify=None, error=None):
 def test_mode_statistics_and_lossless_comparison() -> None:
     recs = [_rec("a", [1, 2, 3, 4], 0.5, verify=2), _rec("b", [5, 6], 1.0, verify=1),
             {"id": "c", "latency_s": 3.0, "error": "HTTP 500: boom"}]
-    s = h.mode_stats(recs, wall_s=2.0, server_avg_spec_accept_length=2.2)
+    s = sglang_stats.mode_stats(recs, wall_s=2.0, server_avg_spec_accept_length=2.2)
     assert (s["requests"], s["ok"], s["failed"], s["output_tokens"]) == (3, 2, 1, 6)
     assert s["output_tokens_per_s"] == 3.0 and s["per_request_tokens_per_s_mean"] == pytest.approx((8 + 2) / 2)
     assert s["accept_length_mean"] == 2.0 and s["accept_length_pooled"] == 2.0 and s["spec_verify_ct"] == 3
     assert s["errors"] == ["c: HTTP 500: boom"] and s["finish_reasons"] == {"length": 2}
     assert [p["id"] for p in s["per_request"]] == ["a", "b", "c"]
+    assert s["server_avg_spec_accept_length"] == 2.2 and s["cache_flushed"] is None
 
-    cmp = h.compare_outputs([_rec("a", [1, 2, 3]), _rec("b", [4, 5])], [_rec("a", [1, 2, 9]), _rec("b", [4, 5])])
+    cmp = sglang_stats.compare_outputs([_rec("a", [1, 2, 3]), _rec("b", [4, 5])],
+                                       [_rec("a", [1, 2, 9]), _rec("b", [4, 5])])
     assert cmp["compared_on"] == "output_ids" and (cmp["compared"], cmp["identical"]) == (2, 1)
     assert cmp["first_differing"] == [{"id": "a", "first_diff": 2, "baseline_tokens": 3, "eagle3_tokens": 3}]
     no_ids = [{**_rec("a", [1, 2]), "output_ids": None}]
-    assert h.compare_outputs(no_ids, [_rec("a", [1, 3])])["compared_on"] == "text"
-    assert h.compare_outputs([_rec("a", [1])], [_rec("a", [1, 2])])["first_differing"][0]["first_diff"] == 1
+    assert sglang_stats.compare_outputs(no_ids, [_rec("a", [1, 3])])["compared_on"] == "text"
+    assert sglang_stats.compare_outputs([_rec("a", [1])], [_rec("a", [1, 2])])["first_differing"][0]["first_diff"] == 1
 
-    assert h.looks_looping([7, 8] * 50) and h.looks_looping(list(range(40)) + [3] * 80)
-    assert not h.looks_looping(list(range(200))) and not h.looks_looping([1, 2] * 5)
+
+
+def test_degenerate_outputs_use_the_in_process_benchmarks_definition() -> None:
+    """One definition (aerie.bench.degenerate) for both benchmarks: flagged per request, counted, and left out of
+    the acceptance figure given without them (a loop is trivially predictable)."""
+    from aerie.bench.degenerate import degenerate_flags
+
+    looping = list(range(100, 140)) + [7, 8] * 30  # ends in a two-token cycle
+    repetitive = [5, 6, 7, 9] * 5  # too short for the loop check, mostly repeated 4-grams
+    varied = list(range(200, 260))
+    assert degenerate_flags(looping) == ["loop", "repetitive"] and degenerate_flags(repetitive) == ["repetitive"]
+    recs = [_rec("loop", looping, verify=10), _rec("rep", repetitive, verify=10), _rec("ok", varied, verify=30),
+            {**_rec("no-ids", varied, verify=20), "output_ids": None}]
+    s = sglang_stats.mode_stats(recs, wall_s=1.0, cache_flushed=True)
+    assert [p["degenerate"] for p in s["per_request"]] == [["loop", "repetitive"], ["repetitive"], [], None]
+    assert s["degenerate_requests"] == 2 and s["cache_flushed"] is True
+    assert s["accept_length_mean"] == pytest.approx((10 + 2 + 2 + 3) / 4)
+    assert s["accept_length_mean_excluding_degenerate"] == pytest.approx((2 + 3) / 2)
 
 
 def test_report_json_keeps_id_lists_on_one_line_and_text_untouched() -> None:
@@ -159,18 +187,21 @@ def test_report_json_keeps_id_lists_on_one_line_and_text_untouched() -> None:
 # ---- prompt sets ------------------------------------------------------------------------------------------
 
 def test_mtbench_and_gsm8k_loaders_on_the_real_files() -> None:
-    mt = h.load_prompts("mtbench", shared_path("datasets", "mt_bench_questions.jsonl"))
+    """The published files (byte-exact copies in tests/fixtures/benchmarks), read by aerie.prompts."""
+    mt = benchmark_prompts("mtbench", BENCHMARKS / "mt_bench_questions.jsonl")
     assert len(mt) == 80 and mt[0]["id"] == "mtbench/81" and mt[-1]["id"] == "mtbench/160"
     assert mt[0]["messages"] == [{"role": "user", "content": mt[0]["messages"][0]["content"]}]
-    assert mt[0]["messages"][0]["content"].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
-    gsm = h.load_prompts("gsm8k", shared_path("datasets", "gsm8k_test.jsonl"), max_prompts=5)
+    assert mt[0]["messages"][0]["content"].startswith("Compose an engaging travel blog post about a recent trip to")
+    first_turns = [json.loads(line)["turns"][0] for line in (BENCHMARKS / "mt_bench_questions.jsonl").open()]
+    assert [p["messages"][0]["content"] for p in mt] == first_turns
+    gsm = benchmark_prompts("gsm8k", BENCHMARKS / "gsm8k_test.head50.jsonl", max_prompts=5)
     assert [p["id"] for p in gsm] == [f"gsm8k/{i}" for i in range(5)]
     assert gsm[0]["messages"][0]["content"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
-    assert len(h.load_prompts("gsm8k", shared_path("datasets", "gsm8k_test.jsonl"))) == 1319
+    assert len(benchmark_prompts("gsm8k", BENCHMARKS / "gsm8k_test.head50.jsonl")) == 50
 
 
 def test_humaneval_aerie_and_spec_parsing(tmp_path: Path) -> None:
-    he = h.load_prompts("humaneval")
+    he = benchmark_prompts("humaneval")
     assert len(he) == 164 and he[0]["id"] == "HumanEval/0"
     assert "def has_close_elements(" in he[0]["messages"][0]["content"]
 
@@ -178,19 +209,19 @@ def test_humaneval_aerie_and_spec_parsing(tmp_path: Path) -> None:
     f.write_text("".join(json.dumps({"format": "aerie.prompts/1", "id": f"demo/{i}", "dataset": "demo",
                                      "messages": [{"role": "user", "content": f"q{i}"}], "source": {}}) + "\n"
                          for i in range(3)))
-    ps = h.parse_prompt_set(f"demo=aerie:{f}", max_prompts=2)
+    ps = parse_prompt_set(f"demo=aerie:{f}", max_prompts=2)
     assert (ps.name, ps.kind, ps.source) == ("demo", "aerie", str(f))
     assert ps.prompts == [{"id": f"demo/{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
-    assert h.parse_prompt_set(f"aerie:{f}").name == "bench" and h.parse_prompt_set("humaneval").name == "humaneval"
+    assert parse_prompt_set(f"aerie:{f}").name == "bench" and parse_prompt_set("humaneval").name == "humaneval"
 
     bad = tmp_path / "mt.jsonl"
     bad.write_text('{"question_id": 1, "turns": []}\n')
     with pytest.raises(ValueError, match="mt.jsonl:1"):
-        h.load_prompts("mtbench", bad)
+        benchmark_prompts("mtbench", bad)
     with pytest.raises(ValueError, match="unknown prompt set kind"):
-        h.load_prompts("sharegpt", bad)
+        benchmark_prompts("sharegpt", bad)
     with pytest.raises(ValueError, match="needs a file path"):
-        h.load_prompts("gsm8k")
+        benchmark_prompts("gsm8k")
 
 
 # ---- command line -------------------------------------------------------------------------------------
@@ -289,6 +320,8 @@ async def generate(request):
     ids = [100 + (sum(prompt) * 31 + 7 * i) % 5000 for i in range(n)]
     if spec and prompt[:7] == [ord(c) for c in "DIVERGE"]:
         ids[n // 2] += 1
+    if prompt[:4] == [ord(c) for c in "LOOP"]:  # a degenerate answer: a two-token cycle
+        ids = [7, 8] * (n // 2) + [7] * (n % 2)
     verify = math.ceil(n / ACCEPT)
     t0 = time.monotonic()
     await asyncio.sleep(verify * VERIFY_S if spec else n * TOKEN_S)
@@ -305,7 +338,7 @@ async def generate(request):
         meta.update(spec_verify_ct=verify, spec_accept_length=n / verify, spec_num_proposed_drafts=verify * drafts,
                     spec_num_correct_drafts=correct, spec_accept_rate=correct / (verify * drafts),
                     spec_correct_drafts_histogram=[0] * (ACCEPT - 1) + [verify])
-        cum["tokens"] += n
+        cum["tokens"] += n - 1  # 0.5.23's counter: decode-step tokens only, the first one comes from prefill
         cum["verify"] += verify
     stats["bad_shape"] += set(meta) != keys
     return web.json_response(out)
@@ -331,6 +364,7 @@ async def flush_cache(request):
     if not authorized(request):
         return web.Response(status=401)
     stats["flushes"] += 1
+    cum.update(tokens=0, verify=0)  # Scheduler.flush_cache -> metrics_reporter.reset_metrics()
     return web.Response(text="Cache flushed.\n")
 
 async def on_shutdown(app):
@@ -372,7 +406,7 @@ def fake_sglang(tmp_path: Path):
     for f in state.glob("*.json"):  # never leave a fake behind, even when a test failed
         s = json.loads(f.read_text())
         for pid in (s["pid"], s["child_pid"]):
-            if h._alive(pid):
+            if sglang_server.process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -388,7 +422,7 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     chat = PromptSet("chat", [{"id": "chat/0", "messages": _user("hello there")},
                               {"id": "chat/1", "messages": _user("DIVERGE here")},
                               {"id": "chat/2", "messages": _user("odd!")},
-                              {"id": "chat/3", "messages": _user("an even one")}])
+                              {"id": "chat/3", "messages": _user("LOOP odd one")}])
     maths = PromptSet("math", [{"id": f"math/{i}", "messages": _user("2+2=?" + "x" * i)} for i in range(3)])
     sglang = {"tp": 2, "mem_fraction_static": 0.5, "concurrency": [1, 3],
               "extra_args": ["--trust-remote-code", "--api-key", SECRET, "--context-length", "4096"]}
@@ -399,7 +433,8 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         sglang_python=fake_sglang.python, warmup=1, stop_grace_s=0.5, server_env=fake_sglang.env, log=logs.append)
 
     assert json.loads(out.read_text()) == report
-    assert report["format"] == "aerie.sglang-bench/1" and report["complete"] and report["error"] is None
+    assert report["format"] == "aerie.sglang-bench/2" and report["complete"] and report["error"] is None
+    assert "flush_cache" in report["notes"]["acceptance"] and "prefill" in report["notes"]["acceptance"]
     assert SECRET not in out.read_text()
     assert report["input"] == "input_ids" and report["sampling"] == {"temperature": 0.0, "max_new_tokens": 24,
                                                                      "skip_special_tokens": False}
@@ -409,10 +444,10 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     for mode, drafter in (("baseline", None), ("eagle3", fake_sglang.drafter)):
         st = json.loads((fake_sglang.state / f"{mode}.json").read_text())
         port = int(st["argv"][st["argv"].index("--port") + 1])
-        assert st["argv"] == h.server_command("/models/target", port, sglang, drafter_dir=drafter)[3:]
+        assert st["argv"] == sglang_server.server_command("/models/target", port, sglang, drafter_dir=drafter)[3:]
         server = report["servers"][mode]
         assert server["command"][0] == fake_sglang.python and "***" in server["command"]
-        assert server["command"][3:] == h.redact_command(st["argv"])
+        assert server["command"][3:] == sglang_server.redact_command(st["argv"])
         assert server["ready_s"] > 0.3 and server["error"] is None
         assert server["server_info_endpoint"] == "/get_server_info"  # /server_info is absent: fallback taken
         assert server["server_info"]["version"] == "0.5.23" and "api_key" not in server["server_info"]
@@ -423,10 +458,16 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
                    and set(b) == {"input_ids", "sampling_params"} for b in st["bodies"])
         # Stopped: the server and its SIGTERM-ignoring worker are gone; the worker had to be killed.
         assert {st["pid"], st["child_pid"]} <= set(server["pids"])
-        assert not h._alive(st["pid"]) and not h._alive(st["child_pid"])
+        assert not sglang_server.process_alive(st["pid"]) and not sglang_server.process_alive(st["child_pid"])
         assert server["leftover_pids_killed"] == [st["child_pid"]]
     assert report["servers"]["eagle3"]["server_info"]["speculative_num_steps"] == 3
-    assert report["servers"]["eagle3"]["server_info"]["avg_spec_accept_length"] == 3.0
+    # The fake keeps SGLang 0.5.23's counter: reset by /flush_cache, decode-step tokens only. Its value is reported
+    # as read; the acceptance figure is the per-request mean of completion_tokens / spec_verify_ct.
+    def server_counter(ps: PromptSet) -> float:
+        ns = [24 if len(p["messages"][0]["content"]) % 2 == 0 else 12 for p in ps.prompts]
+        return sum(n - 1 for n in ns) / sum(n // 3 for n in ns)
+
+    assert report["servers"]["eagle3"]["server_info"]["avg_spec_accept_length"] == pytest.approx(server_counter(maths))
     assert report["servers"]["baseline"]["server_info"]["avg_spec_accept_length"] is None
     assert report["versions"]["sglang"] == "0.5.23"
 
@@ -442,11 +483,15 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
             assert s["ok"] == r["prompts"] and s["failed"] == 0
             assert s["output_tokens"] == expected_tokens[r["set"]]
             assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["wall_s"])
-            assert s["per_request_tokens_per_s_mean"] > 0 and s["looping_requests"] == 0
+            assert s["per_request_tokens_per_s_mean"] > 0 and s["cache_flushed"] is True
+            assert s["degenerate_requests"] == (1 if r["set"] == "chat" else 0)
+            assert [p["degenerate"] != [] for p in s["per_request"]] == [p["id"] == "chat/3" for p in s["per_request"]]
         assert b["accept_length_mean"] is None and b["server_avg_spec_accept_length"] is None
         assert all(p["spec_verify_ct"] is None for p in b["per_request"])
         assert e["accept_length_mean"] == 3.0 and e["accept_length_pooled"] == 3.0
-        assert e["server_avg_spec_accept_length"] == 3.0
+        assert e["accept_length_mean_excluding_degenerate"] == 3.0
+        counter = server_counter(chat if r["set"] == "chat" else maths)  # this run's requests only: flushed before
+        assert e["server_avg_spec_accept_length"] == pytest.approx(counter) and counter < 3.0
         assert [p["spec_verify_ct"] for p in e["per_request"]] == [c // 3 for c in
                                                                    (p["completion_tokens"] for p in e["per_request"])]
         assert r["speedup"] == pytest.approx(e["output_tokens_per_s"] / b["output_tokens_per_s"])
@@ -462,7 +507,9 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     s = report["summary"]
     assert s["lossless"] == {"compared": 14, "identical": 12, "differing": 2, "all_identical": False}
     assert s["baseline_cross_concurrency"] == {"compared": 7, "identical": 7}
-    assert s["accept_length_mean"] == 3.0 and s["server_avg_spec_accept_length"] == 3.0
+    assert s["accept_length_mean"] == 3.0 and s["accept_length_mean_excluding_degenerate"] == 3.0
+    assert s["server_avg_spec_accept_length"] == pytest.approx(server_counter(maths))  # the last reading
+    assert s["degenerate_requests"] == {"baseline": 2, "eagle3": 2}
     assert [c["concurrency"] for c in s["by_concurrency"]] == [1, 3]
     assert all(c["speedup"] > 1.3 for c in s["by_concurrency"])
     assert s["speedup_min"] <= s["speedup_geomean"] <= s["speedup_max"]
@@ -487,5 +534,5 @@ def test_a_server_that_fails_to_start_leaves_a_partial_report_and_nothing_runnin
     assert all(p["output_ids"] is None and p["text"] is None for p in row["baseline"]["per_request"])  # no outputs
     assert report["servers"]["eagle3"]["command"][3:7] == ["--model-path", "/models/target", "--tp-size", "1"]
     base = json.loads((fake_sglang.state / "baseline.json").read_text())
-    assert not h._alive(base["pid"]) and not h._alive(base["child_pid"])
+    assert not sglang_server.process_alive(base["pid"]) and not sglang_server.process_alive(base["child_pid"])
     assert not (fake_sglang.state / "eagle3.json").exists()

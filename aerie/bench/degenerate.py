@@ -3,6 +3,10 @@
 A target stuck in a loop ("the the the", a two-token cycle) is trivially predictable, so acceptance
 length on such prompts says nothing about the drafter. The benchmarks flag those prompts and report
 acceptance with and without them.
+
+The one definition of a degenerate output in aerie: the in-process benchmark (:mod:`aerie.bench.run`) and the
+SGLang serving harness (:mod:`aerie.bench.sglang_stats`) both call :func:`degenerate_flags`; keep its name and
+the constants' names stable (other stages report loop rates with them).
 """
 
 from __future__ import annotations

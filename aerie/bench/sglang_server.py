@@ -1,0 +1,179 @@
+"""The SGLang servers of the serving benchmark: their settings, command lines, and every process they leave.
+
+:func:`sglang_settings` checks the config's ``sglang:`` section, :func:`server_command` builds the
+``launch_server`` argv for the baseline and the EAGLE-3 server (flag spellings of SGLang 0.5.23),
+:func:`redact_command` hides secrets before a command is recorded, and :func:`kill_leftovers` finds a stopped
+server's processes by a marker in their environment and kills what outlives the grace period (GPU memory must
+be free before the next server starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Defaults of the config's `sglang:` section (config/schema.yaml; keep in sync).
+SGLANG_DEFAULTS: dict[str, Any] = {
+    "tp": 1,
+    "speculative_num_steps": 3,
+    "speculative_eagle_topk": 1,
+    "speculative_num_draft_tokens": 4,
+    "mem_fraction_static": None,
+    "extra_args": [],
+    "concurrency": [1],
+}
+
+# Flags the harness sets itself; extra_args must not override them (argparse keeps the last value).
+MANAGED_FLAGS = frozenset({
+    "--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--host", "--port",
+    "--mem-fraction-static", "--speculative-algorithm", "--speculative-draft-model-path",
+    "--speculative-draft-model", "--speculative-num-steps", "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+})
+
+_SECRET_FLAG = re.compile(r"api[-_]?key|secret|passw|auth|(?:hf|access|bearer)[-_]?token", re.IGNORECASE)
+
+MARKER_ENV = "AERIE_SGLANG_HARNESS_SERVER"  # set in the server's environment: finds its leftovers
+
+
+def sglang_settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The config's ``sglang:`` section with defaults filled in, checked (ValueError on a bad value)."""
+    section = dict(section or {})
+    unknown = set(section) - set(SGLANG_DEFAULTS)
+    if unknown:
+        raise ValueError(f"sglang: unknown keys {sorted(unknown)} (known: {sorted(SGLANG_DEFAULTS)})")
+    s = {**SGLANG_DEFAULTS, **section}
+    for key in ("tp", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        if not isinstance(s[key], int) or isinstance(s[key], bool) or s[key] < 1:
+            raise ValueError(f"sglang.{key} must be an integer >= 1, got {s[key]!r}")
+    f = s["mem_fraction_static"]
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+        raise ValueError(f"sglang.mem_fraction_static must be in (0, 1], got {f!r}")
+    extra = s["extra_args"]
+    if not isinstance(extra, (list, tuple)) or not all(isinstance(a, str) for a in extra):
+        raise ValueError(f"sglang.extra_args must be a list of strings, got {extra!r}")
+    clash = sorted({a.split("=", 1)[0] for a in extra} & MANAGED_FLAGS)
+    if clash:
+        raise ValueError(f"sglang.extra_args sets {clash}, which the harness sets itself from the config")
+    conc = s["concurrency"]
+    if (not isinstance(conc, (list, tuple)) or not conc
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in conc)):
+        raise ValueError(f"sglang.concurrency must be a non-empty list of integers >= 1, got {conc!r}")
+    s["extra_args"] = list(extra)
+    s["concurrency"] = list(conc)
+    return s
+
+
+def server_command(target_path: str | Path, port: int, sglang: Mapping[str, Any] | None = None, *,
+                   drafter_dir: str | Path | None = None, python: str | None = None,
+                   host: str = "127.0.0.1") -> list[str]:
+    """The ``launch_server`` argv: baseline without ``drafter_dir``, EAGLE-3 with it.
+
+    Flag spellings are SGLang 0.5.23's (``--tp-size`` is the field's own flag, ``--tp`` only works as
+    an argparse abbreviation). ``extra_args`` come last, verbatim.
+    """
+    s = sglang_settings(sglang)
+    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_path),
+           "--tp-size", str(s["tp"]), "--host", host, "--port", str(int(port))]
+    if s["mem_fraction_static"] is not None:
+        cmd += ["--mem-fraction-static", str(s["mem_fraction_static"])]
+    if drafter_dir is not None:
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
+                "--speculative-num-steps", str(s["speculative_num_steps"]),
+                "--speculative-eagle-topk", str(s["speculative_eagle_topk"]),
+                "--speculative-num-draft-tokens", str(s["speculative_num_draft_tokens"])]
+    return cmd + s["extra_args"]
+
+
+def redact_command(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the value of every secret-looking flag (``--api-key`` ...) replaced by ``***``."""
+    out: list[str] = []
+    hide_next = False
+    for a in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+        elif a.startswith("-") and _SECRET_FLAG.search(a.split("=", 1)[0]):
+            if "=" in a:
+                out.append(a.split("=", 1)[0] + "=***")
+            else:
+                out.append(a)
+                hide_next = True
+        else:
+            out.append(a)
+    return out
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value ``argv`` gives ``flag`` (``--flag V`` or ``--flag=V``; the last one wins, as in argparse)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+# ---- the server's processes ---------------------------------------------------------------------------
+
+def process_alive(pid: int) -> bool:
+    """False for a process that is gone or a zombie (exited, waiting for its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2] not in "ZXx"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment carries this server's marker (Linux /proc; [] elsewhere)."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{name}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            pids.append(int(name))
+    return pids
+
+
+def kill_leftovers(marker: str, grace: float) -> list[int]:
+    """Wait up to ``grace`` s for the server's processes to exit, then SIGKILL the rest; returns those."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = [p for p in marked_pids(marker) if process_alive(p)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while any(process_alive(p) for p in left) and time.monotonic() < end:
+        time.sleep(0.05)
+    return left
+

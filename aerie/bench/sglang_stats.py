@@ -1,0 +1,191 @@
+"""Statistics of the serving benchmark: per run, per (set, concurrency) row, and the summary.
+
+Acceptance length is SGLang's own per-request figure, ``completion_tokens / spec_verify_ct`` from each
+``/generate`` response's ``meta_info``: tokens per target verify step, the bonus token included and the first
+token (it comes from prefill, not from a verify step) counted too. ``accept_length_mean`` is its mean over
+requests and is THE acceptance figure of a report. The server's ``avg_spec_accept_length`` is kept beside it
+only as a cross-check, because in SGLang 0.5.23 that counter is reset by ``/flush_cache`` (which the harness
+calls before every run), is folded in only every ``decode_log_interval`` (default 40) decode steps, so the
+last steps of a run may be missing, and leaves the prefill token out: :data:`SERVER_COUNTER_NOTE`.
+
+Outputs that loop or repeat (:mod:`aerie.bench.degenerate`, the same definition as the in-process benchmark)
+are counted, and acceptance is also given without them: a loop is trivially predictable.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from aerie.bench.degenerate import degenerate_flags
+from aerie.prompts import PromptSet
+
+MODES = ("baseline", "eagle3")
+_MAX_DIFF_EXAMPLES = 5
+
+SERVER_COUNTER_NOTE = (
+    "server_avg_spec_accept_length is SGLang's own avg_spec_accept_length read from /server_info right after the "
+    "run: accepted tokens per verify step over the decode steps since the last /flush_cache (the harness flushes "
+    "before every run unless told not to), folded in only every decode_log_interval (default 40) decode steps, "
+    "and without the first (prefill) token; accept_length_mean, the mean over requests of completion_tokens / "
+    "spec_verify_ct, is the acceptance figure")
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def mode_stats(records: Sequence[dict[str, Any]], wall_s: float,
+               server_avg_spec_accept_length: float | None = None, record_outputs: bool = True, *,
+               cache_flushed: bool | None = None) -> dict[str, Any]:
+    """Statistics of one (mode, set, concurrency) run from its per-request records.
+
+    ``record_outputs=False`` leaves ``output_ids`` and ``text`` out of ``per_request`` (set to null).
+    """
+    kept = ("id", "latency_s", "e2e_latency_s", "prompt_tokens", "completion_tokens", "cached_tokens",
+            "spec_verify_ct", "accept_length", "degenerate", "finish_reason", "output_ids", "text", "error")
+    # Judged on the output ids (None without them: the server did not return ids).
+    records = [{**r, "degenerate": degenerate_flags(r["output_ids"]) if r.get("output_ids") is not None else None}
+               if not r.get("error") else r for r in records]
+    ok = [r for r in records if not r.get("error")]
+    failed = [r for r in records if r.get("error")]
+    out_tokens = sum(int(r["completion_tokens"] or 0) for r in ok)
+    lat = sorted(float(r["latency_s"]) for r in ok if r.get("latency_s") is not None)
+    per_req_tps = [r["completion_tokens"] / r["latency_s"] for r in ok if r.get("latency_s")]
+    e2e = [float(r["e2e_latency_s"]) for r in ok if isinstance(r.get("e2e_latency_s"), (int, float))]
+    spec = [r for r in ok if r.get("spec_verify_ct")]
+    spec_clean = [r for r in spec if not r.get("degenerate")]
+    verify = sum(int(r["spec_verify_ct"]) for r in spec)
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": len(failed),
+        "errors": [f"{r.get('id')}: {r['error']}" for r in failed[:3]],
+        "prompt_tokens": sum(int(r.get("prompt_tokens") or 0) for r in ok),
+        "output_tokens": out_tokens,
+        "wall_s": wall_s,
+        "output_tokens_per_s": _ratio(out_tokens, wall_s),
+        "per_request_tokens_per_s_mean": statistics.fmean(per_req_tps) if per_req_tps else None,
+        "latency_s_mean": statistics.fmean(lat) if lat else None,
+        "latency_s_p50": statistics.median(lat) if lat else None,
+        "latency_s_p90": _quantile(lat, 0.9),
+        "latency_s_max": lat[-1] if lat else None,
+        "e2e_latency_s_mean": statistics.fmean(e2e) if e2e else None,
+        "spec_verify_ct": verify if spec else None,
+        "accept_length_mean": statistics.fmean(r["accept_length"] for r in spec) if spec else None,
+        "accept_length_pooled": _ratio(sum(int(r["completion_tokens"]) for r in spec), verify) if spec else None,
+        "accept_length_mean_excluding_degenerate": (statistics.fmean(r["accept_length"] for r in spec_clean)
+                                                    if spec_clean else None),
+        "server_avg_spec_accept_length": server_avg_spec_accept_length,
+        "cache_flushed": cache_flushed,
+        "finish_reasons": dict(Counter(str(r.get("finish_reason")) for r in ok)),
+        "degenerate_requests": sum(1 for r in ok if r.get("degenerate")),
+        "per_request": [{k: r.get(k) if record_outputs or k not in ("output_ids", "text") else None for k in kept}
+                        for r in records],
+    }
+
+
+def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(baseline: Sequence[dict[str, Any]], eagle3: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-prompt output equality of two runs over the same prompts (ids when both have them, else text)."""
+    b_by_id = {r["id"]: r for r in baseline if not r.get("error")}
+    pairs = [(b_by_id[r["id"]], r) for r in eagle3 if not r.get("error") and r["id"] in b_by_id]
+    use_ids = all(b.get("output_ids") is not None and e.get("output_ids") is not None for b, e in pairs)
+    key = "output_ids" if use_ids else "text"
+    differing = []
+    for b, e in pairs:
+        d = _first_diff(b.get(key) or [], e.get(key) or [])
+        if d is not None:
+            differing.append({"id": e["id"], "first_diff": d, "baseline_tokens": b.get("completion_tokens"),
+                              "eagle3_tokens": e.get("completion_tokens")})
+    return {"compared_on": key, "compared": len(pairs), "identical": len(pairs) - len(differing),
+            "differing": len(differing), "first_differing": differing[:_MAX_DIFF_EXAMPLES]}
+
+
+def build_rows(prompt_sets: Sequence[PromptSet], concurrency: Sequence[int],
+               runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]],
+               record_outputs: bool = True) -> list[dict[str, Any]]:
+    """Rows from raw runs: ``runs[mode][(set, c)] = {records, wall_s, server_avg_spec_accept_length}``."""
+    rows = []
+    for ps in prompt_sets:
+        for c in concurrency:
+            row: dict[str, Any] = {"set": ps.name, "concurrency": c, "prompts": len(ps.prompts)}
+            for mode in MODES:
+                run = runs.get(mode, {}).get((ps.name, c))
+                row[mode] = (mode_stats(run["records"], run["wall_s"], run.get("server_avg_spec_accept_length"),
+                                        record_outputs, cache_flushed=run.get("cache_flushed"))
+                             if run is not None else None)
+            b, e = row["baseline"], row["eagle3"]
+            row["speedup"] = _ratio(e["output_tokens_per_s"], b["output_tokens_per_s"]) if b and e else None
+            row["speedup_per_request"] = (_ratio(e["per_request_tokens_per_s_mean"], b["per_request_tokens_per_s_mean"])
+                                          if b and e else None)
+            row["lossless"] = (compare_outputs(runs["baseline"][(ps.name, c)]["records"],
+                                               runs["eagle3"][(ps.name, c)]["records"]) if b and e else None)
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: Sequence[dict[str, Any]], prompt_sets: Sequence[PromptSet], concurrency: Sequence[int],
+              runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]]) -> dict[str, Any]:
+    """The report's ``summary``: throughput and speedup per concurrency, acceptance over every EAGLE3 request,
+    the lossless check over rows and of baseline against itself across concurrency levels, failures."""
+    by_c = []
+    for c in concurrency:
+        entry: dict[str, Any] = {"concurrency": c}
+        for mode in MODES:
+            stats = [r[mode] for r in rows if r["concurrency"] == c and r[mode]]
+            tok, wall = sum(s["output_tokens"] for s in stats), sum(s["wall_s"] for s in stats)
+            entry[f"{mode}_output_tokens_per_s"] = _ratio(tok, wall) if stats else None
+        entry["speedup"] = _ratio(entry["eagle3_output_tokens_per_s"], entry["baseline_output_tokens_per_s"])
+        by_c.append(entry)
+    speedups = [r["speedup"] for r in rows if r["speedup"]]
+    spec_reqs = [p for r in rows if r["eagle3"] for p in r["eagle3"]["per_request"]
+                 if not p["error"] and p["spec_verify_ct"]]
+    spec_clean = [p for p in spec_reqs if not p["degenerate"]]
+    lossless = [r["lossless"] for r in rows if r["lossless"]]
+    compared = sum(x["compared"] for x in lossless)
+    identical = sum(x["identical"] for x in lossless)
+    cross = {"compared": 0, "identical": 0}
+    base_runs = runs.get("baseline", {})
+    for ps in prompt_sets:
+        first = base_runs.get((ps.name, concurrency[0]))
+        for c in concurrency[1:]:
+            other = base_runs.get((ps.name, c))
+            if first and other:
+                cmp = compare_outputs(first["records"], other["records"])
+                cross["compared"] += cmp["compared"]
+                cross["identical"] += cmp["identical"]
+    last_server = next((r["eagle3"]["server_avg_spec_accept_length"] for r in reversed(rows)
+                        if r["eagle3"] and r["eagle3"]["server_avg_spec_accept_length"] is not None), None)
+    verify = sum(p["spec_verify_ct"] for p in spec_reqs)
+    return {
+        "by_concurrency": by_c,
+        "speedup_min": min(speedups) if speedups else None,
+        "speedup_max": max(speedups) if speedups else None,
+        "speedup_geomean": math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None,
+        "accept_length_mean": statistics.fmean(p["accept_length"] for p in spec_reqs) if spec_reqs else None,
+        "accept_length_pooled": _ratio(sum(p["completion_tokens"] for p in spec_reqs), verify) if spec_reqs else None,
+        "accept_length_mean_excluding_degenerate": (statistics.fmean(p["accept_length"] for p in spec_clean)
+                                                    if spec_clean else None),
+        "server_avg_spec_accept_length": last_server,
+        "lossless": {"compared": compared, "identical": identical, "differing": compared - identical,
+                     "all_identical": bool(lossless) and compared == identical},
+        "baseline_cross_concurrency": cross,
+        "failed_requests": {m: sum(r[m]["failed"] for r in rows if r[m]) for m in MODES},
+        "degenerate_requests": {m: sum(r[m]["degenerate_requests"] for r in rows if r[m]) for m in MODES},
+    }

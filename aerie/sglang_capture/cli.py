@@ -1,0 +1,96 @@
+"""``aerie-sglang-capture`` (also ``python -m aerie.sglang_capture``): GPU-host checks of the SGLang capture.
+
+``make-tiny KIND OUT`` writes a random-weight target; ``check --target T --layers ...`` captures with SGLang
+and compares every aux and final state with transformers' (exit 1 on a mismatch). Run ``check`` first on a
+new GPU host and after any change of the SGLang pin in envs/sglang.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from aerie.sglang_capture.capture import SGLangCapture
+from aerie.sglang_capture.check import compare_with_transformers, make_tiny_target
+from aerie.sglang_capture.mapping import SGLangMappingError, target_dims
+from aerie.sglang_capture.worker import backend_reference, resolve_backend
+from aerie.target.config import read_config
+
+PROG = "aerie-sglang-capture"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=PROG, description="GPU-host checks of aerie's SGLang capture backend "
+                                                        "(also: python -m aerie.sglang_capture).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-tiny", help="write a random-weight target folder (llama or deepseek)")
+    mk.add_argument("kind", choices=["llama", "deepseek"])
+    mk.add_argument("out", type=Path)
+    ck = sub.add_parser("check", help="capture with SGLang and compare with transformers (exit 1 on a mismatch)")
+    ck.add_argument("--target", type=Path, required=True,
+                    help="a model transformers can also load on one GPU in fp32 (make-tiny, the demo target)")
+    ck.add_argument("--layers", type=int, nargs="+", required=True, help="aerie aux ids (decoder-layer outputs)")
+    ck.add_argument("--tp", type=int, default=1)
+    ck.add_argument("--seqs", type=int, default=4)
+    ck.add_argument("--len", type=int, default=96, help="tokens per sequence (lengths vary from len/2 to len)")
+    ck.add_argument("--trust-remote-code", action="store_true")
+    ck.add_argument("--mem-fraction-static", type=float, default=0.5)
+    ck.add_argument("--expect-refusal", action="store_true",
+                    help="the ids must be refused by the check on the LOADED model (the early prediction is skipped)")
+    ck.add_argument("--backend", metavar="MODULE:CLASS", default=backend_reference(SGLangCapture.backend),
+                    help="the class that drives SGLang (default %(default)s); an adapter for another SGLang "
+                         "version is checked with this before the pin in envs/sglang.yaml changes")
+    ck.add_argument("--out", type=Path, help="write the report (JSON), with the flat output shapes SGLang returned")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``make-tiny`` or ``check``; returns the exit status (0: passed)."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.cmd == "make-tiny":
+        print(make_tiny_target(a.kind, a.out))
+        return 0
+    try:
+        backend = resolve_backend(a.backend)
+    except (ValueError, ImportError) as e:
+        ap.error(f"--backend: {e}")
+    kwargs = {"tp_size": a.tp, "mem_fraction_static": a.mem_fraction_static, "trust_remote_code": a.trust_remote_code}
+    # --expect-refusal exercises the check on the loaded model, so the prediction before loading is skipped.
+    options = {"backend": backend, "early_mapping_check": not a.expect_refusal}
+    if a.expect_refusal:
+        try:
+            SGLangCapture(str(a.target), a.layers, **options, **kwargs).close()
+        except SGLangMappingError as e:  # only this refusal passes: a worker that died proves nothing
+            print(f"PASS: refused as expected:\n{e}")
+            return 0
+        print("FAIL: SGLang accepted ids it maps differently")
+        return 1
+    dims = target_dims(read_config(a.target))
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(max(2, a.len // 2), a.len + 1, (a.seqs,), generator=gen).tolist()
+    seqs = [torch.randint(0, dims["vocab_size"], (n,), generator=gen) for n in lengths]
+    started = time.perf_counter()
+    with SGLangCapture(str(a.target), a.layers, **options, **kwargs) as cap:
+        load_s = time.perf_counter() - started
+        t0 = time.perf_counter()
+        captured = cap.capture(seqs)
+        capture_s = time.perf_counter() - t0
+        info = cap.info
+    report = compare_with_transformers(a.target, cap.layer_ids, captured, seqs, trust_remote_code=a.trust_remote_code)
+    report.update({"sglang_version": cap.sglang_version, "backend": a.backend, "target": str(a.target),
+                   "layer_ids": a.layers, "tp": a.tp, "lengths": lengths, "runner_info": info,
+                   "load_s": round(load_s, 1), "capture_s": round(capture_s, 3),
+                   "shapes": [{"aux": list(x.shape), "final": list(f.shape), "dtype": str(x.dtype)}
+                              for x, f in captured]})
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    print("PASS" if report["ok"] else "FAIL")
+    return 0 if report["ok"] else 1
