@@ -9,9 +9,10 @@ otherwise.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from aerie.target.config import read_text_config
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -24,11 +25,9 @@ def target_hidden_size(target: dict[str, Any]) -> int | None:
         from aerie.plan import demo_target_config
 
         return demo_target_config({"target": target}).hidden_size
-    cfg_path = Path(target["path"]) / "config.json"
-    if not cfg_path.exists():
+    if not (Path(target["path"]) / "config.json").exists():
         return None
-    cfg = json.loads(cfg_path.read_text())
-    return cfg.get("text_config", cfg).get("hidden_size")
+    return read_text_config(target["path"]).get("hidden_size")
 
 
 def bytes_per_token(hidden_size: int, num_aux: int, storage_dtype: str = "bfloat16", layout: str = "full",
@@ -66,10 +65,13 @@ def tokens_in_shard(path: Path) -> int:
 
 
 def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Path,
-                 tokens_per_sample: dict[str, float]) -> str | None:
+                 tokens_per_sample: dict[str, float], expected_samples: dict[str, int] | None = None) -> str | None:
     """One paragraph for ``snakemake -n``; None when the hidden size is unknown (no local target, no key).
 
     ``tokens_per_sample``: per dataset, the expected prompt + output tokens of a sample still to generate.
+    ``expected_samples``: per API dataset, the responses its output-token quota leaves room for (the cost
+    preview's figure); the estimated samples of its pending shards are cut to those plus the ones already
+    journaled, so a dataset's disk is capped at its quota like its dollars.
     """
     hidden = target_hidden_size(config["target"])
     if hidden is None:
@@ -82,23 +84,35 @@ def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
                                 hcfg.get("target_topk", 32))
     shards = exact = 0
     tokens = 0.0
+    per_dataset: dict[str, float] = {}
     for name, plan in plans.items():
+        counted, estimated_samples = 0.0, 0
         for shard in plan.shard_names:
             if (results_dir / name / "hidden" / f"shard-{shard}.safetensors").exists():
                 continue
             shards += 1
             tok_path = results_dir / name / "tokens" / f"shard-{shard}.safetensors"
             if tok_path.exists():
-                tokens += tokens_in_shard(tok_path)
+                counted += tokens_in_shard(tok_path)
                 exact += 1
             else:
                 start, stop = plan.shard_range(int(shard))
-                tokens += (stop - start) * tokens_per_sample.get(name, 0.0)
+                estimated_samples += stop - start
+        if expected_samples is not None and name in expected_samples:
+            from aerie.api.journal import dataset_journal_totals
+
+            journaled = int(dataset_journal_totals(results_dir / name / "responses")["samples"])
+            estimated_samples = min(estimated_samples, journaled + expected_samples[name])
+        per_dataset[name] = counted + estimated_samples * tokens_per_sample.get(name, 0.0)
+        tokens += per_dataset[name]
     if not shards:
         return "aerie disk preview: every hidden shard exists"
+    gib = 2**30 / per_token
+    parts = ", ".join(f"{n} ~{t / gib:,.1f}" for n, t in per_dataset.items() if t)
+    layout = layout_description(hcfg, hidden, num_aux, per_token)
     return (f"aerie disk preview: {shards} pending hidden shards, ~{tokens:,.0f} tokens ({exact} counted from "
-            f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout_description(hcfg, hidden, num_aux, per_token)}) "
-            f"= ~{tokens * per_token / 2**30:,.2f} GiB")
+            f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout}) "
+            f"= ~{tokens * per_token / 2**30:,.2f} GiB" + (f" ({parts} GiB)" if parts else ""))
 
 
 
@@ -117,6 +131,6 @@ def expected_tokens_per_sample(config: dict[str, Any], results_dir: Path, sample
         prompts = list(itertools.islice(iter_prompts(name, ds), sample))
         prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in prompts) / max(len(prompts), 1)
         spent = dataset_journal_totals(results_dir / name / "responses")
-        output_tokens, _ = mean_output_tokens(responses_config(config, name), spent)
+        output_tokens, _ = mean_output_tokens(responses_config(config, name), spent, (name, ds))
         out[name] = prompt_tokens + output_tokens
     return out

@@ -77,8 +77,30 @@ def load_responses(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return rows
 
 
-def figure_spend(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
-    """USD per dataset, stacked by provider; responses per dataset and backend beside it."""
+def load_quotas(paths: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
+    """Per dataset, from the completion records beside API responses shards (aerie.responses-completion/1):
+    prompts, samples kept, prompts not requested because the output-token quota was reached, the quota."""
+    from aerie.api.client import read_completion
+
+    out: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        rec = read_completion(path)
+        if rec is None:
+            continue  # in-process shards have none: every prompt was answered
+        d = out.setdefault(_dataset_of(Path(path)), {"prompts": 0, "samples": 0, "not_requested": 0,
+                                                     "max_output_tokens": rec.get("max_output_tokens"),
+                                                     "quota_reached": False})
+        d["prompts"] += rec["prompts"]
+        d["samples"] += rec["samples"]
+        d["not_requested"] += rec["not_requested"]
+        d["quota_reached"] |= rec.get("reason") == "max_output_tokens"
+    return out
+
+
+def figure_spend(records: list[dict[str, Any]], out: Path,
+                 quotas: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """USD per dataset, stacked by provider; responses per dataset and backend beside it, each bar marked
+    with the share of its prompts answered when the dataset's output-token quota cut it."""
     plt = _plt()
     spend: dict[str, Counter] = defaultdict(Counter)
     counts: dict[str, Counter] = defaultdict(Counter)
@@ -113,13 +135,18 @@ def figure_spend(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
             vals = [counts[d][b] for d in datasets]
             ax2.bar(datasets, vals, bottom=bottom, label=str(b))
             bottom = [x + v for x, v in zip(bottom, vals)]
+        for i, d in enumerate(datasets):
+            q = (quotas or {}).get(d)
+            if q and q["quota_reached"]:
+                ax2.annotate(f"quota {q['max_output_tokens']:,} tokens:\n{q['samples']:,} of {q['prompts']:,} "
+                             "prompts", (i, bottom[i]), ha="center", va="bottom", fontsize=8)
         ax2.legend(title="backend", fontsize=8)
         ax2.set_ylabel("responses")
     else:
         _note(ax2, "no responses")
     ax2.set_title("responses per dataset and backend")
     _save(fig, out)
-    return {"total_usd": total, "by_dataset": {d: dict(c) for d, c in spend.items()}}
+    return {"total_usd": total, "by_dataset": {d: dict(c) for d, c in spend.items()}, "quotas": quotas or {}}
 
 
 def figure_lengths(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
@@ -232,7 +259,7 @@ def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) 
         chunk = max(1, sample_rows // 4)
         starts = sorted({min(max(rows - chunk, 0), int(rows * q)) for q in (0.0, 0.25, 0.5, 0.75)}) if rows else []
         if "aux_scales" in names:  # compact layout: float8 values times their per-(token, layer) scale
-            from aerie.hidden import dequantize_aux
+            from aerie.formats.hidden import dequantize_aux
 
             sc_s = f.get_slice("aux_scales")
             aux = [dequantize_aux(aux_s[s:s + chunk], sc_s[s:s + chunk]) for s in starts]
@@ -384,7 +411,7 @@ def write_figures(outputs: dict[str, str | Path], *, responses: Sequence[str | P
         raise ValueError(f"no output path for figures {sorted(missing)}")
     records = load_responses(responses)
     return {
-        "spend": figure_spend(records, Path(outputs["spend"])),
+        "spend": figure_spend(records, Path(outputs["spend"]), load_quotas(responses)),
         "lengths": figure_lengths(records, Path(outputs["lengths"])),
         "quality": figure_quality(records, token_reports, Path(outputs["quality"])),
         "hidden": figure_hidden(hidden, Path(outputs["hidden"])),

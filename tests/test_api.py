@@ -19,9 +19,9 @@ from aerie.api.backends import (
     parse_sglang_generate,
     request_body,
 )
-from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, regenerate_shard
-from aerie.api.emulator import EmulatorSettings, serve_in_thread
-from aerie.api.journal import Journal, journal_path, messages_key, read_journal
+from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, read_completion, regenerate_shard
+from aerie.api.emulator import DEFAULT_PROVIDERS, EmulatorSettings, serve_in_thread
+from aerie.api.journal import Journal, intents_path, journal_path, messages_key, read_journal, unseen_intents
 from aerie.artifacts import FormatError, read_jsonl
 
 MODEL = "moonshotai/kimi-k2.5"
@@ -209,23 +209,36 @@ def test_fault_run_5000_samples_complete_without_duplicates_or_losses(tmp_path: 
     assert all(r["provider"] == "Chutes" for r in records)  # sort: price -> the cheapest provider
 
 
-def test_budget_stops_within_the_in_flight_bound_and_a_later_run_finishes(tmp_path: Path) -> None:
+# Every prompt of make_prompts has 3 words (3 emulated prompt tokens); with a fixed output length and
+# `sort: price` every sample costs exactly this, so the guards can be checked to the sample.
+CHUTES = next(p for p in DEFAULT_PROVIDERS if p.name == "Chutes")
+
+
+def exact_cost(output_tokens: int) -> float:
+    return 3 * CHUTES.prompt_price + output_tokens * CHUTES.completion_price
+
+
+def test_budget_counts_in_flight_requests_and_never_overshoots(tmp_path: Path) -> None:
+    """50 in flight at a time: a guard that forgot them would admit up to 49 samples past the budget."""
     prompts = make_prompts(600)
     out = tmp_path / "shard-00000.jsonl"
     log = tmp_path / "requests.jsonl"
-    emu = EmulatorSettings(output_tokens_mean=200, latency_mean=0.02, request_log=str(log))
+    emu = EmulatorSettings(output_tokens_mean=200, output_tokens_dist="fixed", latency_mean=0.05,
+                           request_log=str(log))
     limits = ClientLimits(concurrency=50, backoff_base=0.02, progress_interval=5)
-    max_cost = 512 * 2.5e-6 + 50 * 0.6e-6  # the priciest provider, max_tokens, a generous prompt
+    per_sample = exact_cost(200)
+    budget = 0.05
     with serve_in_thread(emu) as base:
         s = settings(base)
-        guard = MoneyGuard(budget_usd=0.05, expected_cost=200 * 1.9e-6)
+        guard = MoneyGuard(budget_usd=budget, expected_cost=per_sample)
         with pytest.raises(RegenerationStopped, match=r"budget: \$0\.0\d spent of responses.budget_usd \$0\.05"):
             run(prompts, out, s, guard=guard, limits=limits)
-        assert not out.exists()  # an incomplete shard is never published
+        assert not out.exists()  # the budget is a stop: an incomplete shard is never published
         first = read_journal(journal_path(out), s.params_hash())
         spent = first.cost
-        assert 0 < len(first.finished) < 600
-        assert spent <= 0.05 + limits.concurrency * max_cost
+        fit = int(budget / per_sample)  # 131
+        assert spent <= budget + 1e-9, f"${spent:.6f} spent: {len(first.finished) - fit} samples over the budget"
+        assert len(first.finished) >= fit - 1  # and it did not stop early either
         # More budget: only the rest is requested.
         run(prompts, out, s, guard=MoneyGuard(budget_usd=10.0, spent_before=spent), limits=limits)
     assert [r["id"] for r in read_jsonl(out)] == [p["id"] for p in prompts]
@@ -233,14 +246,117 @@ def test_budget_stops_within_the_in_flight_bound_and_a_later_run_finishes(tmp_pa
     assert len(ok) == 600 and max(ok.values()) == 1
 
 
-def test_output_token_cap_stops_the_dataset(tmp_path: Path) -> None:
+def test_budget_counts_spend_lost_to_interrupted_requests(tmp_path: Path) -> None:
+    """Money the account was billed for answers no journal holds is spent too: the guard stops earlier."""
     out = tmp_path / "shard-00000.jsonl"
+    per_sample = exact_cost(100)
     with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        guard = MoneyGuard(budget_usd=40 * per_sample, expected_cost=per_sample, lost_usd=25 * per_sample)
+        with pytest.raises(RegenerationStopped, match=r"lost to interrupted requests"):
+            run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
+    assert len(read_journal(journal_path(out)).finished) == 15
+
+
+def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds(tmp_path: Path) -> None:
+    """Another process's interrupted requests were billed to the account during this run: the poll of
+    GET /key finds them and the guard stops on the account's figure, not the journals'."""
+    from aerie.api.client import AccountWatcher
+
+    per_sample = exact_cost(100)
+    out = tmp_path / "shard-00000.jsonl"
+    readings: list[tuple[float, float, float]] = []
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed",
+                                          latency_mean=0.05)) as base:
+        s = settings(base)
+        # 40 answers billed and never journaled (their client died): same prompts' shape, so the same price.
+        for p in make_prompts(40, tag="z"):
+            requests.post(f"{base}/chat/completions", json=request_body(s, p["messages"]), timeout=10)
+        watcher = AccountWatcher(f"{base}/key", baseline_usage=0.0, baseline_journal=0.0,
+                                 record=lambda *r: readings.append(r))
+        guard = MoneyGuard(budget_usd=100 * per_sample, expected_cost=per_sample, account=watcher)
+        with pytest.raises(RegenerationStopped, match=r"of it lost to interrupted requests"):
+            run(make_prompts(200), out, s, guard=guard,
+                limits=ClientLimits(concurrency=4, progress_interval=0.1, backoff_base=0.01))
+        billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
+    # Each poll sees the 40 lost answers, plus at most the 4 of this run billed but not yet journaled.
+    assert readings and all(40 * per_sample - 1e-9 <= lost <= 44 * per_sample + 1e-9 for _, _, lost in readings)
+    assert billed <= 100 * per_sample + 1e-9  # the account, not just the journals, stayed within budget
+    assert len(read_journal(journal_path(out)).finished) >= 60 - 4 - 1  # what the budget left, minus a window
+
+
+def test_output_token_quota_completes_the_dataset_with_the_samples_that_fit(tmp_path: Path) -> None:
+    """A quota is not a stop: the shard is published with what fits (never a token over the quota, even
+    with 8 requests in flight), the rest recorded as not requested; a later shard of the dataset is empty."""
+    out = tmp_path / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed",
+                                          latency_mean=0.05)) as base:
         guard = MoneyGuard(token_cap=3000, expected_tokens=100)
-        with pytest.raises(RegenerationStopped, match="output-token cap"):
-            run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=4))
-    tokens = sum(r["usage"]["completion_tokens"] for r in read_jsonl(journal_path(out)))
-    assert 2000 < tokens <= 3000 + 4 * 100
+        summary = run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
+        records = read_jsonl(out)
+        tokens = sum(r["usage"]["completion_tokens"] for r in records)
+        assert tokens <= 3000, f"{tokens} output tokens for a quota of 3,000"
+        assert len(records) == 30
+        assert [r["id"] for r in records] == sorted((r["id"] for r in records), key=lambda x: int(x.split("/")[1]))
+        completion = read_completion(out)
+        assert completion == summary["completion"]
+        assert completion["format"] == "aerie.responses-completion/1" and completion["reason"] == "max_output_tokens"
+        assert (completion["prompts"], completion["samples"], completion["not_requested"]) == (100, 30, 70)
+        assert completion["max_output_tokens"] == 3000 and completion["dataset_output_tokens"] == 3000
+        assert completion["shard_output_tokens"] == 3000
+        # The next shard of the same dataset starts with the quota used up: published empty, nothing requested.
+        second = tmp_path / "shard-00001.jsonl"
+        before = requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"]
+        run(make_prompts(50, tag="r"), second, settings(base),
+            guard=MoneyGuard(token_cap=3000, tokens_before=3000, expected_tokens=100))
+        assert requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"] == before
+    assert second.exists() and second.read_bytes() == b""
+    assert read_completion(second)["samples"] == 0 and read_completion(second)["not_requested"] == 50
+    # A shard that finished every prompt says so too.
+    full = tmp_path / "full" / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=10)) as base:
+        run(make_prompts(5), full, settings(base))
+    assert read_completion(full)["reason"] is None and read_completion(full)["not_requested"] == 0
+    # The report shows the quota: 30 of the first shard's 100 prompts, none of the second's 50.
+    from aerie.report import figure_spend, load_quotas, load_responses
+
+    shards = [out, second]
+    quotas = load_quotas(shards)
+    assert quotas == {tmp_path.parent.name: {"prompts": 150, "samples": 30, "not_requested": 120,
+                                             "max_output_tokens": 3000, "quota_reached": True}}
+    summary = figure_spend(load_responses(shards), tmp_path / "spend.png", quotas)
+    assert summary["quotas"] == quotas and (tmp_path / "spend.png").stat().st_size > 0
+
+
+def test_402_in_flight_is_retried_within_max_attempts_then_reported(tmp_path: Path) -> None:
+    """A transient in-flight-budget 402 that never clears must end the job, not hang it."""
+    out = tmp_path / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(faults={"402-in-flight": 1.0})) as base:
+        coro = regenerate_shard(make_prompts(3), out, settings(base), api_key="k", guard=MoneyGuard(),
+                                limits=ClientLimits(concurrency=3, max_attempts=2, backoff_base=0.01),
+                                log=lambda m: None)
+        with pytest.raises(RegenerationStopped, match=r"402_in_flight: 3"):
+            asyncio.run(asyncio.wait_for(coro, timeout=30))
+        stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
+    assert stats["outcomes"] == {"402-in-flight": 6}  # Retry-After honoured once per sample, then given up
+
+
+def test_intents_are_journaled_before_each_request(tmp_path: Path) -> None:
+    out = tmp_path / "shard-00000.jsonl"
+    log = tmp_path / "requests.jsonl"
+    with serve_in_thread(EmulatorSettings(request_log=str(log), faults={"500": 0.3}, fault_seed=5)) as base:
+        run(make_prompts(40), out, settings(base), limits=ClientLimits(concurrency=8, backoff_base=0.01))
+    intents = read_jsonl(intents_path(out))
+    records = read_jsonl(out)
+    assert len(intents) == sum(r["attempts"] for r in records) == len(request_log(log))
+    assert {i["format"] for i in intents} == {"aerie.request-intent/1"}
+    by_id = Counter(i["id"] for i in intents)
+    assert all(by_id[r["id"]] == r["attempts"] for r in records)
+    assert not unseen_intents(intents_path(out), read_journal(journal_path(out)))
+    # An intent without an answer is a sample that may have been billed unseen.
+    with open(intents_path(out), "a") as fh:
+        fh.write(json.dumps({"format": "aerie.request-intent/1", "id": "d/999", "t": 0, "params_hash": "x",
+                             "attempt": 1}) + "\n")
+    assert unseen_intents(intents_path(out), read_journal(journal_path(out))) == {"d/999"}
 
 
 def test_changed_sampling_parameters_never_reuse_old_responses(tmp_path: Path) -> None:

@@ -296,3 +296,22 @@ def test_cli_starts_answers_and_stops_on_sigterm(tmp_path) -> None:
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_a_client_that_disconnects_is_billed_like_by_a_provider() -> None:
+    """Work in flight when the client goes away is charged when the generation ends, and /key reports it."""
+    import time
+
+    with serve_in_thread(EmulatorSettings(latency_mean=0.6)) as base:
+        with pytest.raises(asyncio.TimeoutError):
+            chat(base, timeout=0.15)  # the client gives up (or is killed) while the model generates
+        assert call(base, "/key")[2]["data"]["usage"] == 0.0  # not yet: the generation is still running
+        deadline = time.monotonic() + 10
+        while call(base, "/emulator/stats")[2]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _, _, stats = call(base, "/emulator/stats")
+        assert stats["outcomes"] == {"client-gone": 1} and stats["charged_usd"] > 0
+        _, _, key = call(base, "/key")
+        assert key["data"]["usage"] == pytest.approx(stats["charged_usd"])
+        _, _, credits = call(base, "/credits")
+        assert credits["data"]["total_usage"] == pytest.approx(stats["charged_usd"])

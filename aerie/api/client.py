@@ -11,9 +11,16 @@
   message (in-flight requests still land in the journal: they are paid for);
 - every finished sample goes to the journal at once (aerie.api.journal); the declared shard output is
   published atomically only when the journal holds every sample;
-- money: a global dollar budget and a per-dataset output-token cap are checked before each request is
+- money: a global dollar budget and a per-dataset output-token quota are checked before each request is
   admitted, counting what is in flight at the expected per-sample cost, so the overshoot is bounded
-  by the requests already in flight; other shards' journals are followed while running.
+  by the requests already in flight; other shards' journals are followed while running, and so is the
+  provider's own account (``GET /key``): spend the journals never saw (answers lost with a killed
+  process) counts against the budget too;
+- before each request is sent an intent line goes to ``shard-NNNNN.intents.jsonl``, so a crashed run
+  knows exactly which samples may have been billed without an answer;
+- the budget is a stop (raise it and rerun); the output-token quota is not: a dataset whose
+  ``max_output_tokens`` is reached is complete with the samples that fit, and the shard is published
+  with them and a ``shard-NNNNN.completion.json`` that records why the others were not requested.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -39,10 +47,20 @@ from aerie.api.backends import (
     parse_sglang_generate,
     request_body,
 )
-from aerie.api.journal import Journal, journal_path, messages_key, read_journal
+from aerie.api.journal import (
+    INTENT_FORMAT,
+    Journal,
+    intents_path,
+    journal_path,
+    messages_key,
+    read_journal,
+    unseen_intents,
+)
 from aerie.artifacts import atomic_write_bytes
+from aerie.formats.responses import RESPONSES_FORMAT
 
-RESPONSES_FORMAT = "aerie.responses/1"
+COMPLETION_FORMAT = "aerie.responses-completion/1"
+QUOTA_REASON = "max_output_tokens"
 
 
 @dataclass
@@ -54,6 +72,20 @@ class ClientLimits:
     backoff_base: float = 1.0
     backoff_max: float = 60.0
     progress_interval: float = 10.0
+    # PEM file of the CAs to trust for HTTPS (a private CA, a proxy, a test server's self-signed certificate);
+    # None: the system store, which honours SSL_CERT_FILE / SSL_CERT_DIR. Verification is never turned off.
+    ca_bundle: str | None = None
+
+
+def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
+    """The client's TLS context: certificate and host name checked against ``ca_bundle`` or the system store
+    (loaded once per shard, like aiohttp's own default context; it reads SSL_CERT_FILE / SSL_CERT_DIR)."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca_bundle)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"CA bundle {ca_bundle}: cannot be read as PEM certificates ({e})") from None
+    ctx.set_alpn_protocols(["http/1.1"])  # what aiohttp speaks; the same offer as its default context
+    return ctx
 
 
 @dataclass
@@ -67,6 +99,51 @@ class MoneyGuard:
     tokens_before: int = 0  # this dataset's journaled output tokens
     expected_tokens: float = 0.0
     others: "LedgerWatcher | None" = None  # other shards' journals, followed live
+    lost_usd: float = 0.0  # account spend no journal holds (interrupted requests), from the last reconcile
+    account: AccountWatcher | None = None  # the provider's account, polled while running
+
+    def spent(self, shard_cost: float) -> float:
+        """What the budget is checked against: every journal's spend plus the spend only the account saw."""
+        return self.spent_before + shard_cost + (self.others.cost if self.others else 0.0) + self.lost_usd
+
+
+class AccountWatcher:
+    """Polls the provider account's usage (``GET /key``) and turns it into ``MoneyGuard.lost_usd``.
+
+    ``baseline_usage`` / ``baseline_journal`` are the account usage and the journals' total at the run's
+    first start (aerie.api.money's account ledger); lost = account growth since then - journal growth.
+    ``floor`` is the loss reconciled at this job's start, when none of its own requests was in flight;
+    a poll while running also counts answers billed but still on their way to the journal (at most the
+    requests in flight), so each poll replaces the previous one and never goes below the floor.
+    ``record(usage, journal, lost)`` appends the reading to that ledger.
+    """
+
+    def __init__(self, url: str, baseline_usage: float, baseline_journal: float,
+                 record: Callable[[float, float, float], None] | None = None, floor: float = 0.0):
+        self.url, self.baseline_usage, self.baseline_journal = url, baseline_usage, baseline_journal
+        self.floor = floor
+        self._record = record
+        self.polls = 0
+        self.errors = 0
+
+    def lost(self, usage: float, journal_spend: float) -> float:
+        return max(0.0, (usage - self.baseline_usage) - (journal_spend - self.baseline_journal))
+
+    async def poll(self, session: aiohttp.ClientSession, guard: MoneyGuard, shard_cost: float) -> None:
+        try:
+            async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=15)) as resp:
+                body = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            body = None
+        usage = ((body or {}).get("data") or {}).get("usage") if isinstance(body, dict) else None
+        if usage is None:
+            self.errors += 1  # the last known loss stands; the journals still count live
+            return
+        self.polls += 1
+        journal = guard.spent_before + shard_cost + (guard.others.cost if guard.others else 0.0)
+        guard.lost_usd = max(self.floor, self.lost(float(usage), journal))
+        if self._record is not None:
+            self._record(float(usage), journal, guard.lost_usd)
 
 
 class LedgerWatcher:
@@ -123,18 +200,26 @@ class RunStats:
     flags: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
     stop_reason: str | None = None
+    stop_kind: str | None = None  # "quota" (the dataset is complete), "budget", "fatal"
 
     def line(self, name: str, guard: MoneyGuard) -> str:
         n = self.already + self.done
         frac = n / self.total if self.total else 1.0
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        spent = guard.spent_before + self.cost + (guard.others.cost if guard.others else 0.0)
+        spent = guard.spent(self.cost)
         budget = f" of ${guard.budget_usd:.2f}" if guard.budget_usd is not None else ""
+        if guard.lost_usd > 0:
+            budget += f" ({_usd(guard.lost_usd)} lost to interrupted requests)"
         retries = " ".join(f"{k}:{v}" for k, v in sorted(self.retries.items())) or "0"
         return (f"{name} [{bar}] {n}/{self.total} {100 * frac:.0f}% | {self.done / elapsed:.1f} req/s "
                 f"{self.completion_tokens / elapsed:.0f} tok/s | ${self.cost:.4f} this shard, run ${spent:.2f}{budget} "
                 f"| retries {retries} | failed {self.failed} | in flight {self.in_flight}")
+
+
+def _usd(amount: float) -> str:
+    """Dollars for a log line: cents, or four decimals below a cent (a test run's amounts)."""
+    return f"${amount:.2f}" if amount >= 0.01 else f"${amount:.4f}"
 
 
 class RegenerationStopped(RuntimeError):
@@ -168,7 +253,8 @@ async def regenerate_shard(
     eos_ids: list[int] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Finish one shard; publish ``out_path`` when every prompt has a journaled response.
+    """Finish one shard; publish ``out_path`` when every prompt has a journaled response, or when the
+    dataset's output-token quota stopped it (then with the samples that fit, see ``completion_path``).
 
     Raises RegenerationStopped (after everything in flight has been journaled) when it cannot finish.
     """
@@ -184,17 +270,23 @@ async def regenerate_shard(
     if state.stale:
         log(f"{name}: {state.stale} journaled responses are for other parameters or prompt text: not reused")
     pending = [p for p in prompts if p["id"] not in state.finished]
+    unseen = unseen_intents(intents_path(out_path), state)
+    if unseen:
+        log(f"{name}: {len(unseen)} samples were sent before an interruption and never answered here "
+            f"(they may have been billed unseen; the account reconcile counts that money): "
+            f"{', '.join(sorted(unseen)[:5])}{' ...' if len(unseen) > 5 else ''}")
     stats = RunStats(total=len(prompts), already=len(prompts) - len(pending))
     log(f"{name}: {stats.already} of {len(prompts)} samples already journaled, {len(pending)} to request "
         f"({settings.backend} {settings.model} at {settings.base_url}, concurrency {limits.concurrency})")
 
     if pending:
-        journal = Journal(jpath)
+        journal, intents = Journal(jpath), Journal(intents_path(out_path))
         try:
-            await _run(pending, settings, api_key, limits, guard, journal, stats, want_reasoning,
+            await _run(pending, settings, api_key, limits, guard, journal, intents, stats, want_reasoning,
                        render_ids, split_ids, eos_ids, name, log, state.lines)
         finally:
             await journal.aclose()
+            await intents.aclose()
 
     missing = [p["id"] for p in prompts if p["id"] not in state.lines]
     summary = {
@@ -205,16 +297,51 @@ async def regenerate_shard(
         "seconds": round(time.monotonic() - stats.started, 2),
     }
     log(f"{name}: {json.dumps(summary)}")
-    if missing:
+    quota_done = stats.stop_kind == "quota" and not stats.failed
+    if missing and not quota_done:
         failures = ", ".join(f"{k}: {v}" for k, v in stats.final_errors.items())
         raise RegenerationStopped(stats.stop_reason or f"{len(missing)} samples have no response after "
                                   f"responses.max_attempts attempts ({failures}); rerun to retry only them")
+    kept = [p["id"] for p in prompts if p["id"] in state.lines]
+    kept_records = [json.loads(state.lines[i]) for i in kept]
+    completion = {
+        "format": COMPLETION_FORMAT, "shard": out_path.name, "prompts": len(prompts), "samples": len(kept),
+        "not_requested": len(missing), "reason": QUOTA_REASON if missing else None,
+        "max_output_tokens": guard.token_cap,
+        "dataset_output_tokens": guard.tokens_before + stats.completion_tokens
+        + (guard.others.dataset_tokens if guard.others else 0),
+        "shard_output_tokens": sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in kept_records),
+        "shard_cost_usd": round(sum(float(r.get("cost") or 0.0) for r in kept_records), 6),
+    }
+    if missing:
+        log(f"{name}: the dataset's max_output_tokens quota ({guard.token_cap:,}) is reached: the shard is "
+            f"complete with {len(kept)} of {len(prompts)} samples; {len(missing)} prompts not requested")
+    summary["completion"] = completion
+    # The completion record first: a published shard always has it beside it.
+    atomic_write_bytes(completion_path(out_path), (json.dumps(completion, indent=1) + "\n").encode())
     # The journal lines verbatim, in prompt order: nothing is serialized twice.
-    atomic_write_bytes(out_path, b"".join(state.lines[p["id"]] for p in prompts))
+    atomic_write_bytes(out_path, b"".join(state.lines[i] for i in kept))
     return summary
 
 
-async def _run(pending, settings, api_key, limits, guard, journal, stats, want_reasoning,
+def completion_path(shard_output: str | Path) -> Path:
+    """``shard-00000.jsonl`` -> ``shard-00000.completion.json`` (aerie.responses-completion/1)."""
+    p = Path(shard_output)
+    return p.with_name(p.name.removesuffix(".jsonl") + ".completion.json")
+
+
+def read_completion(shard_output: str | Path) -> dict[str, Any] | None:
+    """The completion record beside a responses shard; None when there is none (in-process shards)."""
+    path = completion_path(shard_output)
+    if not path.exists():
+        return None
+    rec = json.loads(path.read_text())
+    if rec.get("format") != COMPLETION_FORMAT:
+        raise ValueError(f"{path}: not an {COMPLETION_FORMAT} record (format={rec.get('format')!r})")
+    return rec
+
+
+async def _run(pending, settings, api_key, limits, guard, journal, intents, stats, want_reasoning,
                render_ids, split_ids, eos_ids, name, log, lines: dict[str, bytes]) -> None:
     headers = {"Content-Type": "application/json", **(settings.extra_headers or {})}
     if api_key:
@@ -232,34 +359,38 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
 
     stop = asyncio.Event()
 
-    def halt(reason: str) -> None:
+    def halt(reason: str, kind: str = "fatal") -> None:
         if not stop.is_set():
-            stats.stop_reason = reason
+            stats.stop_reason, stats.stop_kind = reason, kind
             stop.set()
             log(f"{name}: STOPPING: {reason}")
 
     def admit() -> bool:
+        # What is in flight is counted at the expected per-sample figure: the overshoot is at most the
+        # difference between the expected and the actual cost of the requests in flight.
         measured = stats.done >= 20
         per_cost = stats.cost / stats.done if measured else guard.expected_cost
         per_tokens = stats.completion_tokens / stats.done if measured else guard.expected_tokens
         others = guard.others
         if guard.budget_usd is not None:
-            spent = guard.spent_before + stats.cost + (others.cost if others else 0.0)
+            spent = guard.spent(stats.cost)
             if spent + (stats.in_flight + 1) * per_cost > guard.budget_usd:
-                halt(f"budget: ${spent:.2f} spent of responses.budget_usd ${guard.budget_usd:.2f} "
+                lost = f", {_usd(guard.lost_usd)} of it lost to interrupted requests" if guard.lost_usd > 0 else ""
+                halt(f"budget: ${spent:.2f} spent{lost} of responses.budget_usd ${guard.budget_usd:.2f} "
                      f"(${stats.in_flight * per_cost:.2f} more in flight); finished samples are kept in the "
-                     "journal - raise the budget and rerun to finish the rest")
+                     "journal - raise the budget and rerun to finish the rest", "budget")
                 return False
         if guard.token_cap is not None:
             used = guard.tokens_before + stats.completion_tokens + (others.dataset_tokens if others else 0)
             if used + (stats.in_flight + 1) * per_tokens > guard.token_cap:
-                halt(f"output-token cap: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
-                     "raise the cap (or remove prompts) and rerun to finish the rest")
+                halt(f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
+                     "the dataset is complete with the samples that fit", "quota")
                 return False
         return True
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout)
-    connector = aiohttp.TCPConnector(limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300)
+    connector = aiohttp.TCPConnector(limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300,
+                                     ssl=tls_context(limits.ca_bundle))
     url = settings.url()
     # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
@@ -270,6 +401,10 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
             while True:
                 attempt += 1
                 t0 = time.monotonic()
+                # Before the request leaves: if this process dies while it is in flight, the next run
+                # knows the sample may have been billed without an answer.
+                intents.append({"format": INTENT_FORMAT, "id": sample.prompt["id"], "t": round(time.time(), 3),
+                                "params_hash": phash, "attempt": attempt})
                 try:
                     async with session.post(url, data=sample.body) as resp:
                         raw = await resp.read()
@@ -346,11 +481,19 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
                     for flag in record["flags"]:
                         stats.flags[flag] += 1
 
+        # The account is read on a connection of its own: with every request slot busy, a poll through the
+        # main pool would wait for a free one and see the account only when the shard is over.
+        account_session = (aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(limits.ca_bundle)), headers=headers,
+            cookie_jar=aiohttp.DummyCookieJar()) if guard.account is not None else None)
+
         async def progress() -> None:
             while True:
                 await asyncio.sleep(limits.progress_interval)
                 if guard.others is not None:
                     guard.others.poll()
+                if guard.account is not None and account_session is not None:
+                    await guard.account.poll(account_session, guard, stats.cost)
                 log(stats.line(name, guard))
 
         reporter = asyncio.create_task(progress())
@@ -358,4 +501,6 @@ async def _run(pending, settings, api_key, limits, guard, journal, stats, want_r
             await asyncio.gather(*(worker() for _ in range(min(limits.concurrency, len(pending)))))
         finally:
             reporter.cancel()
+            if account_session is not None:
+                await account_session.close()
         log(stats.line(name, guard))

@@ -18,6 +18,20 @@ Not emulated: streaming, tools, images, real tokenizers, rate limits by key, pro
 a provider error, moderation. Faulted requests are never charged, except ``slow``, which is a normal
 answer that arrives late (a real provider bills a finished generation even if the client gave up).
 
+Billing is a provider's: a generation that started is charged when it ends, whether or not the client
+is still there. A client that disconnects (or is killed) while its request is in flight is billed all
+the same, the request log records the outcome ``client-gone``, and ``GET /key`` / ``/credits`` include
+the charge once the generation would have finished.
+
+Upstream mode (``--upstream URL``): the answer is a real model's. The chat request (messages, tools,
+max_tokens, temperature, top_p, seed, stop) is forwarded to an OpenAI-compatible server - e.g.
+``transformers serve`` running the target (``python -m aerie.api.serve``) - and its reasoning, content,
+tool calls, finish reason and token counts are wrapped in OpenRouter's envelope: usage with the
+upstream's counts, cost at the routed fake provider's price, the provider's name. Routing, money
+limits, latency and faults work as in the made-up mode (faults that never reach a provider are drawn
+before forwarding). Reasoning tokens are counted with ``--upstream-tokenizer`` when given, else
+estimated as the reasoning's share of the characters. An upstream failure is a retryable 502.
+
 Extra endpoints for tests: ``GET /health`` and ``GET /emulator/stats`` (counters by outcome, charges).
 Every path is served under ``/api/v1`` and ``/v1`` (so plain OpenAI clients work too).
 """
@@ -35,6 +49,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -72,6 +87,23 @@ class FakeProvider:
         return f"{self.slug}/{self.quantization.lower()}"
 
 
+class UpstreamError(Exception):
+    """The upstream server did not answer with a usable completion (the client sees a retryable 502)."""
+
+
+@dataclass(frozen=True)
+class UpstreamAnswer:
+    """What the upstream server generated, in the units OpenRouter reports."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict[str, Any]] | None
+    finish: str                  # stop | length | tool_calls
+    prompt_tokens: int           # the upstream's own counts
+    completion_tokens: int
+    reasoning_tokens: int        # counted with upstream_tokenizer, else the reasoning's share of the characters
+
+
 DEFAULT_PROVIDERS = (
     FakeProvider("Chutes", "int4", 0.45e-6, 1.9e-6),
     FakeProvider("Together", "fp8", 0.6e-6, 2.5e-6),
@@ -105,6 +137,12 @@ class EmulatorSettings:
     context_length: int = 262144
     max_completion_tokens: int = 65536
     default_max_tokens: int = 1024
+    # Upstream mode: answers come from a real OpenAI-compatible server (e.g. `transformers serve` with the
+    # target), wrapped in OpenRouter's envelope; None = made-up words.
+    upstream_url: str | None = None       # e.g. http://127.0.0.1:8000/v1
+    upstream_model: str | None = None     # model name the upstream expects (default: the request's)
+    upstream_tokenizer: str | None = None  # folder whose tokenizer counts reasoning tokens (else by characters)
+    upstream_timeout: float = 1800.0      # seconds; a CPU server answers one request at a time
 
 
 def _make_words(n: int = 2048) -> tuple[str, ...]:
@@ -190,6 +228,8 @@ class Emulator:
         self._tasks: set[asyncio.Task] = set()
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None
+        self._upstream_session: Any = None  # aiohttp.ClientSession, opened on the first forwarded request
+        self._reasoning_tokenizer: Any = None  # loaded from upstream_tokenizer on the first forwarded request
 
     # ---- lifecycle -------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -205,7 +245,8 @@ class Emulator:
         app.router.add_get("/health", self._health)
         return app
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None) -> str:
+        """Listen on host:port (0: a free port), over TLS when ``ssl_context`` is given; returns the API root."""
         s = self.settings
         if s.request_log:
             Path(s.request_log).parent.mkdir(parents=True, exist_ok=True)
@@ -215,11 +256,12 @@ class Emulator:
         # No access log: a line per request would cost more than the emulated request itself.
         self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=4096)
+        site = web.TCPSite(self._runner, host, port, backlog=4096, ssl_context=ssl_context)
         await site.start()
         bound_port = self._runner.addresses[0][1]
         url_host = f"[{host}]" if ":" in host else host
-        self.base_url = f"http://{url_host}:{bound_port}/api/v1"
+        scheme = "https" if ssl_context is not None else "http"
+        self.base_url = f"{scheme}://{url_host}:{bound_port}/api/v1"
         return self.base_url
 
     async def stop(self) -> None:
@@ -231,6 +273,9 @@ class Emulator:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._upstream_session is not None:
+            await self._upstream_session.close()
+            self._upstream_session = None
         if self._flush_task is not None:
             self._flush_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -390,13 +435,6 @@ class Emulator:
             return reject("no-endpoints", 503, "No endpoints found matching the requested provider "
                                                "preferences (emulated routing)")
 
-        prompt_tokens = sum(_words_in(m.get("content")) for m in messages)
-        reasoning_tokens, content_tokens, finish = self._plan(body.get("reasoning"), body, rng, max_tokens)
-        completion_tokens = reasoning_tokens + content_tokens
-        prompt_cost = prompt_tokens * provider.prompt_price
-        completion_cost = completion_tokens * provider.completion_price
-        cost = prompt_cost + completion_cost
-
         fault = self._draw_fault()
         pname = provider.name
         if fault in ("429", "429-retry-after"):
@@ -416,6 +454,24 @@ class Emulator:
             self._record(sha, model, max_tokens, fault, 0, 0.0, pname)
             self._reset(request)
             return web.Response(status=500)  # never reaches the client: the socket is gone
+
+        answer: UpstreamAnswer | None = None
+        if s.upstream_url:
+            # The target's own answer; faults that never reach a provider were drawn above (no wasted work).
+            try:
+                answer = await self._ask_upstream(body, model, max_tokens)
+            except UpstreamError as exc:
+                return reject("upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname},
+                              provider=pname)
+            prompt_tokens, completion_tokens, finish = answer.prompt_tokens, answer.completion_tokens, answer.finish
+            reasoning_tokens = answer.reasoning_tokens
+        else:
+            prompt_tokens = sum(_words_in(m.get("content")) for m in messages)
+            reasoning_tokens, content_tokens, finish = self._plan(body.get("reasoning"), body, rng, max_tokens)
+            completion_tokens = reasoning_tokens + content_tokens
+        prompt_cost = prompt_tokens * provider.prompt_price
+        completion_cost = completion_tokens * provider.completion_price
+        cost = prompt_cost + completion_cost
 
         # Money: final limits first, then the transient in-flight reservation.
         committed = self.usage + self._pending_cost + cost
@@ -441,6 +497,13 @@ class Emulator:
                 delay += s.slow_seconds
             if delay > 0:
                 await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            # The handler was cancelled (server shutdown, or aiohttp cancelling on disconnect): the
+            # provider's generation had started and is billed in full, as a real provider does.
+            if charged:
+                self.usage += cost
+                self._record(sha, model, max_tokens, "client-gone", 0, cost, pname)
+            raise
         finally:
             self._n_reserved -= 1
             self._reserved -= reserve
@@ -450,12 +513,16 @@ class Emulator:
 
         self._n += 1
         gen_id = f"gen-{self._boot}-{self._n:07d}"
-        reasoning_text = " ".join(rng.choices(WORDS, k=reasoning_tokens)) if reasoning_tokens else None
-        content = " ".join(rng.choices(WORDS, k=content_tokens))
+        if answer is not None:
+            reasoning_text, content = answer.reasoning, answer.content
+            content_tokens = completion_tokens - reasoning_tokens
+        else:
+            reasoning_text = " ".join(rng.choices(WORDS, k=reasoning_tokens)) if reasoning_tokens else None
+            content = " ".join(rng.choices(WORDS, k=content_tokens))
         excluded = isinstance(body.get("reasoning"), dict) and bool(body["reasoning"].get("exclude"))
         if excluded or body.get("include_reasoning") is False:
             reasoning_text = None  # still produced and billed, just not returned
-        native = {"stop": "stop", "length": "max_tokens"}[finish]
+        native = {"length": "max_tokens"}.get(finish, finish)  # stop, tool_calls (upstream mode)
         if fault == "200-error":
             self._error200 += 1
             if self._error200 % 2:  # alternate the two ways a started generation fails
@@ -484,12 +551,65 @@ class Emulator:
                                        "upstream_inference_prompt_cost": prompt_cost if charged else 0.0,
                                        "upstream_inference_completions_cost": completion_cost if charged else 0.0}},
         }
+        if answer is not None and answer.tool_calls:
+            out["choices"][0]["message"]["tool_calls"] = answer.tool_calls
         if fault == "torn":
             self._record(sha, model, max_tokens, fault, 200, 0.0, pname)
             return await self._torn(request, json.dumps(out).encode(), gen_id)
         if charged:
             self.usage += cost
+        if request.transport is None or request.transport.is_closing():
+            # The client left while the model was generating: billed, never delivered.
+            self._record(sha, model, max_tokens, "client-gone", 0, usage_cost, pname)
+            return web.Response(status=499)  # nobody reads it; 499 "client closed request" as providers log it
         return self._finish(sha, model, max_tokens, fault or "ok", out, gen_id, usage_cost, pname)
+
+    async def _ask_upstream(self, body: dict[str, Any], model: str, max_tokens: int) -> UpstreamAnswer:
+        """Forward the chat request to the upstream server (OpenAI-compatible) and read its answer.
+
+        Sent: messages, tools, max_tokens, temperature, top_p, seed, stop. OpenRouter's own fields
+        (provider, reasoning, usage, transforms) stay here, as OpenRouter keeps them from the provider.
+        """
+        import aiohttp
+
+        s = self.settings
+        if self._upstream_session is None:
+            self._upstream_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=s.upstream_timeout))
+        forward = {k: body[k] for k in ("messages", "tools", "temperature", "top_p", "seed", "stop") if k in body}
+        forward.update(model=s.upstream_model or model, max_tokens=max_tokens, stream=False)
+        url = s.upstream_url.rstrip("/") + "/chat/completions"
+        try:
+            async with self._upstream_session.post(url, json=forward) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise UpstreamError(f"HTTP {resp.status} from {url}: {text[:300]}")
+                data = json.loads(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise UpstreamError(f"{type(exc).__name__} from {url}: {exc}") from None
+        try:
+            choice = data["choices"][0]
+            message = choice["message"]
+            usage = data["usage"]
+            prompt_tokens, completion_tokens = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise UpstreamError(f"{url} answered without choices/usage ({exc!r}): {text[:300]}") from None
+        reasoning = message.get("reasoning_content") or message.get("reasoning") or None
+        content = message.get("content") or ""
+        finish = choice.get("finish_reason") or "stop"
+        if reasoning and s.upstream_tokenizer:
+            if self._reasoning_tokenizer is None:
+                from transformers import AutoTokenizer  # only in upstream mode with a tokenizer folder
+
+                self._reasoning_tokenizer = AutoTokenizer.from_pretrained(str(s.upstream_tokenizer),
+                                                                          trust_remote_code=True)
+            counted = len(self._reasoning_tokenizer.encode(reasoning, add_special_tokens=False))
+            reasoning_tokens = min(completion_tokens, counted)
+        elif reasoning:
+            reasoning_tokens = round(completion_tokens * len(reasoning) / (len(reasoning) + len(content)))
+        else:
+            reasoning_tokens = 0
+        return UpstreamAnswer(reasoning, content, message.get("tool_calls") or None, finish, prompt_tokens,
+                              completion_tokens, reasoning_tokens)
 
     def _plan(self, reasoning: Any, body: dict[str, Any], rng: random.Random, max_tokens: int) -> tuple[int, int, str]:
         """(reasoning tokens, content tokens, finish_reason) for this request."""
@@ -696,7 +816,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--retry-after", type=float, default=d.retry_after, help="seconds, for 429-retry-after")
     a("--slow-seconds", type=float, default=d.slow_seconds)
     a("--request-log", help="JSONL of every chat request (buffered, appended)")
+    a("--upstream", help="answer with this OpenAI-compatible server (API root, e.g. http://127.0.0.1:8000/v1) "
+                         "instead of made-up words: its text, token counts and finish reason, OpenRouter's envelope")
+    a("--upstream-model", help="model name sent upstream (default: the request's model)")
+    a("--upstream-tokenizer", help="tokenizer folder that counts reasoning tokens (default: by character share)")
+    a("--upstream-timeout", type=float, default=d.upstream_timeout, help="seconds per upstream request")
+    a("--tls-cert", help="serve HTTPS with this PEM certificate (chain); needs --tls-key")
+    a("--tls-key", help="PEM private key of --tls-cert")
     return p
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """A TLS server context for --tls-cert/--tls-key (the library's secure defaults: TLS 1.2+)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx
 
 
 def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
@@ -714,16 +848,19 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         latency_dist=args.latency_dist, token_time=args.token_time, credits=args.credits,
         key_limit=args.key_limit, in_flight_budget=args.in_flight_budget,
         faults=parse_faults(args.faults + args.fault), fault_seed=args.fault_seed,
-        retry_after=args.retry_after, slow_seconds=args.slow_seconds, request_log=args.request_log)
+        retry_after=args.retry_after, slow_seconds=args.slow_seconds, request_log=args.request_log,
+        upstream_url=args.upstream, upstream_model=args.upstream_model, upstream_tokenizer=args.upstream_tokenizer,
+        upstream_timeout=args.upstream_timeout)
 
 
-async def _serve(settings: EmulatorSettings, host: str, port: int, port_file: str | None) -> None:
+async def _serve(settings: EmulatorSettings, host: str, port: int, port_file: str | None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
     emu = Emulator(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    url = await emu.start(host, port)
+    url = await emu.start(host, port, ssl_context)
     try:
         if port_file:  # written whole then renamed, so a reader never sees half a number
             tmp = Path(f"{port_file}.tmp")
@@ -740,11 +877,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         Emulator(settings)  # validate before binding a port
-    except ValueError as exc:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        tls = server_tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+    except (ValueError, OSError) as exc:  # OSError: unreadable or mismatched certificate/key files
         print(f"aerie-emulator: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(settings, args.host, args.port, args.port_file))
+        asyncio.run(_serve(settings, args.host, args.port, args.port_file, tls))
     except OSError as exc:  # e.g. the port is taken
         print(f"aerie-emulator: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,34 @@ from typing import Any
 
 from aerie.artifacts import FormatError
 
+INTENT_FORMAT = "aerie.request-intent/1"
+
+
+def intents_path(shard_output: str | Path) -> Path:
+    """``shard-00000.jsonl`` -> ``shard-00000.intents.jsonl``: one line per request, written before it is sent."""
+    p = Path(shard_output)
+    return p.with_name(p.name.removesuffix(".jsonl") + ".intents.jsonl")
+
+
+def unseen_intents(path: Path, state: JournalState) -> set[str]:
+    """Sample ids that were sent (an intent line) and have no answer journaled under the current parameters.
+
+    Each was in flight when an earlier process died (or failed every attempt): the provider may have
+    billed it although no journal holds it. A torn last line is ignored (its request never left).
+    """
+    if not path.exists():
+        return set()
+    sent: set[str] = set()
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("id") is not None:
+            sent.add(rec["id"])
+    return sent - set(state.finished)
+
+
 def journal_path(shard_output: str | Path) -> Path:
     """``results/x/responses/shard-00000.jsonl`` -> ``results/x/responses/shard-00000.journal.jsonl``."""
     p = Path(shard_output)

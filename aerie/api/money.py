@@ -121,34 +121,209 @@ def estimate_shard(dataset: str, shard: str, prompts: list[dict[str, Any]], outp
     return ShardEstimate(dataset, shard, len(pending), prompt_tokens, output_tokens, dollars)
 
 
-def mean_output_tokens(responses: dict[str, Any], spent: dict[str, float]) -> tuple[float, str]:
-    """Expected output tokens per sample: measured when responses exist, else configured, else the cap."""
+def mean_output_tokens(responses: dict[str, Any], spent: dict[str, float],
+                       dataset: tuple[str, dict[str, Any]] | None = None) -> tuple[float, str]:
+    """Expected output tokens per sample: the journals' mean once 20 responses exist, else the dataset's
+    ``expected_output_tokens``, else ``responses.expected_output_tokens``, else ``max_new_tokens``.
+
+    ``dataset`` is ``(name, datasets.<name> section)``.
+    """
     if spent["samples"] >= 20:
-        return spent["completion_tokens"] / spent["samples"], f"mean of {int(spent['samples'])} finished"
+        return spent["completion_tokens"] / spent["samples"], f"mean of {int(spent['samples'])} journaled"
+    if dataset is not None and dataset[1].get("expected_output_tokens"):
+        return float(dataset[1]["expected_output_tokens"]), f"datasets.{dataset[0]}.expected_output_tokens"
     if responses.get("expected_output_tokens"):
         return float(responses["expected_output_tokens"]), "responses.expected_output_tokens"
-    return float(responses["max_new_tokens"]), "max_new_tokens (upper bound; set responses.expected_output_tokens)"
+    return float(responses["max_new_tokens"]), "max_new_tokens (upper bound; set expected_output_tokens)"
 
 
-def format_preview(rows: list[ShardEstimate], per_dataset: dict[str, dict[str, Any]], spent_total: float,
-                   budget: float | None, prices: Prices) -> str:
+@dataclass
+class DatasetEstimate:
+    """One dataset's pending work, cut at its output-token quota (``max_output_tokens``)."""
+
+    dataset: str
+    shards: int  # shards not yet published
+    pending_prompts: int  # their prompts without a journaled response
+    expected_samples: int  # how many of those fit the quota at the expected length
+    prompt_tokens: int
+    output_tokens: int
+    dollars: float
+    basis: str  # where the expected length comes from
+    mean_output_tokens: float
+    quota: int | None = None
+    quota_used: int = 0  # output tokens already journaled for this dataset
+
+    @property
+    def quota_reached(self) -> bool:
+        return self.expected_samples < self.pending_prompts
+
+
+def estimate_dataset(dataset: str, rows: list[ShardEstimate], mean_tokens: float, basis: str, prices: Prices,
+                     quota: int | None, quota_used: int) -> DatasetEstimate:
+    """Sum a dataset's shard estimates, then keep only the samples its quota leaves room for.
+
+    The client stops admitting requests once the next one would pass the quota, so at the expected
+    length ``floor((quota - used) / mean)`` samples are requested; prompt tokens shrink in proportion.
+    """
+    pending = sum(r.pending_prompts for r in rows)
+    prompt_tokens = sum(r.prompt_tokens for r in rows)
+    samples = pending
+    if quota is not None and mean_tokens > 0:
+        samples = min(pending, max(0, int((quota - quota_used) // mean_tokens)))
+    if pending:
+        prompt_tokens = int(round(prompt_tokens * samples / pending))
+    output_tokens = int(round(samples * mean_tokens))
+    dollars = prompt_tokens * prices.input + output_tokens * prices.output
+    return DatasetEstimate(dataset, len(rows), pending, samples, prompt_tokens, output_tokens, dollars, basis,
+                           mean_tokens, quota, quota_used)
+
+
+@dataclass
+class AccountState:
+    """The provider account against the journals: what was billed that no journal holds."""
+
+    usage: float  # account usage now (or at the last recorded reading)
+    baseline_usage: float  # at the run's first start
+    journal_spend: float  # journals' total at the same reading
+    baseline_journal: float
+    source: str  # "live" or "ledger, <time>"
+
+    @property
+    def lost(self) -> float:
+        """Spend lost to interrupted requests: account growth since the first start minus journal growth."""
+        return max(0.0, (self.usage - self.baseline_usage) - (self.journal_spend - self.baseline_journal))
+
+
+def format_preview(estimates: list[DatasetEstimate], spent_total: float, budget: float | None, prices: Prices,
+                   account: AccountState | None = None, account_note: str = "") -> str:
+    lost = account.lost if account is not None else 0.0
     lines = [f"aerie cost preview (price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out "
              f"tokens, {prices.source}):"]
-    lines.append(f"  {'dataset':<16}{'shards':>7}{'prompts':>9}{'out tokens':>13}{'USD':>10}  estimate from")
-    total = 0.0
-    for name, info in per_dataset.items():
-        mine = [r for r in rows if r.dataset == name]
-        usd = sum(r.dollars for r in mine)
-        total += usd
-        lines.append(f"  {name:<16}{len(mine):>7}{sum(r.pending_prompts for r in mine):>9}"
-                     f"{sum(r.output_tokens for r in mine):>13,}{usd:>10.2f}  {info['basis']}")
-    lines.append(f"  pending total: ${total:.2f}; already spent: ${spent_total:.2f}"
-                 + (f"; budget ${budget:.2f}, remaining ${budget - spent_total:.2f}" if budget is not None else ""))
-    if budget is not None and total > budget - spent_total:
-        lines.append(f"  OVER BUDGET by ${total - (budget - spent_total):.2f}: a real run refuses to start "
+    lines.append(f"  {'dataset':<16}{'shards':>7}{'prompts':>9}{'samples':>9}{'out tokens':>13}{'USD':>10}"
+                 "  estimate from")
+    for e in estimates:
+        if not e.shards and not e.pending_prompts:
+            continue  # benchmark-only, or every shard published
+        note = f"{e.basis} {e.mean_output_tokens:,.0f}/sample"
+        if e.quota is not None:
+            note += (f"; quota {e.quota:,} reached: {e.expected_samples:,} of {e.pending_prompts:,} prompts"
+                     if e.quota_reached else f"; within quota {e.quota:,}")
+        lines.append(f"  {e.dataset:<16}{e.shards:>7}{e.pending_prompts:>9}{e.expected_samples:>9}"
+                     f"{e.output_tokens:>13,}{e.dollars:>10.2f}  {note}")
+    total = sum(e.dollars for e in estimates)
+    lines.append(f"  will produce ~{sum(e.expected_samples for e in estimates):,} more responses "
+                 f"(~{sum(e.output_tokens for e in estimates):,} output tokens) for ${total:.2f}")
+    used = spent_total + lost
+    money = f"  spent: ${spent_total:.2f} journaled + ${lost:.2f} lost to interrupted requests = ${used:.2f}"
+    if budget is not None:
+        money += f"; budget ${budget:.2f}, remaining ${budget - used:.2f}"
+    lines.append(money)
+    if account is not None:
+        lines.append(f"  account ({account.source}): usage ${account.usage:.2f}, "
+                     f"${account.usage - account.baseline_usage:.2f} since the run's first start, "
+                     f"journals ${account.journal_spend - account.baseline_journal:.2f}")
+    elif account_note:
+        lines.append(f"  account: {account_note}")
+    if budget is not None and total > budget - used:
+        lines.append(f"  OVER BUDGET by ${total - (budget - used):.2f}: a real run refuses to start "
                      "(--config allow_over_budget=True runs until the budget stops it)")
     return "\n".join(lines)
 
 
 def api_key_from_env(responses: dict[str, Any]) -> str | None:
     return os.environ.get(responses.get("api_key_env") or "OPENROUTER_API_KEY")
+
+
+# ---- the provider's account ------------------------------------------------------------------------
+ACCOUNT_FORMAT = "aerie.api-account/1"
+
+
+def account_ledger_path(results_dir: Path) -> Path:
+    """``results/api_account.jsonl``: account usage read at every start and poll (aerie.api-account/1)."""
+    return Path(results_dir) / "api_account.jsonl"
+
+
+def account_id(responses: dict[str, Any]) -> str | None:
+    """Which account a dataset spends from (the key's variable name, never the key); None without one."""
+    if responses["backend"] != "openrouter":
+        return None
+    return f"{responses['base_url'].rstrip('/')} ${responses.get('api_key_env') or 'OPENROUTER_API_KEY'}"
+
+
+def account_key_url(responses: dict[str, Any]) -> str:
+    return f"{responses['base_url'].rstrip('/')}/key"
+
+
+def read_account_usage(responses: dict[str, Any], api_key: str | None,
+                       timeout: float = 15.0) -> dict[str, Any] | None:
+    """The account's live usage: ``GET /key`` (usage, limit, limit_remaining), else ``GET /credits``
+    (total_usage); None when neither gives a figure. Raises RuntimeError when the server is unreachable
+    or refuses the key."""
+    import requests
+
+    base = responses["base_url"].rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = requests.get(f"{base}/key", headers=headers, timeout=timeout)
+        if resp.status_code == 401:
+            raise RuntimeError(f"the API key in ${responses.get('api_key_env')} was refused (HTTP 401)")
+        data = (resp.json().get("data") or {}) if resp.status_code == 200 else {}
+        if data.get("usage") is not None:
+            return {"usage": float(data["usage"]), "limit": data.get("limit"),
+                    "limit_remaining": data.get("limit_remaining"), "endpoint": "key"}
+        resp = requests.get(f"{base}/credits", headers=headers, timeout=timeout)
+        data = (resp.json().get("data") or {}) if resp.status_code == 200 else {}
+        if data.get("total_usage") is not None:
+            return {"usage": float(data["total_usage"]), "limit": None, "limit_remaining": None,
+                    "endpoint": "credits"}
+    except requests.RequestException as e:
+        raise RuntimeError(f"responses.base_url {base}: unreachable ({type(e).__name__})") from None
+    except ValueError:
+        pass
+    return None
+
+
+def read_account_ledger(path: Path, account: str) -> list[dict[str, Any]]:
+    """This account's readings, oldest first (a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("account") == account:
+            out.append(rec)
+    return out
+
+
+def append_account_ledger(path: Path, account: str, event: str, job: str, usage: float, journal_spend: float,
+                          lost: float) -> None:
+    """One reading, appended with a single write (parallel jobs append to the same file)."""
+    import time
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"format": ACCOUNT_FORMAT, "account": account, "event": event, "job": job,
+                       "t": round(time.time(), 3), "usage": usage, "journal_spend": round(journal_spend, 9),
+                       "lost": round(lost, 9)}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def account_state(ledger: list[dict[str, Any]], usage: float | None, journal_spend: float) -> AccountState | None:
+    """Reconcile: the first reading is the baseline; ``usage`` None -> the last recorded reading."""
+    if not ledger and usage is None:
+        return None
+    first = ledger[0] if ledger else {"usage": usage, "journal_spend": journal_spend}
+    if usage is not None:
+        return AccountState(usage, float(first["usage"]), journal_spend, float(first["journal_spend"]), "live")
+    import time
+
+    last = ledger[-1]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["t"]))
+    return AccountState(float(last["usage"]), float(first["usage"]), float(last["journal_spend"]),
+                        float(first["journal_spend"]), f"last reading {when}")

@@ -7,18 +7,36 @@ import contextlib
 import itertools
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aerie.api.backends import API_BACKENDS, BackendSettings
-from aerie.api.client import ClientLimits, LedgerWatcher, MoneyGuard, regenerate_shard
+from aerie.api.client import (
+    AccountWatcher,
+    ClientLimits,
+    LedgerWatcher,
+    MoneyGuard,
+    read_completion,
+    regenerate_shard,
+)
 from aerie.api.journal import journal_path
 from aerie.api.money import (
+    AccountState,
+    DatasetEstimate,
     Prices,
+    account_id,
+    account_key_url,
+    account_ledger_path,
+    account_state,
     api_key_from_env,
+    append_account_ledger,
+    estimate_dataset,
     estimate_shard,
     format_preview,
     mean_output_tokens,
+    read_account_ledger,
+    read_account_usage,
     resolve_prices,
     run_spend,
 )
@@ -64,29 +82,53 @@ def _all_journals(results_dir: Path, datasets: list[str]) -> Callable[[], list[P
     return lambda: [p for d in datasets for p in sorted((results_dir / d / "responses").glob("shard-*.journal.jsonl"))]
 
 
-def check_key(responses: dict[str, Any], api_key: str | None, log: Callable[[str], None]) -> None:
-    """OpenRouter: read the key's live usage and limit before spending (GET /key); stop when exhausted."""
-    if responses["backend"] != "openrouter":
-        return
-    import requests
+def account_datasets(config: dict[str, Any], account: str) -> list[str]:
+    """The API datasets that spend from one provider account."""
+    return [d for d in api_datasets(config) if account_id(responses_config(config, d)) == account]
 
+
+def start_account(config: dict[str, Any], dataset: str, results_dir: Path, api_key: str | None, job: str,
+                  log: Callable[[str], None]) -> tuple[AccountState | None, AccountWatcher | None]:
+    """At a job's start: read the account's usage, record it, reconcile it with the journals.
+
+    The account's growth since the run's first start minus the journals' growth is money billed for
+    answers no journal holds (requests in flight when a process died): it counts against the budget.
+    Stops (RuntimeError) when the key's own limit is exhausted. Backends without an account: (None, None).
+    """
+    responses = responses_config(config, dataset)
+    account = account_id(responses)
+    if account is None:
+        return None, None
     try:
-        resp = requests.get(f"{responses['base_url'].rstrip('/')}/key",
-                            headers={"Authorization": f"Bearer {api_key}"}, timeout=15)
-    except requests.RequestException as e:
-        raise RuntimeError(f"responses.base_url {responses['base_url']}: unreachable ({type(e).__name__}); "
-                           "nothing was requested") from None
-    if resp.status_code == 401:
-        raise RuntimeError(f"the API key in ${responses['api_key_env']} was refused (HTTP 401); nothing was requested")
-    if resp.status_code != 200:
-        log(f"GET /key answered HTTP {resp.status_code}: live key usage unknown, continuing with journal spend")
-        return
-    data = resp.json().get("data") or {}
-    log(f"key: usage ${float(data.get('usage') or 0):.2f}, limit {data.get('limit')}, "
-        f"remaining {data.get('limit_remaining')}")
-    remaining = data.get("limit_remaining")
+        live = read_account_usage(responses, api_key)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; nothing was requested") from None
+    if live is None:
+        log("GET /key and /credits gave no usage figure: the account is not reconciled, the budget counts "
+            "journal spend only")
+        return None, None
+    ledger_path = account_ledger_path(results_dir)
+    ledger = read_account_ledger(ledger_path, account)
+    mine = account_datasets(config, account)
+    journals = sum(s["cost"] for s in run_spend(results_dir, mine).values())
+    state = account_state(ledger, live["usage"], journals)
+    append_account_ledger(ledger_path, account, "start", job, live["usage"], journals, state.lost)
+    log(f"account ({live['endpoint']}): usage ${live['usage']:.2f}, limit {live['limit']}, remaining "
+        f"{live['limit_remaining']}; since the run's first start ${state.usage - state.baseline_usage:.2f} billed, "
+        f"${state.journal_spend - state.baseline_journal:.2f} journaled: "
+        f"${state.lost:.2f} lost to interrupted requests")
+    remaining = live["limit_remaining"]
     if remaining is not None and float(remaining) <= 0:
         raise RuntimeError("the API key has no limit remaining (GET /key); raise its limit; nothing was requested")
+
+    def record(usage: float, journal: float, lost: float) -> None:
+        append_account_ledger(ledger_path, account, "poll", job, usage, journal, lost)
+
+    # The watcher compares against the journals of every dataset the guard follows (api_datasets).
+    all_journals = sum(s["cost"] for s in run_spend(results_dir, api_datasets(config)).values())
+    watcher = AccountWatcher(account_key_url(responses), state.baseline_usage,
+                             state.baseline_journal + (all_journals - journals), record, floor=state.lost)
+    return state, watcher
 
 
 def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, Any], dataset: str,
@@ -103,7 +145,7 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
     datasets = api_datasets(config)
     spend = run_spend(results_dir, datasets)
     prices = resolve_prices(responses, api_key, live=responses["live_prices"])
-    mean_tokens, basis = mean_output_tokens(responses, spend[dataset])
+    mean_tokens, basis = mean_output_tokens(responses, spend[dataset], (dataset, config["datasets"][dataset]))
     guard = MoneyGuard(
         budget_usd=responses.get("budget_usd"),
         spent_before=sum(s["cost"] for s in spend.values()),
@@ -117,12 +159,16 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
     guard.others.prime()
     log(f"{dataset}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
         f"expected {mean_tokens:.0f} output tokens per sample ({basis}); spent so far ${guard.spent_before:.2f}")
-    check_key(responses, api_key, log)
+    account, guard.account = start_account(config, dataset, results_dir, api_key,
+                                           f"{dataset}/{out_path.name}", log)
+    if account is not None:
+        guard.lost_usd = account.lost
 
     render_ids = split_ids = eos_ids = None
     if responses["backend"] == "sglang":
         from aerie.responses import split_generated
-        from aerie.target import load_tokenizer, read_chat_format, read_generation_config, render_prompt_ids
+        from aerie.target.chat import read_chat_format, render_prompt_ids
+        from aerie.target.model import load_tokenizer, read_generation_config
 
         tok = load_tokenizer(target["path"])
         fmt = read_chat_format(tok, read_generation_config(target["path"]))
@@ -137,7 +183,7 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
     server = contextlib.nullcontext(None)
     if responses.get("serve") == "transformers":
         from aerie.api.serve import serve_on_loopback, transformers_serve_command
-        from aerie.target import pick_device
+        from aerie.target.model import pick_device
 
         device = str(pick_device(target.get("device", "auto")))
         server = serve_on_loopback(
@@ -153,9 +199,56 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
             eos_ids=eos_ids, log=log))
 
 
+@dataclass
+class CostPreview:
+    """What ``snakemake -n`` prints and a real start checks (rules/common.smk)."""
+
+    text: str
+    pending_usd: float
+    budget: float | None
+    spent: float  # journals
+    lost: float  # billed by the account, in no journal
+    datasets: dict[str, DatasetEstimate]
+
+
+def preview_account(config: dict[str, Any], datasets: list[str], results_dir: Path, spent: float,
+                    live: bool) -> tuple[AccountState | None, str]:
+    """The account reconcile for the preview: live when the key is here, else the ledger's last reading."""
+    accounts = {account_id(responses_config(config, d)) for d in datasets} - {None}
+    if not accounts:
+        return None, ""
+    if len(accounts) > 1:
+        return None, f"{len(accounts)} accounts: per-account reconcile is shown in each job's log"
+    account = accounts.pop()
+    responses = responses_config(config, next(d for d in datasets if account_id(responses_config(config, d))))
+    ledger = read_account_ledger(account_ledger_path(results_dir), account)
+    usage = None
+    key = api_key_from_env(responses)
+    if live and key:
+        try:
+            reading = read_account_usage(responses, key, timeout=10)
+            usage = reading["usage"] if reading else None
+        except RuntimeError as e:
+            if not ledger:
+                return None, f"not readable ({e})"
+    state = account_state(ledger, usage, spent)
+    if state is not None and not ledger:
+        # No job has started: today's usage is only the baseline the first start will record.
+        return None, f"usage ${usage:.2f} now; recorded and reconciled from the first start on"
+    if state is None:
+        return None, "no reading yet (recorded at the first start; set the key's variable to read it live)"
+    return state, ""
+
+
+def _quota_raised(completion: dict[str, Any], quota: int | None) -> bool:
+    recorded = completion.get("max_output_tokens")
+    return recorded is not None and (quota is None or quota > recorded)
+
+
 def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Path,
-                 live: bool = True) -> tuple[str, float, float | None, float] | None:
-    """Estimate the pending API work: (text, pending USD, budget, spent). None when no dataset uses an API.
+                 live: bool = True) -> CostPreview | None:
+    """Estimate the pending API work per dataset, cut at each dataset's output-token quota; None when no
+    dataset uses an API.
 
     Pending = training shards whose declared output does not exist yet, minus the samples their
     journals already hold.
@@ -164,7 +257,8 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     if not datasets:
         return None
     spend = run_spend(results_dir, datasets)
-    rows, per_dataset = [], {}
+    estimates: dict[str, DatasetEstimate] = {}
+    notes: list[str] = []
     prices_seen: Prices | None = None
     budget = config["responses"].get("budget_usd")
     priced: dict[str, Prices] = {}  # one endpoints-API call per distinct model/routing, not per dataset
@@ -177,18 +271,32 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
             priced[key] = resolve_prices(responses, api_key_from_env(responses), live=live and responses["live_prices"])
         prices = priced[key]
         prices_seen = prices_seen or prices
-        mean_tokens, basis = mean_output_tokens(responses, spend[name])
-        per_dataset[name] = {"basis": basis}
+        ds = config["datasets"][name]
+        mean_tokens, basis = mean_output_tokens(responses, spend[name], (name, ds))
         phash = backend_settings(responses, config["target"]["path"]).params_hash()
         plan = plans[name]
-        prompts_iter = iter_prompts(name, config["datasets"][name])
+        prompts_iter = iter_prompts(name, ds)
+        rows, cut = [], []
         for shard in plan.shard_names:
             out = results_dir / name / "responses" / f"shard-{shard}.jsonl"
             start, stop = plan.shard_range(int(shard))
             prompts = list(itertools.islice(prompts_iter, stop - start))
             if out.exists():
+                done = read_completion(out)
+                if done and done["not_requested"] and _quota_raised(done, ds.get("max_output_tokens")):
+                    cut.append(str(out))
                 continue
             rows.append(estimate_shard(name, shard, prompts, out, phash, mean_tokens, prices))
+        if cut:
+            # A published shard is never rerun by Snakemake on its own: say how to request the rest.
+            notes.append(f"datasets.{name}.max_output_tokens was raised after {len(cut)} shard(s) were published "
+                         f"at the old quota; not counted above. `snakemake --forcerun {' '.join(cut)}` requests "
+                         "their remaining prompts (journaled samples are not paid again)")
+        estimates[name] = estimate_dataset(name, rows, mean_tokens, basis, prices, ds.get("max_output_tokens"),
+                                           int(spend[name]["completion_tokens"]))
     spent = sum(s["cost"] for s in spend.values())
-    text = format_preview(rows, per_dataset, spent, budget, prices_seen)
-    return text, sum(r.dollars for r in rows), budget, spent
+    account, note = preview_account(config, datasets, results_dir, spent, live)
+    text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
+    text += "".join(f"\n  NOTE {n}" for n in notes)
+    return CostPreview(text, sum(e.dollars for e in estimates.values()), budget, spent,
+                       account.lost if account else 0.0, estimates)

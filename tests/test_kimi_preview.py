@@ -1,0 +1,88 @@
+"""`snakemake -n --configfile config/kimi-k2.5.yaml` with the user's prompt counts previews under its budget.
+
+The user's story: six prompt sets (5,000 / 5,000 / 3,000 / 1,319 / 1,000 / 80 prompts), a $100 OpenRouter
+budget, and a 7M output-token quota per dataset. The preview must cut each dataset at its quota, use the
+per-dataset expected lengths, say how many responses it will produce, and stay under the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO
+KIMI = REPO / "config" / "kimi-k2.5.yaml"
+COUNTS = {"sharegpt": 5000, "ultrachat": 5000, "code": 3000, "math": 1319, "tool_use": 1000, "mtbench": 80}
+
+
+def kimi_config_with_prompt_files(workdir: Path) -> Path:
+    """config/kimi-k2.5.yaml with only each dataset's ``source`` replaced by a local prompt file of the story's
+    size (the shipped sources name Hub datasets, read from a cache a test cannot fill offline); caps, expected
+    lengths, prices and the budget are the shipped file's own."""
+    config = yaml.safe_load(KIMI.read_text())
+    assert set(config["datasets"]) == set(COUNTS)
+    for name, ds in config["datasets"].items():
+        path = workdir / "prompts" / f"{name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as fh:
+            for i in range(COUNTS[name]):
+                text = f"{name} prompt {i}: explain the idea behind item {i} step by step."
+                fh.write(json.dumps({"id": f"{name}-{i}", "messages": [{"role": "user", "content": text}]}) + "\n")
+        ds["source"] = {"kind": "jsonl", "path": str(path), "messages_field": "messages", "id_field": "id"}
+    out = workdir / "kimi-k2.5.yaml"
+    out.write_text(yaml.safe_dump(config))
+    return out
+
+
+def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
+    cfg = kimi_config_with_prompt_files(workdir)
+    env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # no key: nothing live to read
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
+                           str(workdir), "-n", "--configfile", str(cfg)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "OVER BUDGET" not in out, out
+    header = next(x for x in out.splitlines() if x.startswith("aerie cost preview"))
+    price_in, price_out = (float(v) / 1e6 for v in re.search(r"price ([\d.]+)/([\d.]+) USD", header).groups())
+    config = yaml.safe_load(KIMI.read_text())
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] in COUNTS and len(parts) > 6 and parts[1].isdigit():
+            rows[parts[0]] = parts
+    assert "mtbench" not in rows  # benchmark-only: nothing to regenerate
+    total = 0.0
+    for name, parts in rows.items():
+        ds = config["datasets"][name]
+        prompts, samples = int(parts[2]), int(parts[3])
+        out_tokens, usd = int(parts[4].replace(",", "")), float(parts[5])
+        assert prompts == COUNTS[name]
+        want = min(prompts, ds["max_output_tokens"] // ds["expected_output_tokens"])
+        assert samples == want, (name, samples, want)  # cut at the quota, at the expected length
+        assert out_tokens == samples * ds["expected_output_tokens"] <= ds["max_output_tokens"]
+        assert usd >= out_tokens * price_out and usd < out_tokens * price_out + samples * 100 * price_in
+        assert f"datasets.{name}.expected_output_tokens" in " ".join(parts)
+        total += usd
+    assert set(rows) == set(COUNTS) - {"mtbench"}
+    # The chat sets hit their 7M quota (2,000 of 5,000 prompts at ~3,500 tokens); the others fit.
+    assert rows["sharegpt"][3] == "2000" and "quota 7,000,000 reached" in " ".join(rows["sharegpt"])
+    produce = re.search(r"will produce ~([\d,]+) more responses \(~([\d,]+) output tokens\) for \$([\d.]+)", out)
+    assert produce, out
+    assert int(produce.group(1).replace(",", "")) == sum(int(r[3]) for r in rows.values())
+    assert abs(float(produce.group(3)) - total) < 0.05 and total < 100
+    # Even if every quota is reached, the output stays under the budget: the plan is safe, not just likely.
+    quota_usd = sum(config["datasets"][n]["max_output_tokens"] for n in rows) * price_out
+    assert quota_usd < config["responses"]["budget_usd"]
+    assert "spent: $0.00 journaled + $0.00 lost to interrupted requests = $0.00; budget $100.00" in out
+    # The disk preview is cut at the same quotas (per dataset) and names the compact layout.
+    disk = next(x for x in out.splitlines() if x.startswith("aerie disk preview"))
+    assert "compact" in disk and "sharegpt ~" in disk
+    gib = float(re.search(r"= ~([\d,.]+) GiB", disk).group(1).replace(",", ""))
+    assert gib < 600, disk  # 5,000 chat prompts x 3,500 tokens uncapped would be ~360 GiB for sharegpt alone
