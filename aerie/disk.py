@@ -128,7 +128,7 @@ def expected_tokens_per_sample(config: dict[str, Any], results_dir: Path, sample
 
     out = {}
     for name, ds in config["datasets"].items():
-        prompts = list(itertools.islice(iter_prompts(name, ds), sample))
+        prompts = list(itertools.islice(iter_prompts(name, ds, config["datasets"]), sample))
         prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in prompts) / max(len(prompts), 1)
         spent = dataset_journal_totals(results_dir / name / "responses")
         output_tokens, _ = mean_output_tokens(responses_config(config, name), spent, (name, ds))

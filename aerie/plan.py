@@ -119,7 +119,7 @@ def _local_num_layers(target: dict[str, Any]) -> int | None:
 
 def plan_datasets(config: dict[str, Any]) -> dict[str, DatasetPlan]:
     """Shard plan of every dataset (reads and validates each prompt source once)."""
-    plans = {name: plan_dataset(name, ds) for name, ds in config["datasets"].items()}
+    plans = {name: plan_dataset(name, ds, config["datasets"]) for name, ds in config["datasets"].items()}
     if not any(p.num_shards for p in plans.values()):
         raise ConfigError("every dataset is benchmark-only, so there is nothing to train on", ("datasets",))
     return plans

@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -17,12 +17,29 @@ os.environ.update(
     )
 )
 
-from aerie.plan import check_config, plan_datasets, responses_config  # noqa: E402
+from aerie.config_file import ConfigError, ConfigSources  # noqa: E402
+from aerie.plan import (  # noqa: E402
+    check_config,
+    plan_datasets,
+    responses_config,
+    validate_config,
+)
 
-validate(config, schema=workflow.source_path("../config/schema.yaml"))
+# Snakemake has merged the config files and forgotten where each value came from (and kept the last of two equal
+# keys). Re-read them with line numbers (aerie.config_file), so that a duplicate key, an unknown key, a wrong type
+# or a value out of range fails here - in `snakemake -n` too - naming the key path, the file and the line.
 try:
+    CONFIG_SOURCES = ConfigSources.read(
+        workflow.configfiles, workflow.config_settings.config
+    )
+except ConfigError as e:
+    raise WorkflowError(f"bad configuration: {e}") from None
+try:
+    validate_config(config, CONFIG_SOURCES)  # config/schema.yaml; fills in its defaults
     check_config(config)
     PLANS = plan_datasets(config)
+except ConfigError as e:
+    raise WorkflowError(f"bad configuration: {CONFIG_SOURCES.describe(e)}") from None
 except ValueError as e:
     raise WorkflowError(f"bad configuration: {e}") from None
 
@@ -43,10 +60,10 @@ def get_target_input():
 
 
 def get_prompt_source(wildcards):
-    from aerie.prompts import source_file
+    """The dataset's local prompt files (a newer file re-shards); none for Hub datasets and HumanEval."""
+    from aerie.prompts import source_files
 
-    path = source_file(config["datasets"][wildcards.dataset]["source"])
-    return [str(path)] if path is not None else []
+    return [str(p) for p in source_files(config["datasets"][wildcards.dataset]["source"])]
 
 
 def get_shards(stage, suffix):
@@ -110,7 +127,7 @@ def get_responses_gpus(wildcards):
 
 
 def cost_preview():
-    """Text, pending USD, budget and spend of the API work still to do (None without API datasets)."""
+    """The pending API work per dataset, cut at each quota (aerie.api.shard.CostPreview; None without API datasets)."""
     from aerie.api.shard import cost_preview as preview
 
     try:
@@ -119,11 +136,12 @@ def cost_preview():
         raise WorkflowError(f"bad configuration: {e}") from None
 
 
-# `snakemake -n` shows what the pending API work will cost before anything is spent.
+# `snakemake -n` shows what the pending API work will cost and produce before anything is spent, and the
+# disk its hidden states will take (both cut at each dataset's output-token quota).
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
     _preview = cost_preview()
     if _preview is not None:
-        print(_preview[0], file=sys.stderr)
+        print(_preview.text, file=sys.stderr)
     from aerie.disk import disk_preview, expected_tokens_per_sample
 
     print(
@@ -132,25 +150,32 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
             PLANS,
             Path("results"),
             expected_tokens_per_sample(config, Path("results")),
+            expected_samples=(
+                {n: e.expected_samples for n, e in _preview.datasets.items()}
+                if _preview is not None
+                else None
+            ),
         ),
         file=sys.stderr,
     )
 
 
 def refuse_over_budget():
-    """Called from onstart (real runs only): refuse to start when the estimate exceeds the budget."""
+    """Called from onstart (real runs only): refuse to start when the estimate exceeds what the budget
+    leaves after the journaled spend and the spend lost to interrupted requests."""
     result = cost_preview()
     if result is None:
         return
-    text, pending, budget, spent = result
-    print(text, file=sys.stderr)
+    print(result.text, file=sys.stderr)
+    budget, used = result.budget, result.spent + result.lost
     if (
         budget is not None
-        and pending > budget - spent
+        and result.pending_usd > budget - used
         and not config["allow_over_budget"]
     ):
+        lost = f" (${result.lost:.2f} of the spend lost to interrupted requests)" if result.lost else ""
         raise WorkflowError(
-            f"the pending API work is estimated at ${pending:.2f} but only ${budget - spent:.2f} of "
-            f"responses.budget_usd ${budget:.2f} remains; raise the budget, reduce the prompts, or set "
-            "--config allow_over_budget=True to run until the budget stops it"
+            f"the pending API work is estimated at ${result.pending_usd:.2f} but only ${budget - used:.2f} of "
+            f"responses.budget_usd ${budget:.2f} remains{lost}; raise the budget, reduce the prompts or the "
+            "quotas, or set --config allow_over_budget=True to run until the budget stops it"
         )

@@ -466,3 +466,34 @@ def test_samples_failing_every_attempt_leave_the_shard_unpublished_with_a_clear_
             run(make_prompts(5), out, settings(base), limits=ClientLimits(concurrency=5, max_attempts=2,
                                                                           backoff_base=0.01))
     assert not out.exists() and not read_journal(journal_path(out)).finished
+
+
+# ---- TLS -------------------------------------------------------------------------------------------
+
+def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
+    """HTTPS with a self-signed certificate: trusted when named in ca_bundle; otherwise the job stops at once
+    (no retries of a certificate error) with a message naming the setting - verification is never off."""
+    import shutil
+    import subprocess
+    import time
+
+    from aerie.api.emulator import server_tls_context
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (makes the test certificate)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    with serve_in_thread(EmulatorSettings(), ssl_context=server_tls_context(str(cert), str(key))) as base:
+        assert base.startswith("https://")
+        trusted = tmp_path / "ok" / "shard-00000.jsonl"
+        run(make_prompts(5), trusted, settings(base), limits=ClientLimits(concurrency=2, ca_bundle=str(cert)))
+        assert len(trusted.read_text().splitlines()) == 5
+        untrusted = tmp_path / "no" / "shard-00000.jsonl"
+        t0 = time.monotonic()
+        with pytest.raises(RegenerationStopped, match="responses.ca_bundle"):
+            run(make_prompts(5), untrusted, settings(base),
+                limits=ClientLimits(concurrency=2, max_attempts=8, backoff_base=2.0, backoff_max=30.0))
+        assert time.monotonic() - t0 < 10  # retried, it would back off 2 + 4 + 8 + ... seconds first
+        assert not untrusted.exists()

@@ -25,12 +25,19 @@ def small_demo_config() -> dict:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"]["demo"] = {**(config["target"].get("demo") or {}), "train_steps": 40, "tokenizer_examples": 1500,
                                 "eval_prompts": 8}
-    config["datasets"]["tasks"]["source"]["count"] = 20
+    config["datasets"]["tasks"]["source"]["count"] = 16
     config["datasets"]["tasks"]["shard_size"] = 9
     config["datasets"]["tasks"]["bench_prompts"] = 2
     config["datasets"]["humaneval"]["max_prompts"] = 10
     config["datasets"]["humaneval"]["shard_size"] = 4
     config["datasets"]["humaneval"]["bench_prompts"] = 2
+    # A dataset read with HF `datasets` from a ShareGPT-layout file, one prompt per assistant turn (4 prompts:
+    # an empty conversation is skipped, a duplicate dropped); `tasks` gave up 4 prompts so the run takes as long.
+    config["datasets"]["chat"] = {
+        "source": {"kind": "hf", "data_files": str(REPO / "tests/fixtures/prompt_sources/sharegpt_tasks.json"),
+                   "shape": "sharegpt", "id_field": "id", "turns": "every_assistant"},
+        "shard_size": 3, "bench_prompts": 1,
+    }
     config["responses"]["max_new_tokens"] = 48
     config["tokens"]["drop_truncated"] = False  # a barely trained target often runs to the token cap
     config["tokens"]["max_dropped_fraction"] = 0.75  # ... or answers nothing (flagged empty): few samples here

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import json
 import os
 import re
 from pathlib import Path
@@ -26,24 +25,13 @@ GPU_RULES = ("responses", "hidden", "drafter", "bench")
 
 
 def kimi_workdir(workdir: Path) -> Path:
-    """The Kimi example config with 3-prompt stand-ins for its prompt files; returns the config path."""
-    config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    for name, ds in config["datasets"].items():
-        src = ds["source"]
-        path = workdir / src["path"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for i in range(3):
-            if "messages_field" in src:
-                rec = {src["messages_field"]: [{"role": "user", "content": f"{name} question {i}"}]}
-            elif src["text_field"] == "turns":  # MT-bench: a list of turns
-                rec = {"turns": [f"{name} turn one {i}", f"{name} turn two {i}"]}
-            else:
-                rec = {src["text_field"]: f"{name} prompt {i}"}
-            rec[src.get("id_field", "id")] = f"{name}-{i}"
-            lines.append(json.dumps(rec))
-        path.write_text("\n".join(lines) + "\n")
+    """The Kimi example config with 3-row local stand-ins for its datasets; returns the config path."""
+    from test_prompt_sources import kimi_stand_in_config
+
+    config = kimi_stand_in_config(workdir, rows=3)
+    for ds in config["datasets"].values():
         ds["shard_size"] = 2
+        ds.pop("max_prompts", None)
         if ds.get("bench_prompts"):
             ds["bench_prompts"] = 3
     path = workdir / "kimi.yaml"

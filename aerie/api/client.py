@@ -425,6 +425,12 @@ async def _run(pending, settings, api_key, limits, guard, journal, intents, stat
                     kind, message, wait = e.kind, str(e), e.retry_after
                 except aiohttp.ClientPayloadError as e:
                     kind, message, wait = "torn", f"torn body: {e}", None
+                except aiohttp.ClientConnectorCertificateError as e:
+                    # A certificate the client does not trust will not be trusted on a retry either.
+                    stats.final_errors["tls_certificate"] += 1
+                    halt(f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
+                         "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off")
+                    return None
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
                     kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
                 except (asyncio.TimeoutError, TimeoutError):

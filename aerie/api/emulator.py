@@ -721,8 +721,9 @@ class Emulator:
 
 # ---- running it in a thread (tests) ----------------------------------------------------------
 def run_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0.1", port: int = 0,
-                  timeout: float = 10.0) -> tuple[str, Callable[[], None]]:
-    """Start an emulator on its own event loop in a daemon thread; returns (base_url, stop)."""
+                  timeout: float = 10.0, ssl_context: ssl.SSLContext | None = None) -> tuple[str, Callable[[], None]]:
+    """Start an emulator on its own event loop in a daemon thread (HTTPS with ``ssl_context``); returns
+    (base_url, stop)."""
     emu = Emulator(settings)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
@@ -731,7 +732,7 @@ def run_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0
     def main() -> None:
         asyncio.set_event_loop(loop)
         try:
-            box["url"] = loop.run_until_complete(emu.start(host, port))
+            box["url"] = loop.run_until_complete(emu.start(host, port, ssl_context))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = exc
             ready.set()
@@ -759,9 +760,9 @@ def run_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0
 
 @contextlib.contextmanager
 def serve_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0.1",
-                    port: int = 0) -> Iterator[str]:
+                    port: int = 0, ssl_context: ssl.SSLContext | None = None) -> Iterator[str]:
     """``with serve_in_thread(settings) as base_url: ...``"""
-    url, stop = run_in_thread(settings, host, port)
+    url, stop = run_in_thread(settings, host, port, ssl_context=ssl_context)
     try:
         yield url
     finally:

@@ -71,6 +71,7 @@ def client_limits(responses: dict[str, Any]) -> ClientLimits:
         backoff_base=responses["backoff_base_s"],
         backoff_max=responses["backoff_max_s"],
         progress_interval=responses["progress_interval_s"],
+        ca_bundle=responses.get("ca_bundle"),
     )
 
 
@@ -275,7 +276,7 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
         mean_tokens, basis = mean_output_tokens(responses, spend[name], (name, ds))
         phash = backend_settings(responses, config["target"]["path"]).params_hash()
         plan = plans[name]
-        prompts_iter = iter_prompts(name, ds)
+        prompts_iter = iter_prompts(name, ds, config["datasets"])
         rows, cut = [], []
         for shard in plan.shard_names:
             out = results_dir / name / "responses" / f"shard-{shard}.jsonl"
