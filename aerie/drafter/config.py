@@ -34,8 +34,8 @@ class TrainConfig:
     num_key_value_heads: int = 0  # llama only; 0 = the target's (8 on an MLA target)
     head_dim: int = 0  # llama only; 0 = the target's (128 on an MLA target)
     intermediate_size: int = 0  # the drafter's MLP width; 0 = the target's
-    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer before fc (mla only)
-    norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm hidden state (mla only)
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer before fc
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm hidden state
 
     def __post_init__(self) -> None:
         for name in ("ttt_steps", "epochs", "batch_size", "max_seq_len", "log_every"):
