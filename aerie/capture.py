@@ -16,12 +16,30 @@ from torch import nn
 from aerie.target.config import check_aux_layer_ids
 
 
+def base_decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack (embeddings, layers, final norm) of a causal LM or of a wrapper around one.
+
+    ``get_decoder()`` is followed until it returns the module itself: for a plain causal LM it gives the base
+    model at once; for a multimodal wrapper such as Kimi K2.5's ``KimiK25ForConditionalGeneration`` (loaded
+    with trust_remote_code) transformers' default returns the wrapped ``language_model`` - itself a causal
+    LM - whose own ``get_decoder()`` then gives the base model."""
+    inner = model
+    for _ in range(8):  # a wrapper of a wrapper at most, in practice; a cycle would be a bug in the model code
+        getter = getattr(inner, "get_decoder", None)
+        nxt = getter() if callable(getter) else None
+        if nxt is None or nxt is inner:
+            return inner
+        inner = nxt
+    raise TypeError(f"{type(model).__name__}.get_decoder() does not settle on a decoder stack")
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder-layer list of a transformers causal LM (Llama, DeepseekV3, Qwen, ...)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    """The decoder-layer list of a transformers causal LM (Llama, DeepseekV3, Qwen, ...) or of a wrapper whose
+    layers live deeper (Kimi K2.5: ``language_model.model.layers``)."""
+    layers = getattr(base_decoder(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no model.layers ModuleList: cannot hook decoder layers")
+        raise TypeError(f"{type(model).__name__} has no decoder-layer ModuleList (looked for get_decoder().layers, "
+                        "following get_decoder() through wrappers): cannot hook decoder layers")
     return layers
 
 
@@ -48,7 +66,7 @@ class AuxHiddenCapture:
 
         return hook
 
-    def __enter__(self) -> "AuxHiddenCapture":
+    def __enter__(self) -> AuxHiddenCapture:
         for i in self.layer_ids:
             self._handles.append(self._layers[i].register_forward_hook(self._hook(i)))
         return self

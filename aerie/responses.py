@@ -65,12 +65,13 @@ def generate_hf(
     device: str = "auto",
     dtype: str = "auto",
     threads: int | None = None,
+    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Generate one response per prompt in-process with the target; write the shard atomically."""
     set_threads(threads)
     prompts = read_prompts(prompts_path)
-    model, tok, dev = load_target(target_path, device=device, dtype=dtype)
+    model, tok, dev = load_target(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     fmt = read_chat_format(tok, model.generation_config)
     eos_ids = list(fmt.stop_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]

@@ -1,4 +1,5 @@
-"""Rule hidden: target hidden states for one tokens shard (aerie.hidden)."""
+"""Rule hidden: target hidden states for every tokens shard of the run, with one target load
+(aerie.hidden.capture_shards; finished shards are kept in the capture store across attempts)."""
 
 from aerie.gpu_slots import acquire_rule_gpus
 from aerie.rulelog import open_rule_log
@@ -10,14 +11,16 @@ acquire_rule_gpus(snakemake, log)
 
 from pathlib import Path  # noqa: E402
 
-from aerie.hidden import capture_shard  # noqa: E402
+from aerie.hidden import ShardTask, capture_shards  # noqa: E402
 from aerie.rulelog import snakemake_threads  # noqa: E402
 
 cfg = snakemake.params.hidden
 target = snakemake.params.target
-capture_shard(
-    Path(snakemake.input.tokens),
-    Path(snakemake.output[0]),
+tokens, outputs, shard_logs = snakemake.input.tokens, list(snakemake.output), snakemake.params.shard_logs
+if not len(tokens) == len(outputs) == len(shard_logs):
+    raise SystemExit(f"rule hidden: {len(tokens)} tokens shards, {len(outputs)} outputs, {len(shard_logs)} shard logs")
+capture_shards(
+    [ShardTask(Path(t), Path(o), Path(lg)) for t, o, lg in zip(tokens, outputs, shard_logs)],
     target["path"],
     aux_layer_ids=cfg["aux_layer_ids"],
     layout=cfg["layout"],
@@ -28,6 +31,7 @@ capture_shard(
     storage_dtype=cfg["storage_dtype"],
     device=target["device"],
     dtype=target["dtype"],
+    trust_remote_code=bool(target.get("trust_remote_code", False)),
     threads=snakemake_threads(snakemake),
     min_next_token_agreement=cfg["min_next_token_agreement"],
     min_next_token_in_topk=cfg["min_next_token_in_topk"],

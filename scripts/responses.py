@@ -22,8 +22,14 @@ target = config["target"]
 out = Path(snakemake.output[0])
 if cfg["backend"] in API_BACKENDS:
     try:
-        regenerate_api_shard(Path(snakemake.input.prompts), out, config, snakemake.wildcards.dataset,
-                             results_dir=out.parent.parent.parent, log=log)
+        regenerate_api_shard(
+            Path(snakemake.input.prompts),
+            out,
+            config,
+            snakemake.wildcards.dataset,
+            results_dir=out.parent.parent.parent,
+            log=log,
+        )
     except (RegenerationStopped, RuntimeError) as e:
         log(f"{out}: not finished: {e}")
         raise SystemExit(f"responses {out}: {e}") from None
@@ -40,5 +46,6 @@ else:
         device=target["device"],
         dtype=target["dtype"],
         threads=snakemake_threads(snakemake),
+        trust_remote_code=target.get("trust_remote_code", False),
         log=log,
     )

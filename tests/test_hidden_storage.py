@@ -29,7 +29,6 @@ from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.formats.vocab import load_draft_vocab
 from aerie.hidden import HFCapture, capture_shard
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TARGET = dict(
@@ -273,6 +272,53 @@ def test_sglang_backend_dispatch(world, tmp_path, monkeypatch):
     for k in a:
         assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
                            b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
+
+
+def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code(tmp_path):
+    """Kimi K2.5 loads through its own code as KimiK25ForConditionalGeneration, whose decoder layers live at
+    language_model.model.layers: the hf backend loads it with target.trust_remote_code and hooks those layers,
+    and the states equal the wrapped DeepseekV3's own output_hidden_states."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from aerie.capture import base_decoder, decoder_layers
+    from aerie.rehearsal_target import remote_code
+    from aerie.rehearsal_target.build import REMOTE_MODEL_FILES, build_model
+    from aerie.rehearsal_target.config import RehearsalTargetConfig
+
+    cfg = RehearsalTargetConfig(hidden_size=32, num_hidden_layers=5, intermediate_size=64, moe_intermediate_size=16,
+                                n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=2, q_lora_rank=16,
+                                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                vision_hidden_size=8)
+    model = build_model(cfg, live_ids=range(600)).eval()
+    assert decoder_layers(model) is model.language_model.model.layers
+    target = tmp_path / "kimi-shaped"
+    model.save_pretrained(target)
+    for name in REMOTE_MODEL_FILES:
+        shutil.copyfile(Path(remote_code.__file__).parent / name, target / name)
+    ids = torch.randint(0, 600, (3, 12), generator=torch.Generator().manual_seed(0))
+    tokens = tmp_path / "tokens.safetensors"
+    mask = torch.tensor([0] * 6 + [1] * 6, dtype=torch.uint8).repeat(3)
+    save_packed(tokens, {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask,
+                         "seq_offsets": torch.arange(4, dtype=torch.int64) * 12},
+                {"format": TOKENS_FORMAT, "sample_ids": ["k/0", "k/1", "k/2"], "generation_prompt_ids": [],
+                 "stop_ids": [], "cut_sequences": [0, 1, 2]})
+    with pytest.raises(ValueError, match="trust_remote_code"):  # custom code is never run unless asked for
+        capture_shard(tokens, tmp_path / "no.safetensors", str(target), aux_layer_ids=[1, 2, 3], layout="full",
+                      storage_dtype="float32", device="cpu", dtype="float32", threads=1, log=lambda _: None)
+    out = tmp_path / "hidden.safetensors"
+    capture_shard(tokens, out, str(target), aux_layer_ids=[1, 2, 3], layout="full", storage_dtype="float32",
+                  device="cpu", dtype="float32", trust_remote_code=True, threads=1, log=lambda _: None)
+    t, meta = load_packed(out, HIDDEN_FORMAT)
+    assert meta["num_hidden_layers"] == 5 and meta["aux_layer_ids"] == [1, 2, 3]
+    loaded = AutoModelForCausalLM.from_pretrained(str(target), trust_remote_code=True).eval()
+    assert type(loaded).__name__ == "KimiK25ForConditionalGeneration"
+    with torch.no_grad():
+        ref = base_decoder(loaded)(input_ids=ids, output_hidden_states=True).hidden_states
+    aux = t["aux_hidden_states"].reshape(3, 12, -1)
+    torch.testing.assert_close(aux, torch.cat([ref[i + 1] for i in (1, 2, 3)], -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(t["final_hidden_states"].reshape(3, 12, -1), ref[-1], atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -222,7 +222,8 @@ def test_planted_off_by_one_layer_ids_stop_the_drafter_job(demo_run, tmp_path) -
     from safetensors.torch import save_file
 
     copy, configfile = planted_copy(demo_run, tmp_path)
-    for shard in sorted((copy / "results").glob("*/hidden/shard-*.safetensors")):
+    # Both names of every shard: the declared one and its capture-store entry (a rerun re-links from the store).
+    for shard in sorted((copy / "results").glob("*/hidden/**/shard-*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
             meta = dict(f.metadata())
             tensors = {k: f.get_tensor(k) for k in f.keys()}

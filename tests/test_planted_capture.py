@@ -7,8 +7,6 @@ Llama target (the backend or the hooks are swapped for broken ones) and must fai
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -77,6 +75,69 @@ def test_capture_silently_off_fails(world, monkeypatch) -> None:
     with pytest.raises(HiddenStateError, match=r"aux layer 1 is all zeros \(capture silently off\?\)"):
         capture(world, "off")
     assert not (world["root"] / "off.safetensors").exists()
+
+
+class Planted:
+    """A backend whose aux states are altered by ``plant(aux)`` after a real capture."""
+
+    def __init__(self, inner, plant):
+        self.inner, self.plant = inner, plant
+        self.num_hidden_layers, self.hidden_size = inner.num_hidden_layers, inner.hidden_size
+        self.vocab_size = inner.vocab_size
+
+    def capture(self, seqs):
+        return [(self.plant(aux.clone()), final) for aux, final in self.inner.capture(seqs)]
+
+    def close(self):
+        self.inner.close()
+
+
+def _nan_at_one_position(aux: torch.Tensor) -> torch.Tensor:
+    aux[5, 2 * 64 + 7] = float("nan")  # aux layer 4 (the third), one channel of one token
+    return aux
+
+
+def _inf_at_one_position(aux: torch.Tensor) -> torch.Tensor:
+    aux[0, 2 * 64] = float("inf")
+    return aux
+
+
+def _minus_inf_at_one_position(aux: torch.Tensor) -> torch.Tensor:
+    aux[7, 2 * 64 + 63] = -float("inf")
+    return aux
+
+
+def _whole_layer_nan(aux: torch.Tensor) -> torch.Tensor:
+    # A layer that is NaN everywhere: with comparisons alone it would pass as non-zero, varying and unlike the
+    # others (every comparison with NaN is false).
+    aux[:, 2 * 64:] = float("nan")
+    return aux
+
+
+@pytest.mark.parametrize("plant", [_nan_at_one_position, _inf_at_one_position, _minus_inf_at_one_position,
+                                   _whole_layer_nan])
+def test_nan_or_inf_in_an_aux_layer_fails(world, monkeypatch, plant) -> None:
+    real = hidden.open_backend
+
+    def broken(*args, **kwargs):
+        cap, head = real(*args, **kwargs)
+        return Planted(cap, plant), head
+
+    monkeypatch.setattr(hidden, "open_backend", broken)
+    with pytest.raises(HiddenStateError, match=r"aux_hidden_states of aux layer 4 contain NaN or inf"):
+        capture(world, f"nan-{plant.__name__}")
+    assert not (world["root"] / f"nan-{plant.__name__}.safetensors").exists()
+
+
+def test_nan_never_passes_the_layer_checks() -> None:
+    """The zero / constant / identical checks refuse a NaN layer on their own, should NaN ever reach them."""
+    checks = hidden.CaptureChecks([1, 2], 4, "s")
+    checks.absmax = torch.tensor([float("nan"), 1.0])
+    checks.varies[:] = True
+    checks.identical[:] = False
+    checks.rows = 3
+    with pytest.raises(HiddenStateError, match="aux layer 1 is all zeros"):
+        checks.finish()
 
 
 def test_off_by_one_hooks_fail_the_convention_check(world, monkeypatch) -> None:

@@ -235,8 +235,13 @@ def test_planted_capture_failures_are_refused() -> None:
         check_captured(const, final, [1, 2, 3], "s")
     nan = final.clone()
     nan[3, 2] = float("nan")
-    with pytest.raises(HiddenStateError, match="NaN"):
+    with pytest.raises(HiddenStateError, match="final_hidden_states contain NaN or inf"):
         check_captured(aux, nan, [1, 2, 3], "s")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        planted = aux.clone()
+        planted[4, 8 + 3] = bad  # aux layer 2, one channel of one token
+        with pytest.raises(HiddenStateError, match=r"aux layer 2 contain NaN or inf .*first at position 4"):
+            check_captured(planted, final, [1, 2, 3], "s")
 
 
 def test_states_from_another_target_fail_the_agreement_check(pipeline_dir, tiny_target, tok, tmp_path) -> None:

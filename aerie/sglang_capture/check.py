@@ -11,22 +11,49 @@ from typing import Any
 
 import torch
 
+from aerie.capture import base_decoder
+
 
 def _tiny_config(kind: str) -> Any:
     """Small random targets SGLang's GPU kernels accept (MLA needs Kimi's real head dims)."""
     from transformers import DeepseekV3Config, LlamaConfig
 
     if kind == "llama":
-        return LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
-                           tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+        return LlamaConfig(
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            architectures=["LlamaForCausalLM"],
+        )
     if kind == "deepseek":
         return DeepseekV3Config(
-            vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=8,
-            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-            topk_group=1, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512,
-            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=4096,
-            tie_word_embeddings=False, architectures=["DeepseekV3ForCausalLM"])
+            vocab_size=4096,
+            hidden_size=1024,
+            intermediate_size=2048,
+            moe_intermediate_size=256,
+            num_hidden_layers=8,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            architectures=["DeepseekV3ForCausalLM"],
+        )
     raise ValueError(f"unknown tiny target {kind!r} (llama, deepseek)")
 
 
@@ -50,8 +77,14 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def compare_with_transformers(target: Path, layer_ids: list[int], captured: list[tuple[torch.Tensor, torch.Tensor]],
-                              seqs: list[torch.Tensor], *, trust_remote_code: bool = False) -> dict[str, Any]:
+def compare_with_transformers(
+    target: Path,
+    layer_ids: list[int],
+    captured: list[tuple[torch.Tensor, torch.Tensor]],
+    seqs: list[torch.Tensor],
+    *,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
     """Per aux id: which transformers hidden state SGLang's tensor is closest to (must be index id + 1) and
     how close; the same for the final state, plus greedy next-token agreement through lm_head."""
     from transformers import AutoModelForCausalLM
@@ -65,9 +98,9 @@ def compare_with_transformers(target: Path, layer_ids: list[int], captured: list
     for ids, (aux, final) in zip(seqs, captured):
         out = model(ids[None].to(dev), output_hidden_states=True)
         hs = [h[0].cpu() for h in out.hidden_states]  # [0] embeddings, [k] = output of layer k-1
-        ref_final = model.get_decoder()(ids[None].to(dev)).last_hidden_state[0].cpu()
+        ref_final = base_decoder(model)(ids[None].to(dev)).last_hidden_state[0].cpu()
         for j, i in enumerate(layer_ids):
-            got = aux[:, j * H:(j + 1) * H]
+            got = aux[:, j * H : (j + 1) * H]
             for k in (i, i + 1, i + 2):  # the right index, and both off-by-one neighbours
                 if k < len(hs):
                     per_id[i]["errors"].setdefault(k, []).append(_rel_err(got, hs[k]))
