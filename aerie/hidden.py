@@ -32,7 +32,7 @@ import torch
 
 from aerie.artifacts import split_packed
 from aerie.capture import AuxHiddenCapture, base_decoder
-from aerie.formats.hidden import LAYOUTS, quantize_aux, write_hidden_shard
+from aerie.formats.hidden import FP8, LAYOUTS, quantize_aux, write_hidden_shard
 from aerie.formats.tokens import read_tokens_shard
 from aerie.target.config import read_text_config, resolve_aux_layer_ids, target_architectures
 
@@ -432,7 +432,8 @@ def capture_into(
             else:
                 store = getattr(torch, storage_dtype)
                 per_seq[s] = {"aux_hidden_states": aux.to(store), "final_hidden_states": final.to(store)}
-    checks.finish()
+    if checks.rows:  # an empty shard (a dataset that reached its quota) has no states to judge
+        checks.finish()
 
     if checks.rows != tensors["input_ids"].shape[0]:
         raise HiddenStateError(f"{out_path}: captured {checks.rows} positions, tokens shard has "
@@ -440,7 +441,16 @@ def capture_into(
     agreement = agree / total if total else 1.0
     topk_rate = in_topk / total if total else 1.0
     check_agreement(str(out_path), agreement, topk_rate, k, min_next_token_agreement, min_next_token_in_topk)
-    stored = {name: torch.cat([p[name] for p in per_seq]) for name in (per_seq[0] if per_seq else ())}
+    if per_seq:
+        stored = {name: torch.cat([p[name] for p in per_seq]) for name in per_seq[0]}
+    elif layout == "compact":  # zero sequences: the same tensors with no rows, so every reader stays simple
+        stored = {"aux_hidden_states": torch.zeros(0, A * H, dtype=FP8), "aux_scales": torch.zeros(0, A),
+                  "target_topk_ids": torch.zeros(0, k, dtype=torch.int32),
+                  "target_topk_logprobs": torch.zeros(0, k, dtype=torch.float16)}
+    else:
+        store = getattr(torch, storage_dtype)
+        stored = {"aux_hidden_states": torch.zeros(0, A * H, dtype=store),
+                  "final_hidden_states": torch.zeros(0, H, dtype=store)}
 
     facts: dict[str, Any] = {
         "layout": layout,

@@ -63,7 +63,9 @@ def get_prompt_source(wildcards):
     """The dataset's local prompt files (a newer file re-shards); none for Hub datasets and HumanEval."""
     from aerie.prompts import source_files
 
-    return [str(p) for p in source_files(config["datasets"][wildcards.dataset]["source"])]
+    return [
+        str(p) for p in source_files(config["datasets"][wildcards.dataset]["source"])
+    ]
 
 
 def get_shards(stage, suffix):
@@ -173,7 +175,11 @@ def refuse_over_budget():
         and result.pending_usd > budget - used
         and not config["allow_over_budget"]
     ):
-        lost = f" (${result.lost:.2f} of the spend lost to interrupted requests)" if result.lost else ""
+        lost = (
+            f" (${result.lost:.2f} of the spend lost to interrupted requests)"
+            if result.lost
+            else ""
+        )
         raise WorkflowError(
             f"the pending API work is estimated at ${result.pending_usd:.2f} but only ${budget - used:.2f} of "
             f"responses.budget_usd ${budget:.2f} remains{lost}; raise the budget, reduce the prompts or the "
