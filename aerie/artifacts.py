@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 if TYPE_CHECKING:  # torch is imported where tensors are handled: the API client process stays small
     import torch
 
@@ -92,7 +91,9 @@ def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: di
     atomic_publish(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta))
 
 
-def load_packed(path: str | Path, expected_format: str, names: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_packed(
+    path: str | Path, expected_format: str, names: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load a packed shard, refusing a different format version. Metadata JSON values are decoded."""
     from safetensors import safe_open
 

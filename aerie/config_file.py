@@ -98,7 +98,8 @@ class ConfigFile:
                 if first is not None:
                     raise ConfigError(
                         f"{self.path}:{line}: {dotted(path + (key,))}: duplicate key (also set at line {first}); "
-                        "YAML keeps only the last one, so the other would be ignored without a word: remove one")
+                        "YAML keeps only the last one, so the other would be ignored without a word: remove one"
+                    )
                 seen[key] = line
                 self.lines[path + (key,)] = line
                 self._walk(loader, value_node, path + (key,))
@@ -157,7 +158,8 @@ def _strict_validator(schema: dict[str, Any]):
     from jsonschema import Draft202012Validator, validators
 
     checker = Draft202012Validator.TYPE_CHECKER.redefine(
-        "integer", lambda _checker, x: isinstance(x, int) and not isinstance(x, bool))
+        "integer", lambda _checker, x: isinstance(x, int) and not isinstance(x, bool)
+    )
     return validators.extend(Draft202012Validator, type_checker=checker)(schema)
 
 
@@ -180,20 +182,36 @@ def _type_message(instance: Any, expected: str | list[str]) -> str:
     if isinstance(instance, str) and numeric:
         text = instance.strip()
         if _EXPONENT.match(text) and not isinstance(yaml.safe_load(text), float):  # else it was quoted
-            return (f"{instance!r} is text, not a number: YAML 1.1 (which Snakemake's config reader follows) reads "
-                    "exponent notation as a number only with a decimal point and a signed exponent. Write "
-                    + _yaml11_number(text, integer="number" not in want))
+            return (
+                f"{instance!r} is text, not a number: YAML 1.1 (which Snakemake's config reader follows) reads "
+                "exponent notation as a number only with a decimal point and a signed exponent. Write "
+                + _yaml11_number(text, integer="number" not in want)
+            )
         try:
             float(text)
             return f"{instance!r} is text, not a number: write it without quotes"
         except ValueError:
             pass
-    names = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
-             "object": "a mapping of keys", "array": "a list", "null": "null"}
+    names = {
+        "integer": "an integer",
+        "number": "a number",
+        "string": "a string",
+        "boolean": "true or false",
+        "object": "a mapping of keys",
+        "array": "a list",
+        "null": "null",
+    }
     if "integer" in want and isinstance(instance, float):
         return f"{instance!r} is not an integer (write it without a decimal point)"
-    got = {bool: "true/false", int: "an integer", float: "a number", str: "the text", list: "a list",
-           dict: "a mapping", type(None): "null"}.get(type(instance), type(instance).__name__)
+    got = {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "the text",
+        list: "a list",
+        dict: "a mapping",
+        type(None): "null",
+    }.get(type(instance), type(instance).__name__)
     shown = "" if isinstance(instance, (dict, list)) else f" {instance!r}"
     return f"expected {' or '.join(names.get(t, t) for t in want)}, got {got}{shown}"
 
@@ -284,4 +302,3 @@ def check_against_schema(config: dict[str, Any], schema: dict[str, Any], sources
         head = "1 setting is wrong" if len(lines) == 1 else f"{len(lines)} settings are wrong"
         raise ConfigError(f"{head}:\n  " + "\n  ".join(lines))
     fill_defaults(config, schema)
-

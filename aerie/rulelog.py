@@ -118,8 +118,10 @@ def open_rule_log(log_path: str | Path, echo: bool = True) -> Callable[[str], No
             print(line, flush=True)
 
     earlier = [p.name for n, p in attempt_logs(path).items() if n < attempt]
-    log(f"attempt {attempt} (pid {os.getpid()} on {socket.gethostname()}); this log is kept as {copy.name}"
-        + (f"; earlier attempts: {', '.join(earlier)}" if earlier else ""))
+    log(
+        f"attempt {attempt} (pid {os.getpid()} on {socket.gethostname()}); this log is kept as {copy.name}"
+        + (f"; earlier attempts: {', '.join(earlier)}" if earlier else "")
+    )
     return log
 
 

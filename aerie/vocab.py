@@ -66,9 +66,16 @@ def build_draft_vocab(
     return meta
 
 
-def build_draft_vocab_for_target(token_shards: Sequence[Path], out_path: Path, *, target_path: Path,
-                                 draft_vocab_size: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+def build_draft_vocab_for_target(
+    token_shards: Sequence[Path],
+    out_path: Path,
+    *,
+    target_path: Path,
+    draft_vocab_size: int,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """build_draft_vocab over the target's vocabulary (its config.json; a wrapper's text_config)."""
     vocab_size = int(read_text_config(target_path)["vocab_size"])
-    return build_draft_vocab(token_shards, out_path, target_vocab_size=vocab_size, draft_vocab_size=draft_vocab_size,
-                             log=log)
+    return build_draft_vocab(
+        token_shards, out_path, target_vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, log=log
+    )

@@ -34,8 +34,10 @@ MODEL = "moonshotai/kimi-k2.5"
 
 
 def prompts(n: int) -> list[dict]:
-    return [{"id": f"bench/{i}", "dataset": "bench", "messages": [{"role": "user", "content": f"Question {i}: say hi"}]}
-            for i in range(n)]
+    return [
+        {"id": f"bench/{i}", "dataset": "bench", "messages": [{"role": "user", "content": f"Question {i}: say hi"}]}
+        for i in range(n)
+    ]
 
 
 def usage() -> tuple[float, float]:
@@ -52,12 +54,19 @@ async def run_aerie(base: str, n: int, concurrency: int, workdir: Path, ca_bundl
     from aerie.api.backends import BackendSettings
     from aerie.api.client import ClientLimits, MoneyGuard, regenerate_shard
 
-    settings = BackendSettings("openrouter", MODEL, base, 1.0, 0.95, 64, provider={"sort": "price"},
-                               reasoning={"enabled": True})
+    settings = BackendSettings(
+        "openrouter", MODEL, base, 1.0, 0.95, 64, provider={"sort": "price"}, reasoning={"enabled": True}
+    )
     out = workdir / "shard-00000.jsonl"
     summary = await regenerate_shard(
-        prompts(n), out, settings, api_key="sk-bench", guard=MoneyGuard(budget_usd=1e6),
-        limits=ClientLimits(concurrency=concurrency, progress_interval=30, ca_bundle=ca_bundle), log=lambda m: None)
+        prompts(n),
+        out,
+        settings,
+        api_key="sk-bench",
+        guard=MoneyGuard(budget_usd=1e6),
+        limits=ClientLimits(concurrency=concurrency, progress_interval=30, ca_bundle=ca_bundle),
+        log=lambda m: None,
+    )
     return summary["requested_now"]
 
 
@@ -70,9 +79,16 @@ async def run_openai(base: str, n: int, concurrency: int, workdir: Path, ca_bund
         import httpx
 
     # Give it the same connection budget as aerie's client (its default pool is smaller).
-    client = AsyncOpenAI(base_url=base, api_key="sk-bench", max_retries=8, timeout=600,
-                         http_client=DefaultAsyncHttpxClient(verify=client_tls(ca_bundle), limits=httpx.Limits(
-                             max_connections=concurrency, max_keepalive_connections=concurrency)))
+    client = AsyncOpenAI(
+        base_url=base,
+        api_key="sk-bench",
+        max_retries=8,
+        timeout=600,
+        http_client=DefaultAsyncHttpxClient(
+            verify=client_tls(ca_bundle),
+            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+        ),
+    )
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
@@ -80,8 +96,13 @@ async def run_openai(base: str, n: int, concurrency: int, workdir: Path, ca_bund
         nonlocal done
         async with sem:
             r = await client.chat.completions.create(
-                model=MODEL, messages=p["messages"], max_tokens=64, temperature=1.0, top_p=0.95,
-                extra_body={"provider": {"sort": "price"}, "reasoning": {"enabled": True}})
+                model=MODEL,
+                messages=p["messages"],
+                max_tokens=64,
+                temperature=1.0,
+                top_p=0.95,
+                extra_body={"provider": {"sort": "price"}, "reasoning": {"enabled": True}},
+            )
             if r.choices:
                 done += 1
 
@@ -101,15 +122,25 @@ async def run_bare(base: str, n: int, concurrency: int, workdir: Path, ca_bundle
         nonlocal done
         while queue:
             p = queue.pop()
-            body = json.dumps({"model": MODEL, "messages": p["messages"], "max_tokens": 64, "temperature": 1.0,
-                               "top_p": 0.95, "provider": {"sort": "price"}, "reasoning": {"enabled": True}})
+            body = json.dumps(
+                {
+                    "model": MODEL,
+                    "messages": p["messages"],
+                    "max_tokens": 64,
+                    "temperature": 1.0,
+                    "top_p": 0.95,
+                    "provider": {"sort": "price"},
+                    "reasoning": {"enabled": True},
+                }
+            )
             async with session.post(f"{base}/chat/completions", data=body) as resp:
                 if json.loads(await resp.read()).get("choices"):
                     done += 1
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, ssl=client_tls(ca_bundle)),
-                                     headers={"Authorization": "Bearer sk-bench",
-                                              "Content-Type": "application/json"}) as session:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=concurrency, ssl=client_tls(ca_bundle)),
+        headers={"Authorization": "Bearer sk-bench", "Content-Type": "application/json"},
+    ) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return done
 
@@ -124,22 +155,64 @@ def worker(args: argparse.Namespace) -> None:
         ok = asyncio.run(fn(args.base, args.n, args.concurrency, Path(tmp), args.ca_bundle))
         seconds = time.perf_counter() - t0
         cpu1, rss = usage()
-    print(json.dumps({"client": args.worker, "requests": ok, "seconds": seconds, "req_per_s": ok / seconds,
-                      "cpu_s_per_1000": (cpu1 - cpu0) / max(ok, 1) * 1000, "peak_rss_mib": rss}))
+    print(
+        json.dumps(
+            {
+                "client": args.worker,
+                "requests": ok,
+                "seconds": seconds,
+                "req_per_s": ok / seconds,
+                "cpu_s_per_1000": (cpu1 - cpu0) / max(ok, 1) * 1000,
+                "peak_rss_mib": rss,
+            }
+        )
+    )
 
 
 def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
     """A certificate + key for 127.0.0.1/localhost, valid one day, made now (nothing is reused between runs)."""
     cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
 def start_emulator(latency: float, port_file: Path, tls: tuple[Path, Path] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "aerie.api.emulator", "--port", "0", "--port-file", str(port_file),
-           "--latency-mean", str(latency), "--output-tokens-mean", "40"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aerie.api.emulator",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--latency-mean",
+        str(latency),
+        "--output-tokens-mean",
+        "40",
+    ]
     if tls:
         cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -159,9 +232,25 @@ def measure(client: str, latency: float, n: int, concurrency: int, tls: bool = F
             scheme = "https" if tls else "http"
             base = f"{scheme}://127.0.0.1:{port_file.read_text().strip()}/api/v1"
             extra = ["--ca-bundle", str(cert_key[0])] if cert_key else []
-            out = subprocess.run([sys.executable, __file__, "--worker", client, "--base", base, "--n", str(n),
-                                  "--concurrency", str(concurrency), *extra], capture_output=True, text=True,
-                                 check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    client,
+                    "--base",
+                    base,
+                    "--n",
+                    str(n),
+                    "--concurrency",
+                    str(concurrency),
+                    *extra,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
         finally:
             emu.terminate()
             emu.wait(timeout=30)
@@ -178,14 +267,19 @@ def tls_main(args: argparse.Namespace, k: float) -> list[dict]:
         for client in ("aerie", "openai", "bare"):
             row = measure(client, latency, sizes[client], args.concurrency, tls=True)
             rows.append(row)
-            print(f"TLS {client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
-                  f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB", flush=True)
+            print(
+                f"TLS {client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
+                f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB",
+                flush=True,
+            )
     by = {(r["client"], r["latency_s"]): r for r in rows}
     for latency in (0.0, 2.0):
         a, o, b = (by[(c, latency)] for c in ("aerie", "openai", "bare"))
-        print(f"latency {latency:.0f} s: aerie = {a['req_per_s'] / b['req_per_s']:.0%} of the bare loop's req/s "
-              f"(goal >= 90%), {a['req_per_s'] / o['req_per_s']:.1f}x AsyncOpenAI (goal >= 30x); "
-              f"aerie {a['cpu_s_per_1000']:.2f} CPU s/1000 incl. TLS (goal <= 1.0)")
+        print(
+            f"latency {latency:.0f} s: aerie = {a['req_per_s'] / b['req_per_s']:.0%} of the bare loop's req/s "
+            f"(goal >= 90%), {a['req_per_s'] / o['req_per_s']:.1f}x AsyncOpenAI (goal >= 30x); "
+            f"aerie {a['cpu_s_per_1000']:.2f} CPU s/1000 incl. TLS (goal <= 1.0)"
+        )
     return rows
 
 
@@ -210,7 +304,8 @@ def main() -> None:
             args.json.write_text(json.dumps(rows, indent=2) + "\n")
         return
     runs = [
-        ("aerie", 0.0, int(20000 * k)), ("openai", 0.0, int(4000 * k)),  # throughput and CPU per request
+        ("aerie", 0.0, int(20000 * k)),
+        ("openai", 0.0, int(4000 * k)),  # throughput and CPU per request
         ("aerie", 2.0, int(20000 * k)),  # 2,000 in flight for 2 s each: the ceiling is 1,000 req/s
         ("bare", 2.0, int(20000 * k)),  # the floor, for reference: a bare aiohttp loop with no journal
     ]
@@ -218,18 +313,25 @@ def main() -> None:
     for client, latency, n in runs:
         row = measure(client, latency, n, args.concurrency)
         rows.append(row)
-        print(f"{client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
-              f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB", flush=True)
+        print(
+            f"{client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
+            f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB",
+            flush=True,
+        )
     a0, o0, a2, b2 = rows
     ceiling = args.concurrency / 2.0
     print(f"\naerie / AsyncOpenAI requests/s at latency 0: {a0['req_per_s'] / o0['req_per_s']:.1f}x (goal >= 10x)")
-    print(f"aerie CPU s per 1,000 requests: {a0['cpu_s_per_1000']:.2f} (goal <= 1.0); "
-          f"AsyncOpenAI {o0['cpu_s_per_1000']:.2f}")
-    peak = max(a0['peak_rss_mib'], a2['peak_rss_mib'])
+    print(
+        f"aerie CPU s per 1,000 requests: {a0['cpu_s_per_1000']:.2f} (goal <= 1.0); "
+        f"AsyncOpenAI {o0['cpu_s_per_1000']:.2f}"
+    )
+    peak = max(a0["peak_rss_mib"], a2["peak_rss_mib"])
     print(f"aerie peak RSS at {args.concurrency} in flight: {peak:.0f} MiB (goal < 1024)")
-    print(f"aerie at 2 s latency: {a2['req_per_s']:.0f} req/s = {a2['req_per_s'] / ceiling:.0%} of the "
-          f"{ceiling:.0f} req/s ceiling (goal >= 80%); bare aiohttp loop {b2['req_per_s'] / ceiling:.0%} "
-          f"at {b2['cpu_s_per_1000']:.2f} CPU s/1000")
+    print(
+        f"aerie at 2 s latency: {a2['req_per_s']:.0f} req/s = {a2['req_per_s'] / ceiling:.0%} of the "
+        f"{ceiling:.0f} req/s ceiling (goal >= 80%); bare aiohttp loop {b2['req_per_s'] / ceiling:.0%} "
+        f"at {b2['cpu_s_per_1000']:.2f} CPU s/1000"
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -50,16 +50,43 @@ def targets(which: list[str]) -> dict[str, nn.Module]:
     torch.manual_seed(0)
     out: dict[str, nn.Module] = {}
     if "llama" in which:
-        out["llama 12L x 640"] = LlamaForCausalLM(LlamaConfig(
-            vocab_size=8192, hidden_size=640, intermediate_size=1792, num_hidden_layers=12, num_attention_heads=10,
-            num_key_value_heads=5, max_position_embeddings=4096, tie_word_embeddings=False)).eval()
+        out["llama 12L x 640"] = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=8192,
+                hidden_size=640,
+                intermediate_size=1792,
+                num_hidden_layers=12,
+                num_attention_heads=10,
+                num_key_value_heads=5,
+                max_position_embeddings=4096,
+                tie_word_embeddings=False,
+            )
+        ).eval()
     if "deepseek" in which:  # Kimi K2.5's structure (MLA, dense first layer, MoE with a shared expert), small
-        out["deepseek-v3 8L x 512 (MoE 8x top-2)"] = DeepseekV3ForCausalLM(DeepseekV3Config(
-            vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_hidden_layers=8,
-            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
-            topk_group=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128,
-            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=4096,
-            tie_word_embeddings=False)).eval()
+        out["deepseek-v3 8L x 512 (MoE 8x top-2)"] = DeepseekV3ForCausalLM(
+            DeepseekV3Config(
+                vocab_size=8192,
+                hidden_size=512,
+                intermediate_size=1536,
+                moe_intermediate_size=256,
+                num_hidden_layers=8,
+                first_k_dense_replace=1,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                n_group=1,
+                topk_group=1,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                q_lora_rank=256,
+                kv_lora_rank=128,
+                qk_rope_head_dim=32,
+                qk_nope_head_dim=64,
+                v_head_dim=64,
+                max_position_embeddings=4096,
+                tie_word_embeddings=False,
+            )
+        ).eval()
     return out
 
 
@@ -74,16 +101,23 @@ def collect(cap: AuxHiddenCapture, final: torch.Tensor, lengths: list[int], stor
         final[r, :n].to("cpu", store)
 
 
-def capture_forward(model: nn.Module, batch: torch.Tensor, cap: AuxHiddenCapture, lengths: list[int],
-                    store: torch.dtype) -> None:
+def capture_forward(
+    model: nn.Module, batch: torch.Tensor, cap: AuxHiddenCapture, lengths: list[int], store: torch.dtype
+) -> None:
     """aerie.hidden HFCapture.capture's work for one batch (hooks on the aux layers while it runs)."""
     with cap:  # registering 3 hooks costs microseconds; the shard stage keeps them for all batches
         final = model.get_decoder()(input_ids=batch, use_cache=False).last_hidden_state  # [b, T, H]
         collect(cap, final, lengths, store)
 
 
-def collect_only_s(model: nn.Module, batch: torch.Tensor, cap: AuxHiddenCapture, lengths: list[int],
-                   store: torch.dtype, repeats: int = 7) -> float:
+def collect_only_s(
+    model: nn.Module,
+    batch: torch.Tensor,
+    cap: AuxHiddenCapture,
+    lengths: list[int],
+    store: torch.dtype,
+    repeats: int = 7,
+) -> float:
     """The collection step alone (concatenate + copy to CPU in bf16), timed on one forward's states: a
     figure the machine's load barely moves, unlike the difference of two multi-second forwards."""
     with cap:
@@ -121,18 +155,25 @@ def measure(name: str, model: nn.Module, args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {"plain": [], "capture": []}
     for i in range(args.repeats):  # round i: batch i mod n through both paths, in alternating order (load drift)
         batch = batches[i % len(batches)]
-        for key in (("plain", "capture") if i % 2 == 0 else ("capture", "plain")):
-            times[key].append(timed(lambda: runs[key](batch)))
+        for key in ("plain", "capture") if i % 2 == 0 else ("capture", "plain"):
+            times[key].append(timed(lambda key=key, batch=batch: runs[key](batch)))
     collect_s = collect_only_s(model, batches[0], cap, lengths, torch.bfloat16)
     plain_s, capture_s = statistics.median(times["plain"]), statistics.median(times["capture"])
     paired = statistics.median(c / p for c, p in zip(times["capture"], times["plain"]))
     tokens = args.seqs * args.seq_len
     return {
-        "target": name, "aux_layer_ids": layer_ids, "tokens_per_batch": tokens, "batch": [args.seqs, args.seq_len],
-        "plain_s": round(plain_s, 4), "capture_s": round(capture_s, 4), "overhead": round(capture_s / plain_s - 1, 4),
-        "overhead_median_paired": round(paired - 1, 4), "collect_s": round(collect_s, 4),
+        "target": name,
+        "aux_layer_ids": layer_ids,
+        "tokens_per_batch": tokens,
+        "batch": [args.seqs, args.seq_len],
+        "plain_s": round(plain_s, 4),
+        "capture_s": round(capture_s, 4),
+        "overhead": round(capture_s / plain_s - 1, 4),
+        "overhead_median_paired": round(paired - 1, 4),
+        "collect_s": round(collect_s, 4),
         "collect_share": round(collect_s / plain_s, 4),
-        "plain_tokens_per_s": round(tokens / plain_s, 1), "plain_all_s": [round(t, 4) for t in times["plain"]],
+        "plain_tokens_per_s": round(tokens / plain_s, 1),
+        "plain_all_s": [round(t, 4) for t in times["plain"]],
         "capture_all_s": [round(t, 4) for t in times["capture"]],
     }
 
@@ -149,22 +190,31 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    machine = {"torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-               "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-               "load_avg_1m": round(os.getloadavg()[0], 2), "python": platform.python_version(),
-               "machine": platform.machine()}
+    machine = {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
     print(json.dumps({"machine": machine}))
     started = time.perf_counter()
     for name, model in targets(args.targets).items():
         r = measure(name, model, args)
         print(json.dumps(r))
         verdict = "PASS" if r["overhead"] < GOAL else "FAIL"
-        print(f"{verdict} {name}: plain {r['plain_s']:.3f} s, capture {r['capture_s']:.3f} s per "
-              f"{r['tokens_per_batch']}-token batch -> overhead {r['overhead']:+.1%} "
-              f"(median paired {r['overhead_median_paired']:+.1%}; collection step alone {r['collect_s'] * 1000:.0f} ms "
-              f"= {r['collect_share']:.1%} of a plain forward; goal < {GOAL:.0%})", flush=True)
-    print(json.dumps({"wall_s": round(time.perf_counter() - started, 1),
-                      "load_avg_1m_end": round(os.getloadavg()[0], 2)}))
+        print(
+            f"{verdict} {name}: plain {r['plain_s']:.3f} s, capture {r['capture_s']:.3f} s per "
+            f"{r['tokens_per_batch']}-token batch -> overhead {r['overhead']:+.1%} "
+            f"(median paired {r['overhead_median_paired']:+.1%}; collection step alone {r['collect_s'] * 1000:.0f} ms "
+            f"= {r['collect_share']:.1%} of a plain forward; goal < {GOAL:.0%})",
+            flush=True,
+        )
+    print(
+        json.dumps({"wall_s": round(time.perf_counter() - started, 1), "load_avg_1m_end": round(os.getloadavg()[0], 2)})
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,17 @@ def main() -> None:
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="aerie-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--cores", args.cores]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        args.cores,
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -52,9 +61,11 @@ def main() -> None:
     target = json.loads((workdir / "results" / "demo-target" / "aerie_demo_target.json").read_text())
     print(f"demo wall time: {wall:.0f} s ({wall / 60:.1f} min)")
     print(f"peak memory of one job: {jobs_peak:.0f} MiB (largest child process: {peak_child_mib:.0f} MiB)")
-    print(f"benchmark: acceptance length {bench['acceptance_length']:.2f}, baseline "
-          f"{bench['baseline']['tokens_per_s']:.1f} tok/s, speculative {bench['speculative']['tokens_per_s']:.1f} tok/s, "
-          f"speedup {bench['speedup']:.2f}x, lossless {bench['lossless']}")
+    print(
+        f"benchmark: acceptance length {bench['acceptance_length']:.2f}, baseline "
+        f"{bench['baseline']['tokens_per_s']:.1f} tok/s, speculative {bench['speculative']['tokens_per_s']:.1f} tok/s, "
+        f"speedup {bench['speedup']:.2f}x, lossless {bench['lossless']}"
+    )
     print(f"demo target: {json.dumps(target.get('metrics', target))[:600]}")
 
 

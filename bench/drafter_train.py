@@ -34,8 +34,14 @@ from aerie.drafter.config import TrainConfig  # noqa: E402
 from aerie.drafter.loop import train_drafter  # noqa: E402
 
 DEMO_TARGET = dict(  # aerie.demo_target.pretrain defaults
-    vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False,
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
 )
 AUX_LAYER_IDS = [1, 3, 4]  # SGLang's default for 8 layers
 PROMPT_FRACTION = 0.4  # the rest of each sequence counts as generated (loss-masked)
@@ -59,13 +65,22 @@ def build_inputs(root: Path, seqs: int, seq_len: int) -> tuple[list[Path], Path,
             "final_hidden_states": torch.randn(T, H).to(torch.bfloat16),
         },
         str(shard),
-        metadata={"format": "aerie.hidden/1", "aux_layer_ids": json.dumps(AUX_LAYER_IDS), "hidden_size": str(H),
-                  "vocab_size": str(V), "num_hidden_layers": "8", "target": str(target_dir),
-                  "sample_ids": json.dumps([f"bench/{i}" for i in range(seqs)])},
+        metadata={
+            "format": "aerie.hidden/1",
+            "aux_layer_ids": json.dumps(AUX_LAYER_IDS),
+            "hidden_size": str(H),
+            "vocab_size": str(V),
+            "num_hidden_layers": "8",
+            "target": str(target_dir),
+            "sample_ids": json.dumps([f"bench/{i}" for i in range(seqs)]),
+        },
     )
     vocab = root / "draft_vocab.safetensors"  # the demo's draft vocab: 32000 capped at the target's 2048
-    save_file({"d2t": torch.zeros(V, dtype=torch.int64), "t2d": torch.ones(V, dtype=torch.bool)}, str(vocab),
-              metadata={"format": "aerie.draft-vocab/1"})
+    save_file(
+        {"d2t": torch.zeros(V, dtype=torch.int64), "t2d": torch.ones(V, dtype=torch.bool)},
+        str(vocab),
+        metadata={"format": "aerie.draft-vocab/1"},
+    )
     return [shard], vocab, target_dir
 
 
@@ -82,20 +97,25 @@ def main() -> None:
             cfg = TrainConfig(**{"epochs": 1, "eval_fraction": 0.0, "threads": args.threads, **overrides})
             t0 = time.perf_counter()
             result = train_drafter(shards, vocab, target, root / f"drafter-{len(overrides)}", cfg, log=lambda _: None)
-            print(json.dumps({
-                "setting": name,
-                "ttt_steps": cfg.ttt_steps,
-                "batch_size": cfg.batch_size,
-                "tokens_per_s": round(result["tokens_per_s"], 1),
-                "tokens": result["tokens_trained"],
-                "optimizer_steps": result["optimizer_steps"],
-                "s_per_step": round(result["train_seconds"] / result["optimizer_steps"], 3),
-                "wall_s": round(time.perf_counter() - t0, 2),
-                "threads": torch.get_num_threads(),
-                "cpu_count": os.cpu_count(),
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "setting": name,
+                        "ttt_steps": cfg.ttt_steps,
+                        "batch_size": cfg.batch_size,
+                        "tokens_per_s": round(result["tokens_per_s"], 1),
+                        "tokens": result["tokens_trained"],
+                        "optimizer_steps": result["optimizer_steps"],
+                        "s_per_step": round(result["train_seconds"] / result["optimizer_steps"], 3),
+                        "wall_s": round(time.perf_counter() - t0, 2),
+                        "threads": torch.get_num_threads(),
+                        "cpu_count": os.cpu_count(),
+                        "torch": torch.__version__,
+                        "python": platform.python_version(),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ def main() -> None:
     print(f"snakemake -n, finished demo: median {a:.2f} s over {args.repeats} (min {min(walls['aerie']):.2f})")
     print(f"snakemake -n, empty workflow: median {b:.2f} s (min {min(walls['bare']):.2f})")
     print(f"ratio aerie / bare: {a / b:.2f}x; aerie's own parse-time cost: {a - b:.2f} s")
-    code = ("import sys; import aerie.plan, aerie.disk, aerie.api.shard; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; import aerie.plan, aerie.disk, aerie.api.shard; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     heavy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout.strip()
     print(f"heavy modules imported at parse time: {heavy}")
 

@@ -39,11 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
 from aerie.disk import specforge_bytes_per_token  # noqa: E402
-from aerie.drafter.model import Eagle3Drafter  # noqa: E402
 from aerie.drafter.config import TrainConfig  # noqa: E402
 from aerie.drafter.data import batches, make_windows, split_heldout  # noqa: E402
 from aerie.drafter.evaluate import evaluate  # noqa: E402
 from aerie.drafter.loop import train_drafter  # noqa: E402
+from aerie.drafter.model import Eagle3Drafter  # noqa: E402
 from aerie.drafter.ttt import TargetHead  # noqa: E402
 from aerie.formats.hidden import dequantize_aux, open_hidden_shards  # noqa: E402
 from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
@@ -107,8 +107,12 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/aerie-hidden-storage"))
     ap.add_argument("--datasets", nargs="*", help="only these datasets' shards (default: all)")
     ap.add_argument("--target-topk", type=int, default=32)
-    ap.add_argument("--eval-fraction", type=float, default=0.1, help="held-out share (more than the demo's 5%%: "
-                    "a steadier comparison)")
+    ap.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.1,
+        help="held-out share (more than the demo's 5%%: a steadier comparison)",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
     target = args.target or args.results / "demo-target"
@@ -128,9 +132,18 @@ def main() -> None:
         n_tokens = n_bytes = 0
         for name, tok in tokens.items():
             out = work / layout / name
-            s = capture_shard(tok, out, str(target), aux_layer_ids=None, layout=layout, target_topk=args.target_topk,
-                              storage_dtype="bfloat16", threads=args.threads, min_next_token_agreement=0.995,
-                              log=lambda _: None)
+            s = capture_shard(
+                tok,
+                out,
+                str(target),
+                aux_layer_ids=None,
+                layout=layout,
+                target_topk=args.target_topk,
+                storage_dtype="bfloat16",
+                threads=args.threads,
+                min_next_token_agreement=0.995,
+                log=lambda _: None,
+            )
             hidden[layout].append(out)
             n_tokens += s["tokens"]
             n_bytes += out.stat().st_size
@@ -138,11 +151,18 @@ def main() -> None:
                 report.setdefault("target_topk_mass", []).append(s["target_topk_mass"])
             report.setdefault("next_token_agreement", {})[name] = s["next_token_agreement"]
         H = open_hidden_shards(hidden[layout][:1])[0].hidden_size
-        report[layout] = {"tokens": n_tokens, "bytes": n_bytes, "bytes_per_token": n_bytes / n_tokens,
-                          "ratio_to_specforge_8H": n_bytes / n_tokens / specforge_bytes_per_token(H),
-                          "capture_s": round(time.perf_counter() - t0, 1)}
-        print(f"{layout:8s} {n_tokens:,} tokens, {n_bytes / n_tokens:,.1f} bytes/token = "
-              f"{report[layout]['ratio_to_specforge_8H']:.3f} x SpecForge's 8H ({specforge_bytes_per_token(H):,})", flush=True)
+        report[layout] = {
+            "tokens": n_tokens,
+            "bytes": n_bytes,
+            "bytes_per_token": n_bytes / n_tokens,
+            "ratio_to_specforge_8H": n_bytes / n_tokens / specforge_bytes_per_token(H),
+            "capture_s": round(time.perf_counter() - t0, 1),
+        }
+        print(
+            f"{layout:8s} {n_tokens:,} tokens, {n_bytes / n_tokens:,.1f} bytes/token = "
+            f"{report[layout]['ratio_to_specforge_8H']:.3f} x SpecForge's 8H ({specforge_bytes_per_token(H):,})",
+            flush=True,
+        )
     report["aux_relative_error_fp8_vs_bf16"] = aux_error(hidden["full"], hidden["compact"])
 
     drafter_cfg = yaml.safe_load(args.config.read_text()).get("drafter") or {}
@@ -151,32 +171,46 @@ def main() -> None:
     for layout in ("full", "compact"):
         t0 = time.perf_counter()
         out = work / f"drafter-{layout}"
-        result = train_drafter(hidden[layout], vocab, target, out, TrainConfig(**{**vars(cfg), "resume": False}),
-                               log=lambda m, layout=layout: print(f"  [{layout}] {m}", flush=True))
-        report[layout].update(simulated_acceptance_length=result["simulated_acceptance_length"],
-                              acceptance_per_position=result["acceptance_per_position"],
-                              untrained_acceptance_length=result["untrained"]["simulated_acceptance_length"],
-                              heldout_start_positions=result["heldout_start_positions"],
-                              train_s=round(time.perf_counter() - t0, 1))
+        result = train_drafter(
+            hidden[layout],
+            vocab,
+            target,
+            out,
+            TrainConfig(**{**vars(cfg), "resume": False}),
+            log=lambda m, layout=layout: print(f"  [{layout}] {m}", flush=True),
+        )
+        report[layout].update(
+            simulated_acceptance_length=result["simulated_acceptance_length"],
+            acceptance_per_position=result["acceptance_per_position"],
+            untrained_acceptance_length=result["untrained"]["simulated_acceptance_length"],
+            heldout_start_positions=result["heldout_start_positions"],
+            train_s=round(time.perf_counter() - t0, 1),
+        )
         # both drafters on the same held-out data as inference serves it: the full shards' bf16 states
         report[layout]["acceptance_on_full_states"] = heldout_eval(out, hidden["full"], vocab, target, cfg)[
-            "simulated_acceptance_length"]
+            "simulated_acceptance_length"
+        ]
     full, compact = report["full"], report["compact"]
     report["relative_difference"] = compact["simulated_acceptance_length"] / full["simulated_acceptance_length"] - 1
     report["relative_difference_on_full_states"] = (
-        compact["acceptance_on_full_states"] / full["acceptance_on_full_states"] - 1)
+        compact["acceptance_on_full_states"] / full["acceptance_on_full_states"] - 1
+    )
     report["wall_s"] = round(time.perf_counter() - started, 1)
     (work / "hidden_storage.json").write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"\n{'layout':8s} {'bytes/token':>12s} {'x 8H':>6s} {'acceptance (eval.json)':>23s} {'on full states':>15s}")
     for layout in ("full", "compact"):
         r = report[layout]
-        print(f"{layout:8s} {r['bytes_per_token']:12,.1f} {r['ratio_to_specforge_8H']:6.3f} "
-              f"{r['simulated_acceptance_length']:23.4f} {r['acceptance_on_full_states']:15.4f}")
-    print(f"compact vs full: {report['relative_difference']:+.2%} (eval.json), "
-          f"{report['relative_difference_on_full_states']:+.2%} (on full states); goal within 2%; "
-          f"fp8 aux error {report['aux_relative_error_fp8_vs_bf16']:.2%}; "
-          f"top-{args.target_topk} mass {sum(report['target_topk_mass']) / len(report['target_topk_mass']):.3f}")
+        print(
+            f"{layout:8s} {r['bytes_per_token']:12,.1f} {r['ratio_to_specforge_8H']:6.3f} "
+            f"{r['simulated_acceptance_length']:23.4f} {r['acceptance_on_full_states']:15.4f}"
+        )
+    print(
+        f"compact vs full: {report['relative_difference']:+.2%} (eval.json), "
+        f"{report['relative_difference_on_full_states']:+.2%} (on full states); goal within 2%; "
+        f"fp8 aux error {report['aux_relative_error_fp8_vs_bf16']:.2%}; "
+        f"top-{args.target_topk} mass {sum(report['target_topk_mass']) / len(report['target_topk_mass']):.3f}"
+    )
     print(f"{report['wall_s']:.0f} s; written {work / 'hidden_storage.json'}")
 
 

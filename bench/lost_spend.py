@@ -34,14 +34,35 @@ KEY = "sk-bench-lost-spend"
 
 
 def config(base: str, results: Path) -> dict:
-    responses = {"backend": "openrouter", "model": "moonshotai/kimi-k2.5", "base_url": base,
-                 "api_key_env": "OPENROUTER_API_KEY", "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 256,
-                 "seed": 0, "send_seed": False, "concurrency": 2000, "connect_timeout_s": 30, "read_timeout_s": 900,
-                 "max_attempts": 8, "backoff_base_s": 0.2, "backoff_max_s": 2.0, "progress_interval_s": 5,
-                 "require_reasoning": True, "expected_output_tokens": 40, "budget_usd": 100.0,
-                 "live_prices": True, "provider": {"sort": "price"}, "reasoning": {"enabled": True}}
-    return {"target": {"path": str(results / "no-target")}, "responses": responses,
-            "datasets": {"chat": {"source": {"kind": "jsonl", "path": "unused"}}}}
+    responses = {
+        "backend": "openrouter",
+        "model": "moonshotai/kimi-k2.5",
+        "base_url": base,
+        "api_key_env": "OPENROUTER_API_KEY",
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "max_new_tokens": 256,
+        "seed": 0,
+        "send_seed": False,
+        "concurrency": 2000,
+        "connect_timeout_s": 30,
+        "read_timeout_s": 900,
+        "max_attempts": 8,
+        "backoff_base_s": 0.2,
+        "backoff_max_s": 2.0,
+        "progress_interval_s": 5,
+        "require_reasoning": True,
+        "expected_output_tokens": 40,
+        "budget_usd": 100.0,
+        "live_prices": True,
+        "provider": {"sort": "price"},
+        "reasoning": {"enabled": True},
+    }
+    return {
+        "target": {"path": str(results / "no-target")},
+        "responses": responses,
+        "datasets": {"chat": {"source": {"kind": "jsonl", "path": "unused"}}},
+    }
 
 
 def main() -> None:
@@ -52,10 +73,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         port_file = tmp / "port"
-        emu = subprocess.Popen([sys.executable, "-m", "aerie.api.emulator", "--port", "0", "--port-file",
-                                str(port_file), "--latency-mean", "2", "--output-tokens-mean", "40",
-                                "--output-tokens-dist", "fixed"], cwd=REPO, stdout=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+        emu = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "aerie.api.emulator",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--latency-mean",
+                "2",
+                "--output-tokens-mean",
+                "40",
+                "--output-tokens-dist",
+                "fixed",
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         try:
             while not (port_file.exists() and port_file.read_text().strip()):
                 time.sleep(0.05)
@@ -65,19 +102,39 @@ def main() -> None:
             shard_dir.mkdir(parents=True)
             prompts = results / "chat" / "prompts" / "shard-00000.jsonl"
             prompts.parent.mkdir(parents=True)
-            prompts.write_text("".join(json.dumps({"format": "aerie.prompts/1", "id": f"chat/{i}", "dataset": "chat",
-                                                   "messages": [{"role": "user", "content": f"Question {i}: say hi"}],
-                                                   "source": {"kind": "bench"}}) + "\n" for i in range(n)))
+            prompts.write_text(
+                "".join(
+                    json.dumps(
+                        {
+                            "format": "aerie.prompts/1",
+                            "id": f"chat/{i}",
+                            "dataset": "chat",
+                            "messages": [{"role": "user", "content": f"Question {i}: say hi"}],
+                            "source": {"kind": "bench"},
+                        }
+                    )
+                    + "\n"
+                    for i in range(n)
+                )
+            )
             cfg = config(base, results)
             (tmp / "config.json").write_text(json.dumps(cfg))
             out = shard_dir / "shard-00000.jsonl"
             job = subprocess.Popen(
-                [sys.executable, "-c", "import json, sys; from pathlib import Path; "
-                 "from aerie.api.shard import regenerate_api_shard; "
-                 f"regenerate_api_shard(Path({str(prompts)!r}), Path({str(out)!r}), "
-                 f"json.load(open({str(tmp / 'config.json')!r})), 'chat', Path({str(results)!r}), log=lambda m: None)"],
-                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OPENROUTER_API_KEY": KEY},
-                start_new_session=True, stderr=open(tmp / "job.err", "w"))
+                [
+                    sys.executable,
+                    "-c",
+                    "import json, sys; from pathlib import Path; "
+                    "from aerie.api.shard import regenerate_api_shard; "
+                    f"regenerate_api_shard(Path({str(prompts)!r}), Path({str(out)!r}), "
+                    f"json.load(open({str(tmp / 'config.json')!r})), 'chat', Path({str(results)!r}), "
+                    "log=lambda m: None)",
+                ],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO), "OPENROUTER_API_KEY": KEY},
+                start_new_session=True,
+                stderr=open(tmp / "job.err", "w"),
+            )
             journal = shard_dir / "shard-00000.journal.jsonl"
             peak = 0
             while job.poll() is None:
@@ -88,8 +145,10 @@ def main() -> None:
                     break
                 time.sleep(0.01)
             if job.poll() is not None:
-                raise SystemExit(f"the job ended (rc {job.returncode}, {lines} journaled) before the kill:\n"
-                                 f"{(tmp / 'job.err').read_text()[-3000:]}")
+                raise SystemExit(
+                    f"the job ended (rc {job.returncode}, {lines} journaled) before the kill:\n"
+                    f"{(tmp / 'job.err').read_text()[-3000:]}"
+                )
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
             while requests.get(f"{base}/emulator/stats", timeout=5).json()["in_flight"]:
@@ -102,11 +161,18 @@ def main() -> None:
         finally:
             emu.terminate()
             emu.wait(timeout=30)
-    row = {"in_flight_at_kill": peak, "journaled_samples": len(finished), "answered": stats["outcomes"].get("ok", 0),
-           "billed_unseen_requests": stats["outcomes"].get("client-gone", 0), "billed_usd": billed,
-           "before_counted_usd": journaled, "before_invisible_usd": billed - journaled,
-           "after_counted_usd": journaled + state.lost, "after_lost_usd": state.lost,
-           "after_invisible_usd": billed - journaled - state.lost}
+    row = {
+        "in_flight_at_kill": peak,
+        "journaled_samples": len(finished),
+        "answered": stats["outcomes"].get("ok", 0),
+        "billed_unseen_requests": stats["outcomes"].get("client-gone", 0),
+        "billed_usd": billed,
+        "before_counted_usd": journaled,
+        "before_invisible_usd": billed - journaled,
+        "after_counted_usd": journaled + state.lost,
+        "after_lost_usd": state.lost,
+        "after_invisible_usd": billed - journaled - state.lost,
+    }
     print(json.dumps(row, indent=1))
 
 

@@ -8,6 +8,12 @@ from aerie.rulelog import open_rule_log
 log = open_rule_log(snakemake.log[0])
 start, stop = snakemake.params.range
 # All datasets: an hf source drops the prompts a dataset listed before it holds (as the shard plan did).
-n = write_prompts(snakemake.wildcards.dataset, snakemake.params.dataset, start, stop, Path(snakemake.output[0]),
-                  datasets=snakemake.config["datasets"])
+n = write_prompts(
+    snakemake.wildcards.dataset,
+    snakemake.params.dataset,
+    start,
+    stop,
+    Path(snakemake.output[0]),
+    datasets=snakemake.config["datasets"],
+)
 log(f"{snakemake.output[0]}: {n} prompts ({start}..{stop})")

@@ -28,13 +28,23 @@ MODEL = "moonshotai/kimi-k2.5"
 
 
 def make_prompts(n: int, tag: str = "q") -> list[dict]:
-    return [{"id": f"d/{i}", "dataset": "d", "messages": [{"role": "user", "content": f"{tag} number {i}"}]}
-            for i in range(n)]
+    return [
+        {"id": f"d/{i}", "dataset": "d", "messages": [{"role": "user", "content": f"{tag} number {i}"}]}
+        for i in range(n)
+    ]
 
 
 def settings(base: str, **kw) -> BackendSettings:
-    args = dict(backend="openrouter", model=MODEL, base_url=base, temperature=1.0, top_p=0.95,
-                max_new_tokens=512, provider={"sort": "price"}, reasoning={"enabled": True})
+    args = dict(
+        backend="openrouter",
+        model=MODEL,
+        base_url=base,
+        temperature=1.0,
+        top_p=0.95,
+        max_new_tokens=512,
+        provider={"sort": "price"},
+        reasoning={"enabled": True},
+    )
     args.update(kw)
     return BackendSettings(**args)
 
@@ -43,8 +53,11 @@ FAST = ClientLimits(concurrency=200, backoff_base=0.02, backoff_max=0.2, progres
 
 
 def run(prompts, out, s, guard=None, limits=FAST, key="sk-test", **kw):
-    return asyncio.run(regenerate_shard(prompts, out, s, api_key=key, limits=limits, guard=guard or MoneyGuard(),
-                                        log=lambda m: None, **kw))
+    return asyncio.run(
+        regenerate_shard(
+            prompts, out, s, api_key=key, limits=limits, guard=guard or MoneyGuard(), log=lambda m: None, **kw
+        )
+    )
 
 
 def request_log(path: Path) -> list[dict]:
@@ -52,6 +65,7 @@ def request_log(path: Path) -> list[dict]:
 
 
 # ---- journal -------------------------------------------------------------------------------------
+
 
 def test_journal_cuts_torn_tail_and_ignores_other_parameters(tmp_path: Path) -> None:
     path = tmp_path / "shard-00000.journal.jsonl"
@@ -83,27 +97,63 @@ def test_journal_corruption_before_the_last_line_names_file_and_line(tmp_path: P
 # ---- backends: recorded shapes -------------------------------------------------------------------
 
 OPENROUTER_RESPONSE = {
-    "id": "gen-1733-abc", "provider": "Chutes", "model": MODEL, "object": "chat.completion",
-    "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop", "logprobs": None,
-                 "message": {"role": "assistant", "content": "The answer is 4.", "refusal": None,
-                             "reasoning": "2 plus 2 is 4.", "reasoning_details": [
-                                 {"type": "reasoning.text", "text": "2 plus 2 is 4.", "format": "unknown", "index": 0}]}}],
-    "usage": {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21, "cost": 2.7e-05,
-              "is_byok": False, "completion_tokens_details": {"reasoning_tokens": 6}},
+    "id": "gen-1733-abc",
+    "provider": "Chutes",
+    "model": MODEL,
+    "object": "chat.completion",
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "native_finish_reason": "stop",
+            "logprobs": None,
+            "message": {
+                "role": "assistant",
+                "content": "The answer is 4.",
+                "refusal": None,
+                "reasoning": "2 plus 2 is 4.",
+                "reasoning_details": [
+                    {"type": "reasoning.text", "text": "2 plus 2 is 4.", "format": "unknown", "index": 0}
+                ],
+            },
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 12,
+        "completion_tokens": 9,
+        "total_tokens": 21,
+        "cost": 2.7e-05,
+        "is_byok": False,
+        "completion_tokens_details": {"reasoning_tokens": 6},
+    },
 }
 
 SGLANG_CHAT_RESPONSE = {  # OpenAI-compatible server with a reasoning parser (SGLang / vLLM style)
-    "id": "c1", "object": "chat.completion", "model": "m",
-    "choices": [{"index": 0, "finish_reason": "length", "matched_stop": None,
-                 "message": {"role": "assistant", "content": "", "reasoning_content": "long thought",
-                             "tool_calls": None}}],
+    "id": "c1",
+    "object": "chat.completion",
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "length",
+            "matched_stop": None,
+            "message": {"role": "assistant", "content": "", "reasoning_content": "long thought", "tool_calls": None},
+        }
+    ],
     "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
 }
 
 SGLANG_GENERATE_RESPONSE = {  # native /generate, ids given: input_ids in, output_ids out
-    "text": "r</think>c", "output_ids": [11, 12, 7, 13],
-    "meta_info": {"id": "req-1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 6,
-                  "completion_tokens": 5, "cached_tokens": 0, "e2e_latency": 0.1},
+    "text": "r</think>c",
+    "output_ids": [11, 12, 7, 13],
+    "meta_info": {
+        "id": "req-1",
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": 6,
+        "completion_tokens": 5,
+        "cached_tokens": 0,
+        "e2e_latency": 0.1,
+    },
 }
 
 
@@ -130,8 +180,11 @@ def test_parse_openai_compatible_reasoning_content_and_flags() -> None:
 def test_parse_sglang_generate_keeps_exact_ids_and_appends_matched_stop() -> None:
     def split(ids):
         cut = ids.index(7)
-        return {"reasoning": str(ids[:cut]), "content": str(ids[cut + 1:-1]),
-                "finish_reason": "stop" if ids[-1] == 2 else "length"}
+        return {
+            "reasoning": str(ids[:cut]),
+            "content": str(ids[cut + 1 : -1]),
+            "finish_reason": "stop" if ids[-1] == 2 else "length",
+        }
 
     rec = parse_sglang_generate(SGLANG_GENERATE_RESPONSE, split, [2], want_reasoning=True)
     assert rec["output_token_ids"] == [11, 12, 7, 13, 2]  # the matched end-of-turn id is trained on
@@ -152,12 +205,27 @@ def test_parse_sglang_generate_keeps_exact_ids_and_appends_matched_stop() -> Non
         (429, {"error": {"code": 429, "message": "slow down"}}, "3", RetryableError, "429"),
         (502, {"error": {"code": 502, "message": "provider down"}}, None, RetryableError, "5xx"),
         (408, {"error": {"code": 408, "message": "timeout"}}, None, RetryableError, "408"),
-        (402, {"error": {"code": 402, "message": "reserve", "metadata": {"limit_source": "openrouter_in_flight_budget"}}},
-         "1", RetryableError, "402_in_flight"),
-        (402, {"error": {"code": 402, "message": "no credits", "metadata": {"limit_source": "openrouter_credits"}}},
-         None, FatalError, "402_credits"),
-        (503, {"error": {"code": 503, "message": "No endpoints found matching your data policy"}}, None, FatalError,
-         "no_endpoints"),
+        (
+            402,
+            {"error": {"code": 402, "message": "reserve", "metadata": {"limit_source": "openrouter_in_flight_budget"}}},
+            "1",
+            RetryableError,
+            "402_in_flight",
+        ),
+        (
+            402,
+            {"error": {"code": 402, "message": "no credits", "metadata": {"limit_source": "openrouter_credits"}}},
+            None,
+            FatalError,
+            "402_credits",
+        ),
+        (
+            503,
+            {"error": {"code": 503, "message": "No endpoints found matching your data policy"}},
+            None,
+            FatalError,
+            "no_endpoints",
+        ),
         (401, {"error": {"code": 401, "message": "User not found."}}, None, FatalError, "401"),
         (400, {"error": {"code": 400, "message": "max_tokens too large"}}, None, FatalError, "400"),
     ],
@@ -181,8 +249,15 @@ def test_errors_inside_http_200_are_retried() -> None:
 
 # ---- the client against the emulator -------------------------------------------------------------
 
-FAULTS = {"429": 0.05, "429-retry-after": 0.05, "500": 0.025, "503": 0.025, "200-error": 0.02, "torn": 0.01,
-          "reset": 0.01}
+FAULTS = {
+    "429": 0.05,
+    "429-retry-after": 0.05,
+    "500": 0.025,
+    "503": 0.025,
+    "200-error": 0.02,
+    "torn": 0.01,
+    "reset": 0.01,
+}
 
 
 def test_fault_run_5000_samples_complete_without_duplicates_or_losses(tmp_path: Path) -> None:
@@ -191,8 +266,12 @@ def test_fault_run_5000_samples_complete_without_duplicates_or_losses(tmp_path: 
     log = tmp_path / "requests.jsonl"
     emu = EmulatorSettings(faults=FAULTS, retry_after=0.05, request_log=str(log), output_tokens_mean=40)
     with serve_in_thread(emu) as base:
-        summary = run(prompts, out, settings(base), limits=ClientLimits(
-            concurrency=500, backoff_base=0.02, backoff_max=0.2, progress_interval=5))
+        summary = run(
+            prompts,
+            out,
+            settings(base),
+            limits=ClientLimits(concurrency=500, backoff_base=0.02, backoff_max=0.2, progress_interval=5),
+        )
         stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
     records = read_jsonl(out)
     assert [r["id"] for r in records] == [p["id"] for p in prompts]  # 0 lost, in prompt order
@@ -223,8 +302,7 @@ def test_budget_counts_in_flight_requests_and_never_overshoots(tmp_path: Path) -
     prompts = make_prompts(600)
     out = tmp_path / "shard-00000.jsonl"
     log = tmp_path / "requests.jsonl"
-    emu = EmulatorSettings(output_tokens_mean=200, output_tokens_dist="fixed", latency_mean=0.05,
-                           request_log=str(log))
+    emu = EmulatorSettings(output_tokens_mean=200, output_tokens_dist="fixed", latency_mean=0.05, request_log=str(log))
     limits = ClientLimits(concurrency=50, backoff_base=0.02, progress_interval=5)
     per_sample = exact_cost(200)
     budget = 0.05
@@ -265,18 +343,25 @@ def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds
     per_sample = exact_cost(100)
     out = tmp_path / "shard-00000.jsonl"
     readings: list[tuple[float, float, float]] = []
-    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed",
-                                          latency_mean=0.05)) as base:
+    with serve_in_thread(
+        EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", latency_mean=0.05)
+    ) as base:
         s = settings(base)
         # 40 answers billed and never journaled (their client died): same prompts' shape, so the same price.
         for p in make_prompts(40, tag="z"):
             requests.post(f"{base}/chat/completions", json=request_body(s, p["messages"]), timeout=10)
-        watcher = AccountWatcher(f"{base}/key", baseline_usage=0.0, baseline_journal=0.0,
-                                 record=lambda *r: readings.append(r))
+        watcher = AccountWatcher(
+            f"{base}/key", baseline_usage=0.0, baseline_journal=0.0, record=lambda *r: readings.append(r)
+        )
         guard = MoneyGuard(budget_usd=100 * per_sample, expected_cost=per_sample, account=watcher)
         with pytest.raises(RegenerationStopped, match=r"of it lost to interrupted requests"):
-            run(make_prompts(200), out, s, guard=guard,
-                limits=ClientLimits(concurrency=4, progress_interval=0.1, backoff_base=0.01))
+            run(
+                make_prompts(200),
+                out,
+                s,
+                guard=guard,
+                limits=ClientLimits(concurrency=4, progress_interval=0.1, backoff_base=0.01),
+            )
         billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
     # Each poll sees the 40 lost answers, plus at most the 4 of this run billed but not yet journaled.
     assert readings and all(40 * per_sample - 1e-9 <= lost <= 44 * per_sample + 1e-9 for _, _, lost in readings)
@@ -288,8 +373,9 @@ def test_output_token_quota_completes_the_dataset_with_the_samples_that_fit(tmp_
     """A quota is not a stop: the shard is published with what fits (never a token over the quota, even
     with 8 requests in flight), the rest recorded as not requested; a later shard of the dataset is empty."""
     out = tmp_path / "shard-00000.jsonl"
-    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed",
-                                          latency_mean=0.05)) as base:
+    with serve_in_thread(
+        EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", latency_mean=0.05)
+    ) as base:
         guard = MoneyGuard(token_cap=3000, expected_tokens=100)
         summary = run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
         records = read_jsonl(out)
@@ -306,8 +392,12 @@ def test_output_token_quota_completes_the_dataset_with_the_samples_that_fit(tmp_
         # The next shard of the same dataset starts with the quota used up: published empty, nothing requested.
         second = tmp_path / "shard-00001.jsonl"
         before = requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"]
-        run(make_prompts(50, tag="r"), second, settings(base),
-            guard=MoneyGuard(token_cap=3000, tokens_before=3000, expected_tokens=100))
+        run(
+            make_prompts(50, tag="r"),
+            second,
+            settings(base),
+            guard=MoneyGuard(token_cap=3000, tokens_before=3000, expected_tokens=100),
+        )
         assert requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"] == before
     assert second.exists() and second.read_bytes() == b""
     assert read_completion(second)["samples"] == 0 and read_completion(second)["not_requested"] == 50
@@ -321,8 +411,15 @@ def test_output_token_quota_completes_the_dataset_with_the_samples_that_fit(tmp_
 
     shards = [out, second]
     quotas = load_quotas(shards)
-    assert quotas == {tmp_path.parent.name: {"prompts": 150, "samples": 30, "not_requested": 120,
-                                             "max_output_tokens": 3000, "quota_reached": True}}
+    assert quotas == {
+        tmp_path.parent.name: {
+            "prompts": 150,
+            "samples": 30,
+            "not_requested": 120,
+            "max_output_tokens": 3000,
+            "quota_reached": True,
+        }
+    }
     summary = figure_spend(load_responses(shards), tmp_path / "spend.png", quotas)
     assert summary["quotas"] == quotas and (tmp_path / "spend.png").stat().st_size > 0
 
@@ -331,9 +428,15 @@ def test_402_in_flight_is_retried_within_max_attempts_then_reported(tmp_path: Pa
     """A transient in-flight-budget 402 that never clears must end the job, not hang it."""
     out = tmp_path / "shard-00000.jsonl"
     with serve_in_thread(EmulatorSettings(faults={"402-in-flight": 1.0})) as base:
-        coro = regenerate_shard(make_prompts(3), out, settings(base), api_key="k", guard=MoneyGuard(),
-                                limits=ClientLimits(concurrency=3, max_attempts=2, backoff_base=0.01),
-                                log=lambda m: None)
+        coro = regenerate_shard(
+            make_prompts(3),
+            out,
+            settings(base),
+            api_key="k",
+            guard=MoneyGuard(),
+            limits=ClientLimits(concurrency=3, max_attempts=2, backoff_base=0.01),
+            log=lambda m: None,
+        )
         with pytest.raises(RegenerationStopped, match=r"402_in_flight: 3"):
             asyncio.run(asyncio.wait_for(coro, timeout=30))
         stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
@@ -354,8 +457,10 @@ def test_intents_are_journaled_before_each_request(tmp_path: Path) -> None:
     assert not unseen_intents(intents_path(out), read_journal(journal_path(out)))
     # An intent without an answer is a sample that may have been billed unseen.
     with open(intents_path(out), "a") as fh:
-        fh.write(json.dumps({"format": "aerie.request-intent/1", "id": "d/999", "t": 0, "params_hash": "x",
-                             "attempt": 1}) + "\n")
+        fh.write(
+            json.dumps({"format": "aerie.request-intent/1", "id": "d/999", "t": 0, "params_hash": "x", "attempt": 1})
+            + "\n"
+        )
     assert unseen_intents(intents_path(out), read_journal(journal_path(out))) == {"d/999"}
 
 
@@ -386,8 +491,13 @@ def test_fatal_errors_stop_with_the_server_message_and_keep_finished_work(tmp_pa
     key = client_kw.pop("key", "sk-right")
     with serve_in_thread(EmulatorSettings(output_tokens_mean=300, **emu_kw)) as base:
         with pytest.raises(RegenerationStopped, match=message):
-            run(make_prompts(200), out, settings(base, **client_kw), key=key,
-                limits=ClientLimits(concurrency=8, backoff_base=0.01))
+            run(
+                make_prompts(200),
+                out,
+                settings(base, **client_kw),
+                key=key,
+                limits=ClientLimits(concurrency=8, backoff_base=0.01),
+            )
     assert not out.exists()
     finished = read_journal(journal_path(out)).finished
     if "credits" in emu_kw:
@@ -402,8 +512,12 @@ def test_retry_after_is_honoured(tmp_path: Path) -> None:
     with serve_in_thread(EmulatorSettings(faults={"429-retry-after": 1.0}, retry_after=0.4)) as base:
         t0 = time.monotonic()
         with pytest.raises(RegenerationStopped):
-            run(make_prompts(1), out, settings(base), limits=ClientLimits(concurrency=1, max_attempts=3,
-                                                                           backoff_base=0.0))
+            run(
+                make_prompts(1),
+                out,
+                settings(base),
+                limits=ClientLimits(concurrency=1, max_attempts=3, backoff_base=0.0),
+            )
         elapsed = time.monotonic() - t0
     assert elapsed >= 0.8  # two waits of Retry-After 0.4 s, although the backoff base is 0
 
@@ -421,9 +535,18 @@ def test_sglang_native_backend_sends_ids_and_keeps_exact_output_ids(tmp_path: Pa
         seen.append(body)
         ids = body["input_ids"]
         # The "model" echoes the prompt's last id as reasoning, then </think> (7), content, and stops on 2.
-        return web.json_response({"text": "...", "output_ids": [ids[-1], 7, 40, 41],
-                                  "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 2},
-                                                "prompt_tokens": len(ids), "completion_tokens": 5}})
+        return web.json_response(
+            {
+                "text": "...",
+                "output_ids": [ids[-1], 7, 40, 41],
+                "meta_info": {
+                    "id": "r",
+                    "finish_reason": {"type": "stop", "matched": 2},
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": 5,
+                },
+            }
+        )
 
     loop = asyncio.new_event_loop()
     app = web.Application()
@@ -436,12 +559,13 @@ def test_sglang_native_backend_sends_ids_and_keeps_exact_output_ids(tmp_path: Pa
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
+
         def render(messages, tools=None):
             return [1, 100 + len(messages[0]["content"])]
 
         def split(ids):
             cut = ids.index(7)
-            return {"reasoning": f"r{ids[:cut]}", "content": f"c{ids[cut + 1:-1]}", "finish_reason": "stop"}
+            return {"reasoning": f"r{ids[:cut]}", "content": f"c{ids[cut + 1 : -1]}", "finish_reason": "stop"}
 
         out = tmp_path / "shard-00000.jsonl"
         s = BackendSettings("sglang", "kimi", f"http://127.0.0.1:{port}", 0.0, 1.0, 64)
@@ -461,14 +585,22 @@ def test_sglang_native_backend_sends_ids_and_keeps_exact_output_ids(tmp_path: Pa
 def test_samples_failing_every_attempt_leave_the_shard_unpublished_with_a_clear_message(tmp_path: Path) -> None:
     out = tmp_path / "shard-00000.jsonl"
     with serve_in_thread(EmulatorSettings(faults={"500": 1.0})) as base:
-        with pytest.raises(RegenerationStopped, match=r"5 samples have no response after responses.max_attempts "
-                                                      r"attempts \(5xx: 5\); rerun to retry only them"):
-            run(make_prompts(5), out, settings(base), limits=ClientLimits(concurrency=5, max_attempts=2,
-                                                                          backoff_base=0.01))
+        with pytest.raises(
+            RegenerationStopped,
+            match=r"5 samples have no response after responses.max_attempts "
+            r"attempts \(5xx: 5\); rerun to retry only them",
+        ):
+            run(
+                make_prompts(5),
+                out,
+                settings(base),
+                limits=ClientLimits(concurrency=5, max_attempts=2, backoff_base=0.01),
+            )
     assert not out.exists() and not read_journal(journal_path(out)).finished
 
 
 # ---- TLS -------------------------------------------------------------------------------------------
+
 
 def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
     """HTTPS with a self-signed certificate: trusted when named in ca_bundle; otherwise the job stops at once
@@ -482,9 +614,30 @@ def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (makes the test certificate)")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     with serve_in_thread(EmulatorSettings(), ssl_context=server_tls_context(str(cert), str(key))) as base:
         assert base.startswith("https://")
         trusted = tmp_path / "ok" / "shard-00000.jsonl"
@@ -493,7 +646,11 @@ def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
         untrusted = tmp_path / "no" / "shard-00000.jsonl"
         t0 = time.monotonic()
         with pytest.raises(RegenerationStopped, match="responses.ca_bundle"):
-            run(make_prompts(5), untrusted, settings(base),
-                limits=ClientLimits(concurrency=2, max_attempts=8, backoff_base=2.0, backoff_max=30.0))
+            run(
+                make_prompts(5),
+                untrusted,
+                settings(base),
+                limits=ClientLimits(concurrency=2, max_attempts=8, backoff_base=2.0, backoff_max=30.0),
+            )
         assert time.monotonic() - t0 < 10  # retried, it would back off 2 + 4 + 8 + ... seconds first
         assert not untrusted.exists()

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import requests
 import yaml
+from conftest import REPO, snakemake
 
 from aerie.api.emulator import EmulatorSettings, serve_in_thread
 from aerie.api.journal import journal_path, read_journal
 from aerie.artifacts import read_jsonl
-from conftest import REPO, snakemake
 
 SECRET = "sk-or-v1-aerie-test-SECRET-7f3a9c"  # must never land on disk
 
@@ -26,26 +26,64 @@ SECRET = "sk-or-v1-aerie-test-SECRET-7f3a9c"  # must never land on disk
 def api_config(workdir: Path, base_url: str, n_prompts: int, **responses) -> Path:
     """The demo config with one jsonl dataset regenerated through 'OpenRouter' (the emulator)."""
     src = workdir / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?"}) + "\n"
-                           for i in range(n_prompts + 1)))
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"Question {i}: what is {i} + {i}?"}) + "\n"
+            for i in range(n_prompts + 1)
+        )
+    )
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["datasets"] = {"chat": {"source": {"kind": "jsonl", "path": str(src), "id_field": "id"},
-                                   "shard_size": n_prompts, "bench_prompts": 1}}
-    config["responses"] = {"backend": "openrouter", "model": "moonshotai/kimi-k2.5", "base_url": base_url,
-                           "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 256, "concurrency": 100,
-                           "provider": {"sort": "price", "quantizations": ["int4"]}, "reasoning": {"enabled": True},
-                           "backoff_base_s": 0.05, "backoff_max_s": 0.5, "progress_interval_s": 1,
-                           "expected_output_tokens": 100, **responses}
+    config["datasets"] = {
+        "chat": {
+            "source": {"kind": "jsonl", "path": str(src), "id_field": "id"},
+            "shard_size": n_prompts,
+            "bench_prompts": 1,
+        }
+    }
+    config["responses"] = {
+        "backend": "openrouter",
+        "model": "moonshotai/kimi-k2.5",
+        "base_url": base_url,
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "max_new_tokens": 256,
+        "concurrency": 100,
+        "provider": {"sort": "price", "quantizations": ["int4"]},
+        "reasoning": {"enabled": True},
+        "backoff_base_s": 0.05,
+        "backoff_max_s": 0.5,
+        "progress_interval_s": 1,
+        "expected_output_tokens": 100,
+        **responses,
+    }
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
 def start(workdir: Path, cfg: Path, *targets: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-           "--cores", "1", *targets, "--configfile", str(cfg)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OPENROUTER_API_KEY": SECRET})
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "1",
+        *targets,
+        "--configfile",
+        str(cfg),
+    ]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OPENROUTER_API_KEY": SECRET},
+    )
 
 
 def test_kill_9_three_times_then_rerun_never_requests_a_finished_sample_again(workdir: Path) -> None:
@@ -53,8 +91,15 @@ def test_kill_9_three_times_then_rerun_never_requests_a_finished_sample_again(wo
     shard = "results/chat/responses/shard-00000.jsonl"
     out = workdir / shard
     log = workdir.parent / "emulator-requests.jsonl"
-    emu = EmulatorSettings(api_key=SECRET, latency_mean=0.25, latency_dist="exponential", request_log=str(log),
-                           output_tokens_mean=80, faults={"429-retry-after": 0.03, "500": 0.02}, retry_after=0.1)
+    emu = EmulatorSettings(
+        api_key=SECRET,
+        latency_mean=0.25,
+        latency_dist="exponential",
+        request_log=str(log),
+        output_tokens_mean=80,
+        faults={"429-retry-after": 0.03, "500": 0.02},
+        retry_after=0.1,
+    )
     rng = random.Random(20261201)
     kills: list[tuple[float, set[str]]] = []
     with serve_in_thread(emu) as base:
@@ -87,8 +132,11 @@ def test_kill_9_three_times_then_rerun_never_requests_a_finished_sample_again(wo
     assert len(by_hash) == n
     requests_log = [json.loads(line) for line in log.read_text().splitlines()]
     for t_kill, finished in kills:
-        again = [by_hash[x["messages_sha256"]] for x in requests_log
-                 if x["t"] > t_kill and by_hash.get(x["messages_sha256"]) in finished]
+        again = [
+            by_hash[x["messages_sha256"]]
+            for x in requests_log
+            if x["t"] > t_kill and by_hash.get(x["messages_sha256"]) in finished
+        ]
         assert not again, f"{len(again)} samples finished before a kill were requested again: {again[:5]}"
     ok = [x["messages_sha256"] for x in requests_log if x["outcome"] == "ok"]
     # Only requests in flight at a kill may have been answered twice (paid, then lost with the process).
@@ -118,7 +166,11 @@ def test_dry_run_previews_cost_and_a_real_run_refuses_over_budget(workdir: Path)
         cfg = api_config(workdir, base, 400, budget_usd=0.02)
         env_run = lambda *a: subprocess.run(  # noqa: E731
             [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *a],
-            capture_output=True, text=True, timeout=300, env={**os.environ, "OPENROUTER_API_KEY": SECRET})
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OPENROUTER_API_KEY": SECRET},
+        )
         dry = env_run("-n", "results/chat/responses/shard-00000.jsonl", "--configfile", str(cfg))
         text = dry.stdout + dry.stderr
         assert dry.returncode == 0, text
@@ -133,8 +185,15 @@ def test_dry_run_previews_cost_and_a_real_run_refuses_over_budget(workdir: Path)
         assert "only $0.02 of responses.budget_usd $0.02 remains" in real.stdout + real.stderr
         assert requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"] == 0  # nothing spent
         # The user overrides: the run goes until the budget stops it, keeping what finished.
-        over = env_run("--cores", "1", "results/chat/responses/shard-00000.jsonl", "--configfile", str(cfg),
-                       "--config", "allow_over_budget=True")
+        over = env_run(
+            "--cores",
+            "1",
+            "results/chat/responses/shard-00000.jsonl",
+            "--configfile",
+            str(cfg),
+            "--config",
+            "allow_over_budget=True",
+        )
         assert over.returncode != 0
         assert "budget: $0.0" in over.stdout + over.stderr
         finished = read_journal(journal_path(workdir / "results/chat/responses/shard-00000.jsonl")).finished
@@ -157,11 +216,13 @@ def test_kill_9_at_peak_in_flight_then_the_lost_spend_counts_against_the_budget(
     its own in-flight windows (concurrency x the per-sample cost)."""
     n, shard = 3000, "results/chat/responses/shard-00000.jsonl"
     out = workdir / shard
-    emu = EmulatorSettings(api_key=SECRET, latency_mean=1.0, latency_dist="fixed", output_tokens_mean=100,
-                           output_tokens_dist="fixed")
+    emu = EmulatorSettings(
+        api_key=SECRET, latency_mean=1.0, latency_dist="fixed", output_tokens_mean=100, output_tokens_dist="fixed"
+    )
     per_sample = 7 * 0.45e-6 + 100 * 1.9e-6  # 7 prompt words, 100 output tokens, at Chutes' prices
     auth = {"Authorization": f"Bearer {SECRET}"}
     with serve_in_thread(emu) as base:
+
         def stats() -> dict:
             return requests.get(f"{base}/emulator/stats", timeout=5).json()
 
@@ -190,18 +251,25 @@ def test_kill_9_at_peak_in_flight_then_the_lost_spend_counts_against_the_budget(
         cfg = api_config(workdir, base, n, concurrency=20, budget_usd=budget)
         env = {**os.environ, "OPENROUTER_API_KEY": SECRET}
         sm = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir)]
-        dry = subprocess.run([*sm, "-n", shard, "--configfile", str(cfg)], capture_output=True, text=True,
-                             timeout=300, env=env)
+        dry = subprocess.run(
+            [*sm, "-n", shard, "--configfile", str(cfg)], capture_output=True, text=True, timeout=300, env=env
+        )
         text = dry.stdout + dry.stderr
         assert dry.returncode == 0, text
         shown = re.search(r"spent: \$([\d.]+) journaled \+ \$([\d.]+) lost to interrupted requests", text)
         assert shown and abs(float(shown.group(2)) - lost) < 0.006, text
         assert "OVER BUDGET" in text
-        refused = subprocess.run([*sm, "--cores", "1", shard, "--configfile", str(cfg)], capture_output=True,
-                                 text=True, timeout=300, env=env)
+        refused = subprocess.run(
+            [*sm, "--cores", "1", shard, "--configfile", str(cfg)], capture_output=True, text=True, timeout=300, env=env
+        )
         assert refused.returncode != 0 and "lost to interrupted requests" in refused.stdout + refused.stderr
-        forced = subprocess.run([*sm, "--cores", "1", shard, "--configfile", str(cfg), "--config",
-                                 "allow_over_budget=True"], capture_output=True, text=True, timeout=300, env=env)
+        forced = subprocess.run(
+            [*sm, "--cores", "1", shard, "--configfile", str(cfg), "--config", "allow_over_budget=True"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         log = forced.stdout + forced.stderr
         assert forced.returncode != 0 and "lost to interrupted requests" in log, log
         final = requests.get(f"{base}/key", headers=auth, timeout=5).json()["data"]["usage"]
@@ -224,20 +292,30 @@ def test_quota_reached_through_snakemake_completes_the_shard_and_a_raised_quota_
         config = yaml.safe_load(cfg.read_text())
         config["datasets"]["chat"]["max_output_tokens"] = 2000
         cfg.write_text(yaml.safe_dump(config))
-        first = subprocess.run([*sm, "--cores", "1", shard, "--configfile", str(cfg)], capture_output=True,
-                               text=True, timeout=300, env=env)
+        first = subprocess.run(
+            [*sm, "--cores", "1", shard, "--configfile", str(cfg)], capture_output=True, text=True, timeout=300, env=env
+        )
         assert first.returncode == 0, first.stdout + first.stderr
         assert len(read_jsonl(workdir / shard)) == 20
         completion = json.loads((workdir / "results/chat/responses/shard-00000.completion.json").read_text())
-        assert (completion["samples"], completion["not_requested"], completion["reason"]) == (20, 30,
-                                                                                               "max_output_tokens")
+        assert (completion["samples"], completion["not_requested"], completion["reason"]) == (
+            20,
+            30,
+            "max_output_tokens",
+        )
         config["datasets"]["chat"]["max_output_tokens"] = 4000
         cfg.write_text(yaml.safe_dump(config))
-        dry = subprocess.run([*sm, "-n", shard, "--configfile", str(cfg)], capture_output=True, text=True,
-                             timeout=300, env=env)
+        dry = subprocess.run(
+            [*sm, "-n", shard, "--configfile", str(cfg)], capture_output=True, text=True, timeout=300, env=env
+        )
         assert f"`snakemake --forcerun {shard}`" in dry.stdout + dry.stderr
-        more = subprocess.run([*sm, "--cores", "1", "--forcerun", shard, "--configfile", str(cfg), "--", shard],
-                              capture_output=True, text=True, timeout=300, env=env)
+        more = subprocess.run(
+            [*sm, "--cores", "1", "--forcerun", shard, "--configfile", str(cfg), "--", shard],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert more.returncode == 0, more.stdout + more.stderr
         assert requests.get(f"{base}/emulator/stats", timeout=5).json()["requests"] == 40  # 20 + 20, none twice
     assert len(read_jsonl(workdir / shard)) == 40

@@ -31,7 +31,10 @@ def _runtime_nodes(tree: ast.AST):
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+            if (
+                isinstance(child, ast.If)
+                and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING"
+            ):
                 stack.extend(child.orelse)
                 continue
             stack.append(child)
@@ -64,8 +67,12 @@ def layer(module: str) -> int:
 
 
 def test_lower_layers_never_import_higher_ones() -> None:
-    wrong = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
-             for m, deps in import_graph().items() for d in deps if layer(d) > layer(m)]
+    wrong = [
+        f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+        for m, deps in import_graph().items()
+        for d in deps
+        if layer(d) > layer(m)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -80,7 +87,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if dep.startswith(node + ".") or node.startswith(dep + "."):
                 continue  # a package and its own submodules
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (cycle := visit(dep)):
                 return cycle
         stack.pop()
@@ -104,13 +111,23 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 # What Snakemake imports while it reads the workflow (rules/common.smk, the dry-run previews).
-PARSE_TIME = ["aerie.plan", "aerie.config_file", "aerie.disk", "aerie.api.shard", "aerie.prompts", "aerie.target.config",
-              "aerie.drafter.config", "aerie.demo_target.config"]
+PARSE_TIME = [
+    "aerie.plan",
+    "aerie.config_file",
+    "aerie.disk",
+    "aerie.api.shard",
+    "aerie.prompts",
+    "aerie.target.config",
+    "aerie.drafter.config",
+    "aerie.demo_target.config",
+]
 
 
 def test_parse_time_imports_neither_torch_nor_transformers() -> None:
-    code = (f"import sys\nfor m in {PARSE_TIME!r}: __import__(m)\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    code = (
+        f"import sys\nfor m in {PARSE_TIME!r}: __import__(m)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", f"parse-time modules import {proc.stdout.strip()}"

@@ -23,13 +23,23 @@ def test_loops_and_repetition_are_flagged_but_ordinary_text_is_not() -> None:
 def report(speedup=1.3, acc=2.9, refs=(1.0, 1.2), lossless=True, sim=2.95) -> dict:
     """The fields of an aerie.bench report the gate reads; the verdict on the references is the production
     function's (beats_references), never re-derived here."""
-    methods = {"eagle3": {"acceptance_length": acc}, "untrained": {"acceptance_length": refs[0]},
-               "ngram": {"acceptance_length": refs[1]}}
-    return {"speedup": speedup, "speedup_median_paired": speedup, "baseline": {"tokens_per_s": 100.0},
-            "speculative": {"tokens_per_s": 100.0 * speedup},
-            "lossless": lossless, "methods": methods, "acceptance_length": acc,
-            "beats_references": beats_references(acc, {"untrained": refs[0], "ngram": refs[1]}),
-            "simulated_acceptance_length": sim, "simulated_vs_measured": abs(sim - acc) / acc}
+    methods = {
+        "eagle3": {"acceptance_length": acc},
+        "untrained": {"acceptance_length": refs[0]},
+        "ngram": {"acceptance_length": refs[1]},
+    }
+    return {
+        "speedup": speedup,
+        "speedup_median_paired": speedup,
+        "baseline": {"tokens_per_s": 100.0},
+        "speculative": {"tokens_per_s": 100.0 * speedup},
+        "lossless": lossless,
+        "methods": methods,
+        "acceptance_length": acc,
+        "beats_references": beats_references(acc, {"untrained": refs[0], "ngram": refs[1]}),
+        "simulated_acceptance_length": sim,
+        "simulated_vs_measured": abs(sim - acc) / acc,
+    }
 
 
 def test_gate_passes_a_drafter_that_pays_off() -> None:
@@ -49,11 +59,14 @@ def test_gate_uses_the_lower_of_pooled_and_median_paired_speedup() -> None:
     assert "speedup 0.970x is below" in msg and "pooled 2.100x, median paired 0.970x" in msg
 
 
-@pytest.mark.parametrize(("kw", "gate", "needle"), [
-    ({"refs": (1.0, 3.1)}, Gate(), "does not beat the reference drafters untrained 1.00, ngram 3.10"),
-    ({"lossless": False}, Gate(), "differs from greedy"),
-    ({"sim": 3.5}, Gate(max_simulated_gap=0.1), "differ by 21%"),
-])
+@pytest.mark.parametrize(
+    ("kw", "gate", "needle"),
+    [
+        ({"refs": (1.0, 3.1)}, Gate(), "does not beat the reference drafters untrained 1.00, ngram 3.10"),
+        ({"lossless": False}, Gate(), "differs from greedy"),
+        ({"sim": 3.5}, Gate(max_simulated_gap=0.1), "differ by 21%"),
+    ],
+)
 def test_gate_names_each_failure(kw, gate, needle) -> None:
     failures = gate_failures(report(**kw), gate)
     assert any(needle in f for f in failures), failures
@@ -89,10 +102,23 @@ def test_gate_decides_from_the_measured_figures_not_a_stale_verdict() -> None:
 def test_benchmark_plot_is_written(tmp_path: Path) -> None:
     from aerie.bench.plots import plot_benchmark
 
-    rep = {"methods": {m: {"acceptance_per_position": [0.8, 0.6, 0.5], "acceptance_length": 2.9,
-                           "tokens_per_s": 130.0, "speedup": 1.3} for m in ("eagle3", "ngram")},
-           "num_draft_steps": 3, "baseline": {"tokens_per_s": 100.0}, "simulated_acceptance_length": 2.9,
-           "acceptance_length": 2.9, "device": "cpu", "prompts": 24}
+    rep = {
+        "methods": {
+            m: {
+                "acceptance_per_position": [0.8, 0.6, 0.5],
+                "acceptance_length": 2.9,
+                "tokens_per_s": 130.0,
+                "speedup": 1.3,
+            }
+            for m in ("eagle3", "ngram")
+        },
+        "num_draft_steps": 3,
+        "baseline": {"tokens_per_s": 100.0},
+        "simulated_acceptance_length": 2.9,
+        "acceptance_length": 2.9,
+        "device": "cpu",
+        "prompts": 24,
+    }
     plot_benchmark(rep, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -100,7 +126,15 @@ def test_benchmark_plot_is_written(tmp_path: Path) -> None:
 def test_sglang_plot_has_tok_s_per_concurrency(tmp_path: Path) -> None:
     from aerie.bench.plots import plot_sglang_benchmark
 
-    rows = [{"set": s, "concurrency": c, "baseline": {"output_tokens_per_s": 90.0 * c},
-             "eagle3": {"output_tokens_per_s": 120.0 * c}} for s in ("mtbench", "gsm8k") for c in (1, 8, 32)]
+    rows = [
+        {
+            "set": s,
+            "concurrency": c,
+            "baseline": {"output_tokens_per_s": 90.0 * c},
+            "eagle3": {"output_tokens_per_s": 120.0 * c},
+        }
+        for s in ("mtbench", "gsm8k")
+        for c in (1, 8, 32)
+    ]
     plot_sglang_benchmark({"rows": rows}, tmp_path / "s.png")
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -127,8 +127,13 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
             path.write_text("".join(gsm8k.read_text().splitlines(keepends=True)[:50]))
             ds["source"] = {"kind": "jsonl", "path": str(path), "text_field": "question"}
         else:
-            path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{name} question {i}"}],
-                                                "id": f"{name}-{i}"}) + "\n" for i in range(5)))
+            path.write_text(
+                "".join(
+                    json.dumps({"messages": [{"role": "user", "content": f"{name} question {i}"}], "id": f"{name}-{i}"})
+                    + "\n"
+                    for i in range(5)
+                )
+            )
             ds["source"] = {"kind": "jsonl", "path": str(path), "messages_field": "messages", "id_field": "id"}
     # Stand-in files are tiny: shrink shards so every dataset still has several.
     for ds in config["datasets"].values():
@@ -171,14 +176,16 @@ def dry_run_text(workdir: Path, *texts: str, extra: tuple[str, ...] = ()) -> tup
 def test_every_kind_of_bad_setting_names_key_path_file_and_line(workdir: Path) -> None:
     """A number YAML 1.1 reads as text, a word for a number, an unknown key, a value out of range, a float for an
     integer, a bad demo-target setting: all reported in one dry run, each with its key path and file:line."""
-    text = demo_text_with({
-        "  learning_rate: 0.001 ": "  learning_rate: 1e-4 ",
-        "  ttt_steps: 3 ": "  ttt_steps: three ",
-        "  batch_size: 24\n": "  batch_size: 24\n  temprature: 0.3\n",
-        "  demo: {}": "  demo: {hidden_size: 0, vocab_sise: 512}",
-        "  batch_tokens: 8192\n": "  batch_tokens: 8192.0\n",
-        "    min_speedup: 1.0 ": "    min_speedup: -1 ",
-    })
+    text = demo_text_with(
+        {
+            "  learning_rate: 0.001 ": "  learning_rate: 1e-4 ",
+            "  ttt_steps: 3 ": "  ttt_steps: three ",
+            "  batch_size: 24\n": "  batch_size: 24\n  temprature: 0.3\n",
+            "  demo: {}": "  demo: {hidden_size: 0, vocab_sise: 512}",
+            "  batch_tokens: 8192\n": "  batch_tokens: 8192.0\n",
+            "    min_speedup: 1.0 ": "    min_speedup: -1 ",
+        }
+    )
     rc, out, (cfg,) = dry_run_text(workdir, text)
     assert rc != 0
     expected = [
@@ -215,8 +222,7 @@ def test_duplicate_section_is_refused_too(workdir: Path) -> None:
 def test_the_file_that_set_the_value_is_named_and_command_line_values_too(workdir: Path) -> None:
     """With two config files the later one's value counts, so its line is named; a --config value is named as such."""
     override = "drafter:\n  learning_rate: 0.001\n  epochs: 2\n  eval_fraction: 1.5\n"
-    rc, out, (base, second) = dry_run_text(workdir, demo_text_with({}), override,
-                                           extra=("--config", "run=bad/name"))
+    rc, out, (base, second) = dry_run_text(workdir, demo_text_with({}), override, extra=("--config", "run=bad/name"))
     assert rc != 0
     assert f"{second}:4: drafter.eval_fraction: 1.5 is out of range: must be < 1" in out, out
     assert "run (set with --config run=...): 'bad/name' does not match" in out, out
@@ -363,15 +369,18 @@ def test_config_sources_name_the_line_of_the_value_that_counts(tmp_path: Path) -
         ConfigSources.read([nested])
 
 
-@pytest.mark.parametrize(("value", "types", "needle"), [
-    ("1e-4", "number", "Write 1.0e-4 or 0.0001"),
-    ("5e3", "number", "Write 5.0e+3 or 5000"),  # YAML 1.1 also wants the exponent's sign
-    ("1e4", "integer", "Write 10000"),  # an integer setting gets the integer
-    ("0.5", "number", "write it without quotes"),  # quoted in the file
-    ("many", "integer", "expected an integer, got the text 'many'"),
-    (2.0, "integer", "2.0 is not an integer"),
-    (True, "number", "expected a number, got true/false"),
-])
+@pytest.mark.parametrize(
+    ("value", "types", "needle"),
+    [
+        ("1e-4", "number", "Write 1.0e-4 or 0.0001"),
+        ("5e3", "number", "Write 5.0e+3 or 5000"),  # YAML 1.1 also wants the exponent's sign
+        ("1e4", "integer", "Write 10000"),  # an integer setting gets the integer
+        ("0.5", "number", "write it without quotes"),  # quoted in the file
+        ("many", "integer", "expected an integer, got the text 'many'"),
+        (2.0, "integer", "2.0 is not an integer"),
+        (True, "number", "expected a number, got true/false"),
+    ],
+)
 def test_type_errors_say_what_to_write(value, types, needle) -> None:
     from aerie.config_file import schema_errors
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from aerie.disk import bytes_per_token
 from conftest import snakemake
+
+from aerie.disk import bytes_per_token
 
 
 def test_demo_dry_run_previews_hidden_disk(workdir: Path) -> None:

@@ -18,8 +18,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from aerie.capture import AuxHiddenCapture
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import load_batch, make_windows
-from aerie.drafter.loop import train_drafter
 from aerie.drafter.layers import DrafterKVCache, TTTCache
+from aerie.drafter.loop import train_drafter
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.ttt import ttt_unroll
 from aerie.formats.hidden import HiddenShard

@@ -25,9 +25,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from aerie.bench.speculative import greedy_generate, speculative_generate
 from aerie.capture import AuxHiddenCapture
 from aerie.drafter.config import TrainConfig
+from aerie.drafter.layers import DrafterKVCache
 from aerie.drafter.loop import train_drafter
 from aerie.drafter.mla_layer import MLAAttention, mla_softmax_scale
-from aerie.drafter.layers import DrafterKVCache
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.ttt import ttt_unroll
 

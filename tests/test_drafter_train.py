@@ -20,31 +20,49 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Window, epoch_batches
 from aerie.drafter.distributed import processes_for, shard_for_rank, torchrun_command
 from aerie.drafter.loop import build_drafter, train_drafter
+from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.state import train_state_dir
 from aerie.formats.vocab import load_draft_vocab
 from aerie.target.heads import read_target_heads
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 
 TARGET = dict(
-    vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.1,
+    vocab_size=160,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    initializer_range=0.1,
 )
 AUX = [0, 1, 2]
 DRAFT_VOCAB = 64
 NUM_SEQS, SEQ_LEN, PROMPT_LEN = 40, 20, 6
 
 # 40 sequences, 20% held out -> ~4 batches of 8 per epoch; checkpoint every 3 steps lands mid-epoch
-CFG = dict(ttt_steps=3, epochs=3, learning_rate=3e-3, warmup_ratio=0.1, batch_size=8, max_seq_len=16,
-           eval_fraction=0.2, seed=0, threads=1, log_every=1, checkpoint_every=3, grad_clip=1.0)
+CFG = dict(
+    ttt_steps=3,
+    epochs=3,
+    learning_rate=3e-3,
+    warmup_ratio=0.1,
+    batch_size=8,
+    max_seq_len=16,
+    eval_fraction=0.2,
+    seed=0,
+    threads=1,
+    log_every=1,
+    checkpoint_every=3,
+    grad_clip=1.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +93,13 @@ def data(tmp_path_factory) -> dict:
             },
             str(path),
             metadata={
-                "format": "aerie.hidden/1", "aux_layer_ids": json.dumps(AUX), "hidden_size": str(TARGET["hidden_size"]),
-                "vocab_size": str(TARGET["vocab_size"]), "num_hidden_layers": str(TARGET["num_hidden_layers"]),
-                "target": str(target_dir), "sample_ids": json.dumps([f"toy/{i}" for i in rows]),
+                "format": "aerie.hidden/1",
+                "aux_layer_ids": json.dumps(AUX),
+                "hidden_size": str(TARGET["hidden_size"]),
+                "vocab_size": str(TARGET["vocab_size"]),
+                "num_hidden_layers": str(TARGET["num_hidden_layers"]),
+                "target": str(target_dir),
+                "sample_ids": json.dumps([f"toy/{i}" for i in rows]),
             },
         )
         shards.append(path)
@@ -85,7 +107,11 @@ def data(tmp_path_factory) -> dict:
     t2d[torch.randperm(TARGET["vocab_size"], generator=torch.Generator().manual_seed(2))[:DRAFT_VOCAB]] = True
     draft_ids = t2d.nonzero().flatten()
     vocab = root / "draft_vocab.safetensors"
-    save_file({"d2t": draft_ids - torch.arange(DRAFT_VOCAB), "t2d": t2d}, str(vocab), metadata={"format": "aerie.draft-vocab/1"})
+    save_file(
+        {"d2t": draft_ids - torch.arange(DRAFT_VOCAB), "t2d": t2d},
+        str(vocab),
+        metadata={"format": "aerie.draft-vocab/1"},
+    )
     return {"root": root, "target": target, "target_dir": target_dir, "shards": shards, "vocab": vocab}
 
 
@@ -103,6 +129,7 @@ def _kill_after(n: int):
     def on_step(step: int) -> None:
         if step == n:
             raise Killed(step)
+
     return on_step
 
 
@@ -211,8 +238,21 @@ def test_killed_process_resumes(data, uninterrupted, tmp_path):
     out = tmp_path / "d"
     state = train_state_dir(out) / "state.pt"
     cfg = TrainConfig(**{**CFG, "checkpoint_every": 1})
-    cmd = [sys.executable, "-m", "aerie.drafter.cli", "--hidden", *map(str, data["shards"]), "--vocab", str(data["vocab"]),
-           "--target", str(data["target_dir"]), "--out", str(out), "--config", json.dumps({**CFG, "checkpoint_every": 1})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aerie.drafter.cli",
+        "--hidden",
+        *map(str, data["shards"]),
+        "--vocab",
+        str(data["vocab"]),
+        "--target",
+        str(data["target_dir"]),
+        "--out",
+        str(out),
+        "--config",
+        json.dumps({**CFG, "checkpoint_every": 1}),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
@@ -247,7 +287,11 @@ def test_best_and_last_checkpoints(uninterrupted):
     accs = [e["simulated_acceptance_length"] for e in epochs]
     assert on_disk["best_epoch"] == 1 + accs.index(max(accs))  # first epoch reaching the maximum
     best = epochs[on_disk["best_epoch"] - 1]
-    assert on_disk["simulated_acceptance_length"] == best["simulated_acceptance_length"] == result["simulated_acceptance_length"]
+    assert (
+        on_disk["simulated_acceptance_length"]
+        == best["simulated_acceptance_length"]
+        == result["simulated_acceptance_length"]
+    )
     assert on_disk["acceptance_per_position"] == best["acceptance_per_position"]
     for key in ("untrained", "heldout_loss", "tokens_trained", "tokens_per_s", "optimizer_steps", "per_epoch"):
         assert key in on_disk
@@ -266,7 +310,12 @@ def test_best_is_the_epoch_with_highest_heldout_acceptance(data, tmp_path, monke
     scripted = iter([1.0, 1.2, 1.5, 1.4])
 
     def fake_evaluate(*args, **kwargs):
-        return {**loop.EMPTY_EVAL, "simulated_acceptance_length": next(scripted), "heldout_loss": 1.0, "heldout_start_positions": 1}
+        return {
+            **loop.EMPTY_EVAL,
+            "simulated_acceptance_length": next(scripted),
+            "heldout_loss": 1.0,
+            "heldout_start_positions": 1,
+        }
 
     monkeypatch.setattr(loop, "evaluate", fake_evaluate)
     result = _train(data, tmp_path / "d")
@@ -294,8 +343,11 @@ def _save_wrapped(model: LlamaForCausalLM, folder: Path) -> None:
     weight_map["vision_tower.patch_embed.weight"] = sorted(set(index["weight_map"].values()))[0]
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     text = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
-                                                    "model_type": "kimi_k25", "text_config": text}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text}
+        )
+    )
 
 
 @pytest.mark.parametrize("layout", ["untied", "tied", "wrapped", "single-file"])
@@ -316,12 +368,19 @@ def test_target_heads_read_only_what_they_need(layout, tmp_path, monkeypatch):
 
     opened = []
     real_safe_open = heads_module.safe_open
-    monkeypatch.setattr(heads_module, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_safe_open(path, **kw))
+    monkeypatch.setattr(
+        heads_module, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_safe_open(path, **kw)
+    )
     heads = read_target_heads(folder)
     prefix = "language_model." if layout == "wrapped" else ""
-    assert heads.names["embed"] == f"{prefix}model.embed_tokens.weight" and heads.names["norm"] == f"{prefix}model.norm.weight"
+    assert (
+        heads.names["embed"] == f"{prefix}model.embed_tokens.weight"
+        and heads.names["norm"] == f"{prefix}model.norm.weight"
+    )
     assert heads.tied == (layout == "tied")
-    assert heads.names["lm_head"] == (f"{prefix}model.embed_tokens.weight" if layout == "tied" else f"{prefix}lm_head.weight")
+    assert heads.names["lm_head"] == (
+        f"{prefix}model.embed_tokens.weight" if layout == "tied" else f"{prefix}lm_head.weight"
+    )
     if layout != "single-file":  # only the shards holding those tensors were opened
         index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
         assert sorted(opened) == sorted({index[n] for n in heads.names.values()})
@@ -368,7 +427,15 @@ def test_shard_for_rank_is_a_padded_partition():
 
 def test_torchrun_command_and_process_count():
     cfg = TrainConfig(epochs=1, threads=2)
-    cmd = torchrun_command(8, [Path("a.safetensors"), Path("b.safetensors")], Path("v"), Path("/models/K"), Path("results/drafter/x"), cfg, python="py")
+    cmd = torchrun_command(
+        8,
+        [Path("a.safetensors"), Path("b.safetensors")],
+        Path("v"),
+        Path("/models/K"),
+        Path("results/drafter/x"),
+        cfg,
+        python="py",
+    )
     assert cmd[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
     assert cmd[5:7] == ["-m", "aerie.drafter.cli"]
     assert cmd[cmd.index("--hidden") + 1 : cmd.index("--vocab")] == ["a.safetensors", "b.safetensors"]
@@ -398,11 +465,20 @@ def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp
     drafter, rank 0 alone logs and writes, and the all-reduced untrained evaluation equals the single-process
     one (same initial weights, held-out set split over the ranks)."""
     out, rule_log = tmp_path / "d", tmp_path / "drafter.log"
-    args = {"hidden": [str(x) for x in data["shards"]], "vocab": str(data["vocab"]), "target": str(data["target_dir"]),
-            "drafter": {**CFG, "epochs": 1}, "out": str(out), "log": str(rule_log), "script": str(REPO / "scripts" / "drafter.py"),
-            "aux_layer_ids": AUX}
+    args = {
+        "hidden": [str(x) for x in data["shards"]],
+        "vocab": str(data["vocab"]),
+        "target": str(data["target_dir"]),
+        "drafter": {**CFG, "epochs": 1},
+        "out": str(out),
+        "log": str(rule_log),
+        "script": str(REPO / "scripts" / "drafter.py"),
+        "aux_layer_ids": AUX,
+    }
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env
+    )
     text = rule_log.read_text() if rule_log.exists() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-3000:]
     assert "torch.distributed.run --standalone --nproc_per_node=2 -m aerie.drafter.cli" in text

@@ -15,10 +15,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-from aerie.api.emulator import (DEFAULT_PROVIDERS, FAULT_KINDS, LISTEN_LINE, EmulatorSettings, parse_faults,
-                                run_in_thread, serve_in_thread)
 from conftest import REPO
+
+from aerie.api.emulator import (
+    DEFAULT_PROVIDERS,
+    FAULT_KINDS,
+    LISTEN_LINE,
+    EmulatorSettings,
+    parse_faults,
+    run_in_thread,
+    serve_in_thread,
+)
 
 PRICES = {p.name: p for p in DEFAULT_PROVIDERS}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers please"}]
@@ -36,8 +43,9 @@ async def _call(url: str, method: str, payload: Any, headers: dict[str, str] | N
             return resp.status, dict(resp.headers), (json.loads(text) if text else None)
 
 
-def call(base: str, path: str, payload: Any = None, headers: dict[str, str] | None = None,
-         timeout: float = 10.0) -> tuple[int, dict[str, str], Any]:
+def call(
+    base: str, path: str, payload: Any = None, headers: dict[str, str] | None = None, timeout: float = 10.0
+) -> tuple[int, dict[str, str], Any]:
     """(status, headers, JSON body) of one request; POST when there is a payload."""
     return asyncio.run(_call(base + path, "POST" if payload is not None else "GET", payload, headers, timeout))
 
@@ -86,19 +94,25 @@ def test_normal_answer_shape_determinism_and_cost() -> None:
 
 
 def test_provider_routing_and_no_endpoints() -> None:
-    cases = [({"only": ["Together"]}, "Together"), ({"ignore": ["chutes", "deepinfra", "together"]}, "Fireworks"),
-             ({"quantizations": ["fp4"]}, "Fireworks"), ({"sort": "price"}, "Chutes"),
-             ({"sort": "price", "ignore": ["chutes"]}, "DeepInfra"), ({"order": ["fireworks", "together"]}, "Fireworks"),
-             ({"only": ["deepinfra/int4"]}, "DeepInfra"),
-             ({"quantizations": ["int4", "fp8"], "max_price": {"completion": 2.0}}, "Chutes")]
+    cases = [
+        ({"only": ["Together"]}, "Together"),
+        ({"ignore": ["chutes", "deepinfra", "together"]}, "Fireworks"),
+        ({"quantizations": ["fp4"]}, "Fireworks"),
+        ({"sort": "price"}, "Chutes"),
+        ({"sort": "price", "ignore": ["chutes"]}, "DeepInfra"),
+        ({"order": ["fireworks", "together"]}, "Fireworks"),
+        ({"only": ["deepinfra/int4"]}, "DeepInfra"),
+        ({"quantizations": ["int4", "fp8"], "max_price": {"completion": 2.0}}, "Chutes"),
+    ]
     with serve_in_thread() as base:
         for prefs, want in cases:
             status, _, out = chat(base, body(provider=prefs))
             assert status == 200 and out["provider"] == want, prefs
             p = PRICES[want]
             u = out["usage"]
-            assert u["cost"] == pytest.approx(u["prompt_tokens"] * p.prompt_price
-                                              + u["completion_tokens"] * p.completion_price)
+            assert u["cost"] == pytest.approx(
+                u["prompt_tokens"] * p.prompt_price + u["completion_tokens"] * p.completion_price
+            )
         for prefs in ({"only": ["baseten"]}, {"quantizations": ["bf16"]}, {"only": ["chutes"], "ignore": ["chutes"]}):
             status, _, out = chat(base, body(provider=prefs))
             assert status == 503 and "No endpoints found" in out["error"]["message"], prefs
@@ -221,9 +235,11 @@ def test_credits_key_limit_and_in_flight_budget() -> None:
 
     async def two_at_once(url: str) -> list[tuple[int, str | None, Any]]:
         async with aiohttp.ClientSession() as session:
+
             async def one():
                 async with session.post(url + "/chat/completions", json=payload) as r:
                     return r.status, r.headers.get("Retry-After"), await r.json()
+
             return await asyncio.gather(one(), one())
 
     with serve_in_thread(settings) as base:
@@ -268,9 +284,28 @@ def test_strict_models() -> None:
 def test_cli_starts_answers_and_stops_on_sigterm(tmp_path) -> None:
     port_file, log = tmp_path / "port", tmp_path / "log.jsonl"
     env = {**os.environ, "AERIE_EMU_KEY": "k-123", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "aerie.api.emulator", "--port", "0", "--port-file", str(port_file),
-                             "--request-log", str(log), "--api-key-env", "AERIE_EMU_KEY", "--faults", "500=0.0"],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "aerie.api.emulator",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--request-log",
+            str(log),
+            "--api-key-env",
+            "AERIE_EMU_KEY",
+            "--faults",
+            "500=0.0",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -278,13 +313,16 @@ def test_cli_starts_answers_and_stops_on_sigterm(tmp_path) -> None:
         line = proc.stdout.readline().strip()
         prefix = LISTEN_LINE.format("")
         assert line.startswith(prefix) and line.endswith("/api/v1"), line
-        url = line[len(prefix):]
+        url = line[len(prefix) :]
         assert url.startswith("http://127.0.0.1:")
         assert port_file.read_text().strip() == url.split(":")[2].split("/")[0]
         with urllib.request.urlopen(url + "/health", timeout=5) as resp:
             assert resp.status == 200
-        req = urllib.request.Request(url + "/chat/completions", data=json.dumps(body()).encode(),
-                                     headers={"Authorization": "Bearer k-123", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/chat/completions",
+            data=json.dumps(body()).encode(),
+            headers={"Authorization": "Bearer k-123", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert json.load(resp)["usage"]["cost"] > 0
         proc.send_signal(signal.SIGTERM)

@@ -45,15 +45,24 @@ def script(name: str) -> Path:
     if found is None or f"{found[1]}:{found[2]}" != SCRIPTS[name]:
         if os.environ.get("CI") == "true":
             raise AssertionError(f"{path} is not installed (pip install -e .), and CI must run every test")
-        pytest.skip(f"{name} is not installed beside {sys.executable} from this pyproject.toml "
-                    f"(pip install -e . installs the console scripts)")
+        pytest.skip(
+            f"{name} is not installed beside {sys.executable} from this pyproject.toml "
+            f"(pip install -e . installs the console scripts)"
+        )
     return path
 
 
-def run(args: list[str], *, env: dict[str, str] | None = None, timeout: int = 300,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+def run(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: int = 300, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def test_pyproject_declares_every_tool() -> None:
@@ -96,8 +105,12 @@ def test_gpu_slots_hands_out_a_device(tmp_path: Path) -> None:
 
 def test_emulator_serves_until_stopped(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([str(script("aerie-emulator")), "--port", "0", "--port-file", str(port_file)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(script("aerie-emulator")), "--port", "0", "--port-file", str(port_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -120,12 +133,28 @@ def test_sglang_capture_check_starts_its_workers(tmp_path: Path) -> None:
     (the README's first GPU step; the whole capture-and-compare run is in test_sglang_capture.py)."""
     target = tmp_path / "t"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"architectures": ["SomeNewForCausalLM"], "vocab_size": 64,
-                                                    "hidden_size": 32, "num_hidden_layers": 6}))
-    r = run([str(script("aerie-sglang-capture")), "check", "--target", str(target), "--layers", "2", "3", "4",
-             "--expect-refusal", "--backend", "test_sglang_capture:FakeDeepseekBackend"],
-            env={"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
-            cwd=tmp_path)
+    (target / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["SomeNewForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 6}
+        )
+    )
+    r = run(
+        [
+            str(script("aerie-sglang-capture")),
+            "check",
+            "--target",
+            str(target),
+            "--layers",
+            "2",
+            "3",
+            "4",
+            "--expect-refusal",
+            "--backend",
+            "test_sglang_capture:FakeDeepseekBackend",
+        ],
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("PASS: refused as expected") and "layer inputs [2, 3, 4]" in r.stdout
 
@@ -153,12 +182,38 @@ def test_sglang_bench_measures_a_fake_sglang(tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     out = tmp_path / "kimi.sglang.json"
     benchmarks = TESTS / "fixtures" / "benchmarks"
-    r = run([exe, "--target", str(target), "--drafter", str(drafter), "--sglang-python", str(python),
-             "--prompt-set", f"mtbench:{benchmarks / 'mt_bench_questions.jsonl'}",
-             "--prompt-set", f"gsm8k:{benchmarks / 'gsm8k_test.head50.jsonl'}", "--prompt-set", "humaneval",
-             "--max-prompts", "2", "--max-new-tokens", "6", "--warmup", "1", "--stop-grace", "0.5",
-             "--server-env", f"FAKE_SGLANG_FIXTURES={FIXTURES}",
-             "--server-env", f"FAKE_SGLANG_STATE={tmp_path / 'state'}", "--out", str(out)], timeout=600)
+    r = run(
+        [
+            exe,
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--sglang-python",
+            str(python),
+            "--prompt-set",
+            f"mtbench:{benchmarks / 'mt_bench_questions.jsonl'}",
+            "--prompt-set",
+            f"gsm8k:{benchmarks / 'gsm8k_test.head50.jsonl'}",
+            "--prompt-set",
+            "humaneval",
+            "--max-prompts",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--warmup",
+            "1",
+            "--stop-grace",
+            "0.5",
+            "--server-env",
+            f"FAKE_SGLANG_FIXTURES={FIXTURES}",
+            "--server-env",
+            f"FAKE_SGLANG_STATE={tmp_path / 'state'}",
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["complete"] and [s["name"] for s in report["prompt_sets"]] == ["mtbench", "gsm8k", "humaneval"]

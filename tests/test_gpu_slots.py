@@ -17,10 +17,10 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from aerie import gpu_slots
 from aerie.gpu_slots import GpuSlotError, acquire_gpus, detect_devices
-from conftest import REPO, snakemake
 
 # One fake GPU job: take `count` GPUs, record what it got and when, hold them `hold` seconds.
 JOB = textwrap.dedent(
@@ -248,8 +248,9 @@ def test_snakemake_jobs_under_a_global_limit(fake_env: dict[str, str], tmp_path:
     for a, b in combinations(jobs.values(), 2):
         if a["start"] < b["end"] and b["start"] < a["end"]:
             assert not set(a["got"]) & set(b["got"]), (a, b)
-    proc = subprocess.run([*cmd, "big/out.json", "--resources", "gpu=2"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [*cmd, "big/out.json", "--resources", "gpu=2"], env=env, capture_output=True, text=True, timeout=120
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     log = (wf / "big" / "out.json.log").read_text()
@@ -262,7 +263,17 @@ def test_run_holds_the_gpus_for_the_command(fake_env: dict[str, str], tmp_path: 
     holds them across exec until it exits."""
     env = {**fake_env, gpu_slots.ENV_FAKE_GPUS: "1"}
     seen = tmp_path / "seen.txt"
-    cmd = [sys.executable, "-m", "aerie.gpu_slots", "run", "1", "--", "sh", "-c", f'echo "$CUDA_VISIBLE_DEVICES" > {seen}; exec sleep 30']
+    cmd = [
+        sys.executable,
+        "-m",
+        "aerie.gpu_slots",
+        "run",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        f'echo "$CUDA_VISIBLE_DEVICES" > {seen}; exec sleep 30',
+    ]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 20

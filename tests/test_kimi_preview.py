@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import yaml
-
 from conftest import REPO
+
 KIMI = REPO / "config" / "kimi-k2.5.yaml"
 COUNTS = {"sharegpt": 5000, "ultrachat": 5000, "code": 3000, "math": 1319, "tool_use": 1000, "mtbench": 80}
 
@@ -43,9 +43,24 @@ def kimi_config_with_prompt_files(workdir: Path) -> Path:
 def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     cfg = kimi_config_with_prompt_files(workdir)
     env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # no key: nothing live to read
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
-                           str(workdir), "-n", "--configfile", str(cfg)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "-n",
+            "--configfile",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "OVER BUDGET" not in out, out

@@ -1,4 +1,5 @@
-"""The workflow is `snakemake --lint` clean and snakefmt-formatted (both also run in CI through this test)."""
+"""The workflow is `snakemake --lint` clean and snakefmt-formatted, the Python code ruff-clean and ruff-formatted
+(all also run in CI through this test)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, snakemake
 
 SNAKEFILES = [REPO / "Snakefile", *sorted((REPO / "rules").glob("*.smk"))]
@@ -46,5 +46,28 @@ def test_snakefmt_check_is_clean() -> None:
     for path in SNAKEFILES:
         proc = subprocess.run([snakefmt, "--check", str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
         if proc.returncode != 0:
-            findings[str(path.relative_to(REPO))] = [f"not snakefmt-formatted (snakefmt --diff {path.relative_to(REPO)})"]
+            findings[str(path.relative_to(REPO))] = [
+                f"not snakefmt-formatted (snakefmt --diff {path.relative_to(REPO)})"
+            ]
     check(findings, "snakefmt --check")
+
+
+def _ruff() -> str:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        if os.environ.get("CI") == "true":
+            raise AssertionError("ruff is missing, and CI must run every test")
+        pytest.skip('ruff not installed (pip install -e ".[test]")')
+    return ruff
+
+
+def test_python_code_passes_ruff_check() -> None:
+    """The rules in pyproject.toml [tool.ruff.lint] (pyflakes, pycodestyle at 120 columns, isort, bugbear, pyupgrade)."""
+    proc = subprocess.run([_ruff(), "check", "--output-format", "concise", "."], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, f"ruff check (fix with: ruff check --fix .):\n{proc.stdout[-4000:]}{proc.stderr}"
+
+
+def test_python_code_is_ruff_formatted() -> None:
+    proc = subprocess.run([_ruff(), "format", "--check", "."], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, f"not ruff-formatted (fix with: ruff format .):\n{proc.stdout[-4000:]}{proc.stderr}"

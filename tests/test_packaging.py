@@ -6,7 +6,6 @@ import re
 import tomllib
 
 import yaml
-
 from conftest import REPO
 
 
@@ -21,8 +20,12 @@ def test_conda_env_matches_the_package_dependencies() -> None:
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
     want = {_name(r): r.replace(" ", "") for r in project["dependencies"]}
     have = {_name(r): r.replace(" ", "") for r in pip}
-    assert have == want, f"envs/aerie.yaml differs from pyproject.toml: only in pyproject {sorted(want.keys() - have.keys())}, " \
-        f"only in the env {sorted(have.keys() - want.keys())}, different {[(want[k], have[k]) for k in want.keys() & have.keys() if want[k] != have[k]]}"
+    only_project, only_env = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    differ = [(want[k], have[k]) for k in want.keys() & have.keys() if want[k] != have[k]]
+    assert have == want, (
+        f"envs/aerie.yaml differs from pyproject.toml: only in pyproject {only_project}, "
+        f"only in the env {only_env}, different {differ}"
+    )
     python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python"))
     assert project["requires-python"].lstrip(">=") in python
 

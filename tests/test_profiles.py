@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, snakemake
 
 from aerie import gpu_slots
-from conftest import REPO, snakemake
 
 PROFILES = REPO / "profiles"
 # Rules whose GPU count comes from config resources.<rule>_gpus.
@@ -87,8 +87,10 @@ def check_profile(name: str, workdir: Path, *extra: str) -> str:
             assert int(got.get("gpu", 0)) >= needed, f"{name}: rule {rule} gets gpu={got.get('gpu')}, needs {needed}"
             if "gpu" not in want:
                 assert int(got["gpu"]) == needed  # left to the config
-        table[rule] = (job["threads"], {k: got[k] for k in ("gpu", "gpu_model", "mem_mb", "runtime", "slurm_partition")
-                                        if k in got})
+        table[rule] = (
+            job["threads"],
+            {k: got[k] for k in ("gpu", "gpu_model", "mem_mb", "runtime", "slurm_partition") if k in got},
+        )
     print(f"\n{name}: " + "\n".join(f"  {rule}: threads={t} {r}" for rule, (t, r) in sorted(table.items())))
     return out
 
@@ -132,8 +134,9 @@ def default_profile_gpus() -> int:
         {},
     ],
 )
-def test_default_profile_detects_the_gpus_like_the_allocator(env: dict, monkeypatch: pytest.MonkeyPatch,
-                                                              tmp_path: Path) -> None:
+def test_default_profile_detects_the_gpus_like_the_allocator(
+    env: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     for var in ("AERIE_GPUS", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():

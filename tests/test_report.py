@@ -12,19 +12,33 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from aerie.artifacts import save_packed, write_jsonl
-from aerie.report import FIGURES, write_figures
 from conftest import snakemake
 from test_pipeline_e2e import small_demo_config
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--hide-scrollbars"]
+from aerie.artifacts import save_packed, write_jsonl
+from aerie.report import FIGURES, write_figures
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+]
 CATEGORIES = ["1. Data", "2. Hidden states", "3. Drafter", "4. Benchmark"]
-CAPTIONS = {"spend": "API spend and where the responses came from", "lengths": "Response and reasoning lengths",
-            "quality": "Truncation, flags and tokenization fidelity", "hidden": "Hidden-state checks",
-            "training": "Drafter training", "benchmark": "Benchmark: tokens per second and speedup"}
+CAPTIONS = {
+    "spend": "API spend and where the responses came from",
+    "lengths": "Response and reasoning lengths",
+    "quality": "Truncation, flags and tokenization fidelity",
+    "hidden": "Hidden-state checks",
+    "training": "Drafter training",
+    "benchmark": "Benchmark: tokens per second and speedup",
+}
 
 
 def chromium() -> str:
@@ -37,12 +51,31 @@ def chromium() -> str:
 
 
 def api_record(i: int, dataset: str, provider: str, cost: float, finish: str = "stop") -> dict:
-    return {"format": "aerie.responses/1", "id": f"{dataset}/{i}", "dataset": dataset, "messages": [],
-            "backend": "openrouter", "model": "m", "params": {}, "params_hash": "x", "reasoning": "r" * (10 * i),
-            "content": "answer", "finish_reason": finish, "latency_s": 1.0, "tool_calls": None,
-            "usage": {"prompt_tokens": 5, "completion_tokens": 20 + i, "cost": cost,
-                      "completion_tokens_details": {"reasoning_tokens": 3 * i}},
-            "flags": ["truncated"] if finish == "length" else [], "cost": cost, "provider": provider, "attempts": 1}
+    return {
+        "format": "aerie.responses/1",
+        "id": f"{dataset}/{i}",
+        "dataset": dataset,
+        "messages": [],
+        "backend": "openrouter",
+        "model": "m",
+        "params": {},
+        "params_hash": "x",
+        "reasoning": "r" * (10 * i),
+        "content": "answer",
+        "finish_reason": finish,
+        "latency_s": 1.0,
+        "tool_calls": None,
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 20 + i,
+            "cost": cost,
+            "completion_tokens_details": {"reasoning_tokens": 3 * i},
+        },
+        "flags": ["truncated"] if finish == "length" else [],
+        "cost": cost,
+        "provider": provider,
+        "attempts": 1,
+    }
 
 
 def write_artifacts(root: Path, *, api: bool) -> dict:
@@ -51,46 +84,106 @@ def write_artifacts(root: Path, *, api: bool) -> dict:
     for d, dataset in enumerate(("alpha", "beta")):
         shard = root / dataset / "responses" / "shard-00000.jsonl"
         if api:
-            recs = [api_record(i, dataset, ("p1", "p2")[i % 2], 0.001 * (d + 1), "length" if i == 0 else "stop")
-                    for i in range(6)]
+            recs = [
+                api_record(i, dataset, ("p1", "p2")[i % 2], 0.001 * (d + 1), "length" if i == 0 else "stop")
+                for i in range(6)
+            ]
         else:
-            recs = [{"format": "aerie.responses/1", "id": f"{dataset}/{i}", "dataset": dataset, "backend": "hf",
-                     "reasoning": None, "content": "x", "finish_reason": "stop", "output_token_ids": [1] * (5 + i),
-                     "usage": {"prompt_tokens": 3, "completion_tokens": 5 + i}} for i in range(6)]
+            recs = [
+                {
+                    "format": "aerie.responses/1",
+                    "id": f"{dataset}/{i}",
+                    "dataset": dataset,
+                    "backend": "hf",
+                    "reasoning": None,
+                    "content": "x",
+                    "finish_reason": "stop",
+                    "output_token_ids": [1] * (5 + i),
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 5 + i},
+                }
+                for i in range(6)
+            ]
         shard.parent.mkdir(parents=True)
         write_jsonl(shard, recs)
         report = root / dataset / "tokens" / "shard-00000.report.json"
         report.parent.mkdir(parents=True)
-        report.write_text(json.dumps({"format": "aerie.tokens-report/1", "samples": 6, "kept": 5, "dropped": {"empty": 1},
-                                      "exact_ids_available": 0 if api else 6, "retokenized_equal": 0 if api else 6,
-                                      "usage_length_checked": 6 if api else 0, "usage_length_equal": 5 if api else 0}))
+        report.write_text(
+            json.dumps(
+                {
+                    "format": "aerie.tokens-report/1",
+                    "samples": 6,
+                    "kept": 5,
+                    "dropped": {"empty": 1},
+                    "exact_ids_available": 0 if api else 6,
+                    "retokenized_equal": 0 if api else 6,
+                    "usage_length_checked": 6 if api else 0,
+                    "usage_length_equal": 5 if api else 0,
+                }
+            )
+        )
         hidden = root / dataset / "hidden" / "shard-00000.safetensors"
         hidden.parent.mkdir(parents=True)
         t, h = 300, 8
-        save_packed(hidden, {"input_ids": torch.zeros(t, dtype=torch.int32), "loss_mask": torch.ones(t, dtype=torch.uint8),
-                             "seq_offsets": torch.tensor([0, 100, t]), "aux_hidden_states": torch.randn(t, 3 * h).bfloat16(),
-                             "final_hidden_states": torch.randn(t, h).bfloat16()},
-                    {"format": "aerie.hidden/1", "aux_layer_ids": [1, 3, 4], "num_hidden_layers": 8, "hidden_size": h,
-                     "next_token_agreement": 0.99})
+        save_packed(
+            hidden,
+            {
+                "input_ids": torch.zeros(t, dtype=torch.int32),
+                "loss_mask": torch.ones(t, dtype=torch.uint8),
+                "seq_offsets": torch.tensor([0, 100, t]),
+                "aux_hidden_states": torch.randn(t, 3 * h).bfloat16(),
+                "final_hidden_states": torch.randn(t, h).bfloat16(),
+            },
+            {
+                "format": "aerie.hidden/1",
+                "aux_layer_ids": [1, 3, 4],
+                "num_hidden_layers": 8,
+                "hidden_size": h,
+                "next_token_agreement": 0.99,
+            },
+        )
         inputs["responses"].append(shard)
         inputs["token_reports"].append(report)
         inputs["hidden"].append(hidden)
     drafter = root / "drafter" / "demo"
     drafter.mkdir(parents=True)
-    write_jsonl(drafter / "train_log.jsonl", [
-        {"event": "eval", "epoch": 0, "heldout_loss": 9.0},
-        *({"event": "train", "epoch": 1, "step": s, "loss": 9.0 - s / 10, "lr": 1e-3} for s in range(1, 21)),
-        {"event": "eval", "epoch": 1, "heldout_loss": 7.5}])
-    (drafter / "eval.json").write_text(json.dumps({
-        "format": "aerie.drafter-eval/1", "simulated_acceptance_length": 1.6, "acceptance_per_position": [0.5, 0.1],
-        "untrained": {"acceptance_per_position": [0.0, 0.0]}}))
+    write_jsonl(
+        drafter / "train_log.jsonl",
+        [
+            {"event": "eval", "epoch": 0, "heldout_loss": 9.0},
+            *({"event": "train", "epoch": 1, "step": s, "loss": 9.0 - s / 10, "lr": 1e-3} for s in range(1, 21)),
+            {"event": "eval", "epoch": 1, "heldout_loss": 7.5},
+        ],
+    )
+    (drafter / "eval.json").write_text(
+        json.dumps(
+            {
+                "format": "aerie.drafter-eval/1",
+                "simulated_acceptance_length": 1.6,
+                "acceptance_per_position": [0.5, 0.1],
+                "untrained": {"acceptance_per_position": [0.0, 0.0]},
+            }
+        )
+    )
     bench = root / "bench" / "demo.json"
     bench.parent.mkdir(parents=True)
     method = {"tokens_per_s": 12.0, "speedup": 1.2}
-    bench.write_text(json.dumps({"format": "aerie.bench/2", "prompts": 3, "device": "cpu", "speedup": 1.2,
-                                 "baseline": {"tokens_per_s": 10.0}, "speculative": method,
-                                 "methods": {"eagle3": method, "untrained": {"tokens_per_s": 8.0, "speedup": 0.8},
-                                             "ngram": {"tokens_per_s": 9.0, "speedup": 0.9}}}))
+    bench.write_text(
+        json.dumps(
+            {
+                "format": "aerie.bench/2",
+                "prompts": 3,
+                "device": "cpu",
+                "speedup": 1.2,
+                "baseline": {"tokens_per_s": 10.0},
+                "speculative": method,
+                "methods": {
+                    "eagle3": method,
+                    "untrained": {"tokens_per_s": 8.0, "speedup": 0.8},
+                    "ngram": {"tokens_per_s": 9.0, "speedup": 0.9},
+                },
+            }
+        )
+    )
     inputs.update(drafter=drafter, bench=bench)
     return inputs
 
@@ -101,9 +194,24 @@ def test_figures_from_artifacts(tmp_path: Path, api: bool) -> None:
     sglang = None
     if api:
         sglang = tmp_path / "results" / "bench" / "demo.sglang.json"
-        sglang.write_text(json.dumps({"format": "aerie.sglang-bench/1", "summary": {"by_concurrency": [
-            {"concurrency": c, "baseline_output_tokens_per_s": 100.0 * c, "eagle3_output_tokens_per_s": 180.0 * c,
-             "speedup": 1.8} for c in (1, 4, 16)]}}))
+        sglang.write_text(
+            json.dumps(
+                {
+                    "format": "aerie.sglang-bench/1",
+                    "summary": {
+                        "by_concurrency": [
+                            {
+                                "concurrency": c,
+                                "baseline_output_tokens_per_s": 100.0 * c,
+                                "eagle3_output_tokens_per_s": 180.0 * c,
+                                "speedup": 1.8,
+                            }
+                            for c in (1, 4, 16)
+                        ]
+                    },
+                }
+            )
+        )
     outputs = {name: tmp_path / "report" / f"{name}.png" for name in FIGURES}
     summary = write_figures(outputs, sglang=sglang, **inputs)
     for path in outputs.values():
@@ -159,8 +267,9 @@ def test_html_report_renders_in_chromium(tmp_path: Path) -> None:
     for category in CATEGORIES:  # the report app ran and lists every category in its menu
         assert category in dom.stdout, (category, dom.stdout[-3000:])
     shot = tmp_path / "report.png"
-    proc = subprocess.run([*base, f"--screenshot={shot}", "--window-size=1400,1000", url],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [*base, f"--screenshot={shot}", "--window-size=1400,1000", url], capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0 and shot.exists(), proc.stderr[-3000:]
     from matplotlib.image import imread
 

@@ -56,6 +56,7 @@ def test_opening_the_same_attempt_twice_keeps_its_number(tmp_path: Path, restore
 
 def test_without_hard_links_the_copy_is_written_alongside(tmp_path: Path, restore_stderr, monkeypatch) -> None:
     """Some network and FUSE file systems refuse os.link: the attempt copy is then a second file, written in step."""
+
     def refuse(*args, **kwargs):
         raise OSError(38, "Function not implemented")
 
@@ -85,18 +86,43 @@ def test_kill_9_of_snakemake_mid_job_keeps_both_attempts_logs(workdir: Path) -> 
     emu = EmulatorSettings(api_key="sk-test", latency_mean=0.1, output_tokens_mean=40)
     with serve_in_thread(emu) as base:
         config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-        config["datasets"] = {"chat": {"source": {"kind": "jsonl", "path": str(src), "id_field": "id"},
-                                       "shard_size": n, "bench_prompts": 1}}
-        config["responses"] = {"backend": "openrouter", "model": "moonshotai/kimi-k2.5", "base_url": base,
-                               "concurrency": 2, "max_new_tokens": 64, "progress_interval_s": 0.5,
-                               "price_per_million_output_usd": 1.0, "live_prices": False}
+        config["datasets"] = {
+            "chat": {
+                "source": {"kind": "jsonl", "path": str(src), "id_field": "id"},
+                "shard_size": n,
+                "bench_prompts": 1,
+            }
+        }
+        config["responses"] = {
+            "backend": "openrouter",
+            "model": "moonshotai/kimi-k2.5",
+            "base_url": base,
+            "concurrency": 2,
+            "max_new_tokens": 64,
+            "progress_interval_s": 0.5,
+            "price_per_million_output_usd": 1.0,
+            "live_prices": False,
+        }
         cfg = workdir / "config.yaml"
         cfg.write_text(yaml.safe_dump(config))
-        cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-               "--cores", "1", shard, "--configfile", str(cfg)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--cores",
+            "1",
+            shard,
+            "--configfile",
+            str(cfg),
+        ]
         env = {**os.environ, "OPENROUTER_API_KEY": "sk-test"}
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+        )
         journal = journal_path(workdir / shard)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:

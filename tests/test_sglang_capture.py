@@ -28,8 +28,15 @@ from aerie.target.config import check_servable_aux_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_capture"
-TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 FAIL_ID, DIE_ID = 62, 63  # a sequence starting with two of these makes the stand-in's rank 1 raise / exit
 
 
@@ -47,6 +54,7 @@ def write_target(path: Path, architectures: list[str], **dims) -> Path:
 
 
 # ---- stand-ins for SGLang's model classes (their set_eagle3_layers_to_capture as in sglang 0.5.23) ----------
+
 
 class _Stack(nn.Module):
     def __init__(self) -> None:
@@ -117,10 +125,16 @@ class FakeBackend:
 
     @staticmethod
     def runner_info(runner) -> dict:
-        return {"layers_to_capture": sc.capture_layers_of(runner.model), "model_class": type(runner.model).__name__,
-                "max_tokens": runner.payload.get("fake_max_tokens", 4096), "max_requests": 8, "context_len": 256,
-                "chunk_tokens": None, "hidden_size": TINY["hidden_size"],
-                "num_hidden_layers": TINY["num_hidden_layers"]}
+        return {
+            "layers_to_capture": sc.capture_layers_of(runner.model),
+            "model_class": type(runner.model).__name__,
+            "max_tokens": runner.payload.get("fake_max_tokens", 4096),
+            "max_requests": 8,
+            "context_len": 256,
+            "chunk_tokens": None,
+            "hidden_size": TINY["hidden_size"],
+            "num_hidden_layers": TINY["num_hidden_layers"],
+        }
 
     @staticmethod
     @torch.no_grad()
@@ -138,10 +152,15 @@ class FakeBackend:
         aux, final = [], []
         for ids in seqs:
             seen: dict[int, torch.Tensor] = {}
-            hooks = [hf.model.layers[j].register_forward_pre_hook(
-                lambda _m, args, kwargs, j=j, seen=seen: seen.__setitem__(
-                    j, kwargs.get("hidden_states", args[0] if args else None)),
-                with_kwargs=True) for j in capture]
+            hooks = [
+                hf.model.layers[j].register_forward_pre_hook(
+                    lambda _m, args, kwargs, j=j, seen=seen: seen.__setitem__(
+                        j, kwargs.get("hidden_states", args[0] if args else None)
+                    ),
+                    with_kwargs=True,
+                )
+                for j in capture
+            ]
             try:
                 final.append(hf.get_decoder()(input_ids=torch.tensor([ids])).last_hidden_state[0])
             finally:
@@ -172,6 +191,7 @@ class FakeCapture(SGLangCapture):
 
 # ---- SGLang missing, or another version ---------------------------------------------------------------
 
+
 def test_module_imports_without_sglang() -> None:
     code = "import sys; sys.modules['sglang'] = None; import aerie.sglang_capture as m; print(m.SGLangCapture.__name__)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -198,6 +218,7 @@ def test_another_sglang_version_is_refused_unless_allowed(monkeypatch, tmp_path)
 
 # ---- the layer-id convention --------------------------------------------------------------------------
 
+
 def test_sglang_capture_points_are_transformers_hidden_states_id_plus_one() -> None:
     """SGLang captures the residual stream entering each layer in layers_to_capture; for aerie id i that
     must be layer i + 1's input = output_hidden_states[i + 1] = what aerie's hf backend hooks."""
@@ -208,9 +229,13 @@ def test_sglang_capture_points_are_transformers_hidden_states_id_plus_one() -> N
     inputs = sc.sglang_capture_inputs(layer_ids)
     assert inputs == [1, 3, 5] and sc.captured_output_ids(inputs) == layer_ids
     seen: dict[int, torch.Tensor] = {}
-    hooks = [layers[j].register_forward_pre_hook(
-        lambda _m, args, kwargs, j=j: seen.__setitem__(j, kwargs.get("hidden_states", args[0] if args else None)),
-        with_kwargs=True) for j in range(len(layers))]
+    hooks = [
+        layers[j].register_forward_pre_hook(
+            lambda _m, args, kwargs, j=j: seen.__setitem__(j, kwargs.get("hidden_states", args[0] if args else None)),
+            with_kwargs=True,
+        )
+        for j in range(len(layers))
+    ]
     with torch.no_grad(), AuxHiddenCapture(model, layer_ids) as cap:
         hs = model(ids, output_hidden_states=True).hidden_states  # [0] embeddings, [k] = output of layer k - 1
         ours = cap.aux_hidden_states()
@@ -261,8 +286,12 @@ def test_models_that_would_capture_nothing_are_refused() -> None:
 
 
 def test_prediction_before_loading_matches_sglang_models() -> None:
-    for archs, ids in ((["LlamaForCausalLM"], [2, 3, 5]), (["KimiK25ForConditionalGeneration"], [1, 29, 57]),
-                       (["KimiK25ForConditionalGeneration"], [2, 30, 58]), (["DeepseekV3ForCausalLM"], [0, 3, 4])):
+    for archs, ids in (
+        (["LlamaForCausalLM"], [2, 3, 5]),
+        (["KimiK25ForConditionalGeneration"], [1, 29, 57]),
+        (["KimiK25ForConditionalGeneration"], [2, 30, 58]),
+        (["DeepseekV3ForCausalLM"], [0, 3, 4]),
+    ):
         model = DeepseekLike() if "Llama" not in archs[0] else LlamaLike()
         model.set_eagle3_layers_to_capture(ids)
         assert sc.predicted_capture_inputs(archs, ids) == sc.capture_layers_of(model), (archs, ids)
@@ -270,10 +299,15 @@ def test_prediction_before_loading_matches_sglang_models() -> None:
 
 # ---- target config and SGLang arguments ---------------------------------------------------------------
 
+
 def test_target_dims_read_kimi_nested_text_config() -> None:
     kimi = sc.target_dims(json.loads((FIXTURES / "kimi_k25_config.json").read_text()))
-    assert kimi == {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
-                    "architectures": ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"]}
+    assert kimi == {
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "vocab_size": 163840,
+        "architectures": ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"],
+    }
     assert sc.target_dims({"architectures": ["LlamaForCausalLM"], **TINY})["num_hidden_layers"] == 6
     with pytest.raises(ValueError, match="vocab_size"):
         sc.target_dims({"num_hidden_layers": 2, "hidden_size": 8})
@@ -298,16 +332,25 @@ def test_kimi_ids_not_starting_at_one_are_refused_before_any_model_load(tmp_path
 
 
 def test_server_kwargs_capture_mode_and_user_settings() -> None:
-    kw = sc.sglang_server_kwargs("/m/K", [1, 29, 57], torch.bfloat16,
-                                 {"tp_size": 8, "mem_fraction_static": 0.85, "trust_remote_code": True})
+    kw = sc.sglang_server_kwargs(
+        "/m/K", [1, 29, 57], torch.bfloat16, {"tp_size": 8, "mem_fraction_static": 0.85, "trust_remote_code": True}
+    )
     assert kw["model_path"] == "/m/K" and kw["dtype"] == "bfloat16"
     assert kw["enable_return_aux_hidden_states"] is True and kw["speculative_algorithm"] == "EAGLE3"
     assert kw["return_aux_hidden_state_layer_ids"] == [1, 29, 57]  # passed as is: SGLang maps them like a drafter's
     assert kw["disable_cuda_graph"] and kw["disable_radix_cache"] and kw["skip_tokenizer_init"]
     assert (kw["tp_size"], kw["mem_fraction_static"], kw["trust_remote_code"]) == (8, 0.85, True)
     assert sc.sglang_server_kwargs("/m", [1], user_kwargs={"disable_cuda_graph": False})["disable_cuda_graph"] is False
-    for bad in ({"return_aux_hidden_state_layer_ids": [2]}, {"speculative_algorithm": "EAGLE"}, {"model_path": "x"},
-                {"pp_size": 2}, {"enable_dp_attention": True}, {"dp_size": 2}, {"tp_size": 0}, {"tp_size": "8"}):
+    for bad in (
+        {"return_aux_hidden_state_layer_ids": [2]},
+        {"speculative_algorithm": "EAGLE"},
+        {"model_path": "x"},
+        {"pp_size": 2},
+        {"enable_dp_attention": True},
+        {"dp_size": 2},
+        {"tp_size": 0},
+        {"tp_size": "8"},
+    ):
         with pytest.raises(ValueError):
             sc.sglang_server_kwargs("/m", [1], user_kwargs=bad)
     assert sc.gpu_ids({"tp_size": 4}) == [0, 1, 2, 3]
@@ -316,10 +359,17 @@ def test_server_kwargs_capture_mode_and_user_settings() -> None:
 
 # ---- batches, and SGLang's flat outputs -> per-sequence states --------------------------------------------
 
+
 def test_sequences_are_checked() -> None:
     assert sc.check_sequences([torch.tensor([1, 2, 3], dtype=torch.int32)], 10) == [[1, 2, 3]]
-    for bad in ([torch.zeros(2, 3, dtype=torch.long)], [torch.tensor([1.0, 2.0])], [torch.tensor([], dtype=torch.long)],
-                [torch.tensor([1, 10])], [torch.tensor([-1, 2])], [[1, 2]]):
+    for bad in (
+        [torch.zeros(2, 3, dtype=torch.long)],
+        [torch.tensor([1.0, 2.0])],
+        [torch.tensor([], dtype=torch.long)],
+        [torch.tensor([1, 10])],
+        [torch.tensor([-1, 2])],
+        [[1, 2]],
+    ):
         with pytest.raises(ValueError):
             sc.check_sequences(bad, 10)
 
@@ -347,25 +397,30 @@ def test_flat_batch_outputs_split_into_sequences(shapes) -> None:
     lengths, A, H = b["lengths"], b["num_aux"], b["hidden_size"]
     aux = torch.arange(torch.Size(full["hidden_states"]).numel(), dtype=torch.float32).reshape(full["hidden_states"])
     final = -torch.arange(torch.Size(full["last_hidden_states"]).numel(), dtype=torch.float32).reshape(
-        full["last_hidden_states"])
+        full["last_hidden_states"]
+    )
     pieces = sc.split_capture(aux, final, lengths, A, H)
     assert [(tuple(a.shape), tuple(f.shape)) for a, f in pieces] == [((n, A * H), (n, H)) for n in lengths]
     start = 0
     for (a, f), n in zip(pieces, lengths):  # rows in order, nothing dropped or shifted
-        assert torch.equal(a, aux[start:start + n]) and torch.equal(f, final[start:start + n])
+        assert torch.equal(a, aux[start : start + n]) and torch.equal(f, final[start : start + n])
         start += n
 
 
-@pytest.mark.parametrize("mode, message", [
-    ("last_with_aux", "pruned to the last token"),
-    ("full_without_aux", "aux capture is off"),
-    ("full_two_of_three_layers", "2 layers captured, 3 asked for"),
-])
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        ("last_with_aux", "pruned to the last token"),
+        ("full_without_aux", "aux capture is off"),
+        ("full_two_of_three_layers", "2 layers captured, 3 asked for"),
+    ],
+)
 def test_wrong_capture_shapes_are_explained(shapes, mode, message) -> None:
     b, m = shapes["batch"], shapes["modes"][mode]
     aux = torch.randn(m["hidden_states"])
-    final = (torch.randn(m["last_hidden_states"]) if m["last_hidden_states"]
-             else torch.randn(aux.shape[0], b["hidden_size"]))
+    final = (
+        torch.randn(m["last_hidden_states"]) if m["last_hidden_states"] else torch.randn(aux.shape[0], b["hidden_size"])
+    )
     with pytest.raises(SGLangCaptureError, match=message):
         sc.split_capture(aux, final, b["lengths"], b["num_aux"], b["hidden_size"])
 
@@ -373,14 +428,20 @@ def test_wrong_capture_shapes_are_explained(shapes, mode, message) -> None:
 def test_missing_or_malformed_outputs_are_refused() -> None:
     aux, final = torch.randn(8, 48), torch.randn(8, 16)
     sc.split_capture(aux, final, [5, 3], 3, 16)
-    for a, f, msg in ((None, final, "no hidden states"), (aux, None, "no final"), (aux[None], final, "2-D"),
-                      (aux, torch.randn(8, 17), "17 wide"), (torch.randn(8, 50), final, "not a multiple"),
-                      (torch.randn(7, 48), torch.randn(7, 16), "7 aux and 7 final rows for a batch of 8")):
+    for a, f, msg in (
+        (None, final, "no hidden states"),
+        (aux, None, "no final"),
+        (aux[None], final, "2-D"),
+        (aux, torch.randn(8, 17), "17 wide"),
+        (torch.randn(8, 50), final, "not a multiple"),
+        (torch.randn(7, 48), torch.randn(7, 16), "7 aux and 7 final rows for a batch of 8"),
+    ):
         with pytest.raises(SGLangCaptureError, match=msg):
             sc.split_capture(a, f, [5, 3], 3, 16)
 
 
 # ---- worker processes (spawned for real) ----------------------------------------------------------------
+
 
 def test_tensor_parallel_workers_capture_then_fail_cleanly(tmp_path) -> None:
     target = write_target(tmp_path / "t", ["LlamaForCausalLM"])
@@ -416,16 +477,20 @@ def test_a_dead_worker_is_detected(tmp_path) -> None:
     target = write_target(tmp_path / "t", ["LlamaForCausalLM"])
     with FakeCapture(str(target), [0, 2, 4], tp_size=2, fake_model="light") as cap:
         procs = list(cap._procs)
-        with pytest.raises(SGLangCaptureError,
-                           match=r"while capturing without reporting an error:\nrank 1: exit code 7\n"):
+        with pytest.raises(
+            SGLangCaptureError, match=r"while capturing without reporting an error:\nrank 1: exit code 7\n"
+        ):
             cap.capture([torch.tensor([DIE_ID, DIE_ID])])
     assert not any(p.is_alive() for p in procs)
 
 
-@pytest.mark.parametrize("model, ids, message", [
-    ("no-eagle3", [0, 2, 4], "has no set_eagle3_layers_to_capture"),
-    ("deepseek", [2, 3, 4], r"outputs \[1, 2, 3\], not \[2, 3, 4\]"),
-])
+@pytest.mark.parametrize(
+    "model, ids, message",
+    [
+        ("no-eagle3", [0, 2, 4], "has no set_eagle3_layers_to_capture"),
+        ("deepseek", [2, 3, 4], r"outputs \[1, 2, 3\], not \[2, 3, 4\]"),
+    ],
+)
 def test_loaded_model_that_would_capture_wrong_layers_fails_construction(tmp_path, model, ids, message) -> None:
     class Unpredicted(FakeCapture):
         early_mapping_check = False  # only the check on the loaded model can catch it
@@ -446,7 +511,8 @@ def test_workers_do_not_rerun_the_main_script(tmp_path) -> None:
         f"open({str(marker)!r}, 'a').write('run\\n')\n"
         "from test_sglang_capture import FakeCapture\n"
         f"with FakeCapture({str(target)!r}, [0, 2, 4], tp_size=2, fake_model='light') as cap:\n"
-        "    print(cap.info['layers_to_capture'])\n")
+        "    print(cap.info['layers_to_capture'])\n"
+    )
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert marker.read_text() == "run\n", r.stderr
     assert r.returncode == 0, r.stderr
@@ -455,9 +521,11 @@ def test_workers_do_not_rerun_the_main_script(tmp_path) -> None:
 def test_a_worker_killed_by_a_signal_says_how_it_died(tmp_path) -> None:
     """A crash inside a kernel sends no Python error: the message names the signal and the stack it hit."""
     target = write_target(tmp_path / "t", ["LlamaForCausalLM"])
-    with pytest.raises(SGLangCaptureError,
-                       match=r"(?s)while loading the target without reporting an error:\n"
-                             r"rank 1: killed by SIGSEGV; its fatal-error stack:.*Segmentation fault.*in load"):
+    with pytest.raises(
+        SGLangCaptureError,
+        match=r"(?s)while loading the target without reporting an error:\n"
+        r"rank 1: killed by SIGSEGV; its fatal-error stack:.*Segmentation fault.*in load",
+    ):
         FakeCapture(str(target), [0, 2, 4], tp_size=2, fake_model="light", fake_crash="segv")
 
 
@@ -491,10 +559,19 @@ def test_a_worker_reports_a_backend_it_cannot_import(tmp_path) -> None:
     outbox: queue.Queue = queue.Queue()
     was_enabled = faulthandler.is_enabled()  # run_rank points faulthandler at its file: pytest's is restored below
     try:
-        run_rank("aerie_no_such_module:Backend", pickle.dumps({}), 0, 0, queue.Queue(), outbox, os.getpid(),
-                 str(tmp_path))
-        run_rank(f"{FakeBackend.__module__}:FakeBackend", b"not a pickle", 1, 0, queue.Queue(), outbox, os.getpid(),
-                 str(tmp_path))
+        run_rank(
+            "aerie_no_such_module:Backend", pickle.dumps({}), 0, 0, queue.Queue(), outbox, os.getpid(), str(tmp_path)
+        )
+        run_rank(
+            f"{FakeBackend.__module__}:FakeBackend",
+            b"not a pickle",
+            1,
+            0,
+            queue.Queue(),
+            outbox,
+            os.getpid(),
+            str(tmp_path),
+        )
     finally:
         if was_enabled:
             faulthandler.enable(file=sys.stderr)
@@ -537,6 +614,7 @@ def test_request_pool_capacity_is_every_row_but_the_padding_row() -> None:
 
 # ---- the environment and the GPU-host check tool ---------------------------------------------------------
 
+
 def test_sglang_environment_pins_the_version_the_glue_was_written_for() -> None:
     import yaml
 
@@ -573,8 +651,14 @@ def run_tool(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Compl
     """``python -m aerie.sglang_capture ARGS``, with this test module importable (it holds the stand-in backend)."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "aerie.sglang_capture", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "aerie.sglang_capture", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def test_check_tool_started_with_python_m_runs_its_workers(tmp_path) -> None:
@@ -583,8 +667,26 @@ def test_check_tool_started_with_python_m_runs_its_workers(tmp_path) -> None:
     (before the fix the worker died unpickling `__main__._worker_main`)."""
     tiny_llama().save_pretrained(tmp_path / "t")  # the same weights the stand-in's worker builds
     report_path = tmp_path / "report.json"
-    r = run_tool(["check", "--target", str(tmp_path / "t"), "--layers", "0", "2", "4", "--seqs", "2", "--len", "12",
-                  "--backend", f"{FakeBackend.__module__}:FakeBackend", "--out", str(report_path)], tmp_path)
+    r = run_tool(
+        [
+            "check",
+            "--target",
+            str(tmp_path / "t"),
+            "--layers",
+            "0",
+            "2",
+            "4",
+            "--seqs",
+            "2",
+            "--len",
+            "12",
+            "--backend",
+            f"{FakeBackend.__module__}:FakeBackend",
+            "--out",
+            str(report_path),
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.rstrip().endswith("PASS")
     report = json.loads(report_path.read_text())

@@ -31,32 +31,77 @@ def fixture(name: str) -> dict:
 
 # ---- command lines -----------------------------------------------------------------------------------
 
-SG = {"tp": 8, "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
-      "mem_fraction_static": 0.85, "extra_args": ["--trust-remote-code", "--reasoning-parser", "kimi_k2"],
-      "concurrency": [1, 8]}
+SG = {
+    "tp": 8,
+    "speculative_num_steps": 3,
+    "speculative_eagle_topk": 1,
+    "speculative_num_draft_tokens": 4,
+    "mem_fraction_static": 0.85,
+    "extra_args": ["--trust-remote-code", "--reasoning-parser", "kimi_k2"],
+    "concurrency": [1, 8],
+}
 
 
 def test_baseline_and_eagle3_commands_use_sglang_flag_names() -> None:
     base = sglang_server.server_command("/models/K", 41000, SG, python="/envs/sglang/bin/python")
-    assert base == ["/envs/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/K",
-                    "--tp-size", "8", "--host", "127.0.0.1", "--port", "41000", "--mem-fraction-static", "0.85",
-                    "--trust-remote-code", "--reasoning-parser", "kimi_k2"]
+    assert base == [
+        "/envs/sglang/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/K",
+        "--tp-size",
+        "8",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "41000",
+        "--mem-fraction-static",
+        "0.85",
+        "--trust-remote-code",
+        "--reasoning-parser",
+        "kimi_k2",
+    ]
     eagle = sglang_server.server_command("/models/K", 41001, SG, drafter_dir="/d/run", python="/envs/sglang/bin/python")
-    assert eagle == base[:10] + ["41001", "--mem-fraction-static", "0.85",
-                                "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d/run",
-                                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-                                "--speculative-num-draft-tokens", "4",
-                                "--trust-remote-code", "--reasoning-parser", "kimi_k2"]
+    assert eagle == base[:10] + [
+        "41001",
+        "--mem-fraction-static",
+        "0.85",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/d/run",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--trust-remote-code",
+        "--reasoning-parser",
+        "kimi_k2",
+    ]
     # Defaults: this interpreter, tp 1, no --mem-fraction-static unless configured.
     assert sglang_server.server_command("/m", 5, None) == [
-        sys.executable, "-m", "sglang.launch_server", "--model-path", "/m", "--tp-size", "1", "--host", "127.0.0.1",
-        "--port", "5"]
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/m",
+        "--tp-size",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "5",
+    ]
 
 
 def test_kimi_config_gives_the_published_serving_command() -> None:
     cfg = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    cmd = sglang_server.server_command(cfg["target"]["path"], 30000, cfg["sglang"], drafter_dir="results/drafter/x",
-                                       python="py")
+    cmd = sglang_server.server_command(
+        cfg["target"]["path"], 30000, cfg["sglang"], drafter_dir="results/drafter/x", python="py"
+    )
     line = " ".join(cmd)
     assert "--tp-size 8 " in line and "--mem-fraction-static 0.85" in line
     assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in line
@@ -69,22 +114,54 @@ def test_settings_defaults_match_the_config_schema_and_bad_values_are_refused() 
     for key, prop in schema.items():
         assert sglang_server.SGLANG_DEFAULTS[key] == prop.get("default"), key
     assert sglang_server.sglang_settings({"tp": 2})["concurrency"] == [1]
-    for bad in ({"tpp": 1}, {"tp": 0}, {"concurrency": []}, {"concurrency": [0]}, {"mem_fraction_static": 1.5},
-                {"extra_args": "--x"}, {"extra_args": ["--port=1"]}, {"extra_args": ["--tp", "2"]},
-                {"extra_args": ["--speculative-num-steps", "5"]}):
+    for bad in (
+        {"tpp": 1},
+        {"tp": 0},
+        {"concurrency": []},
+        {"concurrency": [0]},
+        {"mem_fraction_static": 1.5},
+        {"extra_args": "--x"},
+        {"extra_args": ["--port=1"]},
+        {"extra_args": ["--tp", "2"]},
+        {"extra_args": ["--speculative-num-steps", "5"]},
+    ):
         with pytest.raises(ValueError):
             sglang_server.sglang_settings(bad)
 
 
 def test_secrets_are_redacted_from_recorded_commands() -> None:
-    argv = ["py", "--api-key", SECRET, "--admin-api-key=adm", "--hf-token", "hf_x",
-            "--speculative-num-draft-tokens", "4", "--max-total-tokens", "10", "--tool-call-parser", "kimi_k2"]
-    assert sglang_server.redact_command(argv) == ["py", "--api-key", "***", "--admin-api-key=***", "--hf-token", "***",
-                                      "--speculative-num-draft-tokens", "4", "--max-total-tokens", "10",
-                                      "--tool-call-parser", "kimi_k2"]
+    argv = [
+        "py",
+        "--api-key",
+        SECRET,
+        "--admin-api-key=adm",
+        "--hf-token",
+        "hf_x",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--max-total-tokens",
+        "10",
+        "--tool-call-parser",
+        "kimi_k2",
+    ]
+    assert sglang_server.redact_command(argv) == [
+        "py",
+        "--api-key",
+        "***",
+        "--admin-api-key=***",
+        "--hf-token",
+        "***",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--max-total-tokens",
+        "10",
+        "--tool-call-parser",
+        "kimi_k2",
+    ]
 
 
 # ---- recorded response shapes --------------------------------------------------------------------------
+
 
 def test_generate_response_of_an_eagle3_server() -> None:
     body = fixture("generate_eagle3.json")
@@ -105,8 +182,12 @@ def test_generate_response_of_a_baseline_server_and_failures() -> None:
     assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["accept_length"] is None
     assert rec["finish_reason"] == "stop" and rec["output_ids"][-1] == body["meta_info"]["finish_reason"]["matched"]
     aborted = json.loads(json.dumps(body))
-    aborted["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory", "status_code": 503,
-                                             "err_type": None}
+    aborted["meta_info"]["finish_reason"] = {
+        "type": "abort",
+        "message": "out of memory",
+        "status_code": 503,
+        "err_type": None,
+    }
     assert "out of memory" in client.parse_generate_response(aborted)["error"]
     assert client.parse_generate_response({"text": "x"})["error"] == "response has no meta_info"
     assert client.parse_generate_response({"error": {"message": "bad"}})["error"].startswith("server error")
@@ -130,16 +211,30 @@ def test_server_info_shapes() -> None:
 
 # ---- statistics -----------------------------------------------------------------------------------------
 
+
 def _rec(pid, ids, latency=1.0, verify=None, error=None):
-    return {"id": pid, "latency_s": latency, "e2e_latency_s": latency, "prompt_tokens": 5,
-            "completion_tokens": len(ids), "cached_tokens": 0, "spec_verify_ct": verify,
-            "accept_length": len(ids) / verify if verify else None, "finish_reason": "length",
-            "output_ids": ids, "text": "".join(map(chr, ids)), "error": error}
+    return {
+        "id": pid,
+        "latency_s": latency,
+        "e2e_latency_s": latency,
+        "prompt_tokens": 5,
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "spec_verify_ct": verify,
+        "accept_length": len(ids) / verify if verify else None,
+        "finish_reason": "length",
+        "output_ids": ids,
+        "text": "".join(map(chr, ids)),
+        "error": error,
+    }
 
 
 def test_mode_statistics_and_lossless_comparison() -> None:
-    recs = [_rec("a", [1, 2, 3, 4], 0.5, verify=2), _rec("b", [5, 6], 1.0, verify=1),
-            {"id": "c", "latency_s": 3.0, "error": "HTTP 500: boom"}]
+    recs = [
+        _rec("a", [1, 2, 3, 4], 0.5, verify=2),
+        _rec("b", [5, 6], 1.0, verify=1),
+        {"id": "c", "latency_s": 3.0, "error": "HTTP 500: boom"},
+    ]
     s = sglang_stats.mode_stats(recs, wall_s=2.0, server_avg_spec_accept_length=2.2)
     assert (s["requests"], s["ok"], s["failed"], s["output_tokens"]) == (3, 2, 1, 6)
     assert s["output_tokens_per_s"] == 3.0 and s["per_request_tokens_per_s_mean"] == pytest.approx((8 + 2) / 2)
@@ -148,14 +243,14 @@ def test_mode_statistics_and_lossless_comparison() -> None:
     assert [p["id"] for p in s["per_request"]] == ["a", "b", "c"]
     assert s["server_avg_spec_accept_length"] == 2.2 and s["cache_flushed"] is None
 
-    cmp = sglang_stats.compare_outputs([_rec("a", [1, 2, 3]), _rec("b", [4, 5])],
-                                       [_rec("a", [1, 2, 9]), _rec("b", [4, 5])])
+    cmp = sglang_stats.compare_outputs(
+        [_rec("a", [1, 2, 3]), _rec("b", [4, 5])], [_rec("a", [1, 2, 9]), _rec("b", [4, 5])]
+    )
     assert cmp["compared_on"] == "output_ids" and (cmp["compared"], cmp["identical"]) == (2, 1)
     assert cmp["first_differing"] == [{"id": "a", "first_diff": 2, "baseline_tokens": 3, "eagle3_tokens": 3}]
     no_ids = [{**_rec("a", [1, 2]), "output_ids": None}]
     assert sglang_stats.compare_outputs(no_ids, [_rec("a", [1, 3])])["compared_on"] == "text"
     assert sglang_stats.compare_outputs([_rec("a", [1])], [_rec("a", [1, 2])])["first_differing"][0]["first_diff"] == 1
-
 
 
 def test_degenerate_outputs_use_the_in_process_benchmarks_definition() -> None:
@@ -167,8 +262,12 @@ def test_degenerate_outputs_use_the_in_process_benchmarks_definition() -> None:
     repetitive = [5, 6, 7, 9] * 5  # too short for the loop check, mostly repeated 4-grams
     varied = list(range(200, 260))
     assert degenerate_flags(looping) == ["loop", "repetitive"] and degenerate_flags(repetitive) == ["repetitive"]
-    recs = [_rec("loop", looping, verify=10), _rec("rep", repetitive, verify=10), _rec("ok", varied, verify=30),
-            {**_rec("no-ids", varied, verify=20), "output_ids": None}]
+    recs = [
+        _rec("loop", looping, verify=10),
+        _rec("rep", repetitive, verify=10),
+        _rec("ok", varied, verify=30),
+        {**_rec("no-ids", varied, verify=20), "output_ids": None},
+    ]
     s = sglang_stats.mode_stats(recs, wall_s=1.0, cache_flushed=True)
     assert [p["degenerate"] for p in s["per_request"]] == [["loop", "repetitive"], ["repetitive"], [], None]
     assert s["degenerate_requests"] == 2 and s["cache_flushed"] is True
@@ -177,14 +276,22 @@ def test_degenerate_outputs_use_the_in_process_benchmarks_definition() -> None:
 
 
 def test_report_json_keeps_id_lists_on_one_line_and_text_untouched() -> None:
-    obj = {"ids": [1, 22, 333], "nested": [[1, 2], [3]], "floats": [1.5, 2], "flags": [True], "empty": [],
-           "text": '"[1, 2]" and [3,\n 4]', "rows": [{"output_ids": [5, 6]}]}
+    obj = {
+        "ids": [1, 22, 333],
+        "nested": [[1, 2], [3]],
+        "floats": [1.5, 2],
+        "flags": [True],
+        "empty": [],
+        "text": '"[1, 2]" and [3,\n 4]',
+        "rows": [{"output_ids": [5, 6]}],
+    }
     text = h._dumps(obj)
     assert json.loads(text) == obj
     assert '"ids": [1,22,333]' in text and '"output_ids": [5,6]' in text and text.endswith("}\n")
 
 
 # ---- prompt sets ------------------------------------------------------------------------------------------
+
 
 def test_mtbench_and_gsm8k_loaders_on_the_real_files() -> None:
     """The published files (byte-exact copies in tests/fixtures/benchmarks), read by aerie.prompts."""
@@ -206,9 +313,21 @@ def test_humaneval_aerie_and_spec_parsing(tmp_path: Path) -> None:
     assert "def has_close_elements(" in he[0]["messages"][0]["content"]
 
     f = tmp_path / "bench.jsonl"
-    f.write_text("".join(json.dumps({"format": "aerie.prompts/1", "id": f"demo/{i}", "dataset": "demo",
-                                     "messages": [{"role": "user", "content": f"q{i}"}], "source": {}}) + "\n"
-                         for i in range(3)))
+    f.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "format": "aerie.prompts/1",
+                    "id": f"demo/{i}",
+                    "dataset": "demo",
+                    "messages": [{"role": "user", "content": f"q{i}"}],
+                    "source": {},
+                }
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
     ps = parse_prompt_set(f"demo=aerie:{f}", max_prompts=2)
     assert (ps.name, ps.kind, ps.source) == ("demo", "aerie", str(f))
     assert ps.prompts == [{"id": f"demo/{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(2)]
@@ -226,6 +345,7 @@ def test_humaneval_aerie_and_spec_parsing(tmp_path: Path) -> None:
 
 # ---- command line -------------------------------------------------------------------------------------
 
+
 def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         h.main(["--help"])
@@ -237,10 +357,28 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
     seen = {}
     monkeypatch.setattr(h, "tokenizer_render", lambda path, **kw: seen.setdefault("render", (path, kw)))
     monkeypatch.setattr(h, "run_sglang_benchmark", lambda *a, **kw: seen.update(args=a, kw=kw) or {"rows": []})
-    h.main(["--config", str(REPO / "config" / "kimi-k2.5.yaml"), "--drafter", "d", "--out", str(tmp_path / "o.json"),
-            "--prompt-set", "humaneval", "--max-prompts", "2", "--concurrency", "1", "4",
-            "--sglang-python", "/envs/sglang/bin/python", "--server-env", "SGLANG_X=1",
-            "--extra-args=--trust-remote-code --api-key k"])
+    h.main(
+        [
+            "--config",
+            str(REPO / "config" / "kimi-k2.5.yaml"),
+            "--drafter",
+            "d",
+            "--out",
+            str(tmp_path / "o.json"),
+            "--prompt-set",
+            "humaneval",
+            "--max-prompts",
+            "2",
+            "--concurrency",
+            "1",
+            "4",
+            "--sglang-python",
+            "/envs/sglang/bin/python",
+            "--server-env",
+            "SGLANG_X=1",
+            "--extra-args=--trust-remote-code --api-key k",
+        ]
+    )
     target, drafter, sets, out = seen["args"]
     assert (target, drafter, out) == ("/models/Kimi-K2.5", "d", tmp_path / "o.json")
     assert [(s.name, len(s.prompts)) for s in sets] == [("humaneval", 2)]
@@ -258,7 +396,7 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
 # first on PYTHONPATH). It parses SGLang's flag names strictly, answers /health (503 while "loading"),
 # /generate and /get_server_info in the recorded shapes (no /server_info: the harness must fall back),
 # and starts a worker that ignores SIGTERM, as a stuck scheduler process would.
-FAKE_LAUNCH_SERVER = r'''
+FAKE_LAUNCH_SERVER = r"""
 import argparse, asyncio, copy, json, math, os, subprocess, sys, time, uuid
 from pathlib import Path
 from aiohttp import web
@@ -379,7 +517,7 @@ app.router.add_route("*", "/flush_cache", flush_cache)
 app.on_shutdown.append(on_shutdown)
 print(f"fake sglang {mode} on {args.host}:{args.port}", flush=True)
 web.run_app(app, host=args.host, port=args.port, print=None)
-'''
+"""
 
 
 @pytest.fixture()
@@ -390,18 +528,31 @@ def fake_sglang(tmp_path: Path):
     (pkg / "launch_server.py").write_text(FAKE_LAUNCH_SERVER)
     python = tmp_path / "bin" / "sglang-python"
     python.parent.mkdir()
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="{pkg.parent}${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
-                      f'exec "{sys.executable}" "$@"\n')
+    python.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{pkg.parent}${{PYTHONPATH:+:$PYTHONPATH}}"\nexport PYTHONPATH\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
     python.chmod(0o755)
     state = tmp_path / "state"
     state.mkdir()
     drafter = tmp_path / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "vocab_size": 5200, "draft_vocab_size": 1000,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}}))
-    fake = SimpleNamespace(python=str(python), state=state, drafter=drafter,
-                           env={"FAKE_SGLANG_FIXTURES": str(FIXTURES), "FAKE_SGLANG_STATE": str(state)})
+    (drafter / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "vocab_size": 5200,
+                "draft_vocab_size": 1000,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
+            }
+        )
+    )
+    fake = SimpleNamespace(
+        python=str(python),
+        state=state,
+        drafter=drafter,
+        env={"FAKE_SGLANG_FIXTURES": str(FIXTURES), "FAKE_SGLANG_STATE": str(state)},
+    )
     yield fake
     for f in state.glob("*.json"):  # never leave a fake behind, even when a test failed
         s = json.loads(f.read_text())
@@ -419,25 +570,48 @@ def render(messages: list[dict]) -> list[int]:
 
 
 def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> None:
-    chat = PromptSet("chat", [{"id": "chat/0", "messages": _user("hello there")},
-                              {"id": "chat/1", "messages": _user("DIVERGE here")},
-                              {"id": "chat/2", "messages": _user("odd!")},
-                              {"id": "chat/3", "messages": _user("LOOP odd one")}])
+    chat = PromptSet(
+        "chat",
+        [
+            {"id": "chat/0", "messages": _user("hello there")},
+            {"id": "chat/1", "messages": _user("DIVERGE here")},
+            {"id": "chat/2", "messages": _user("odd!")},
+            {"id": "chat/3", "messages": _user("LOOP odd one")},
+        ],
+    )
     maths = PromptSet("math", [{"id": f"math/{i}", "messages": _user("2+2=?" + "x" * i)} for i in range(3)])
-    sglang = {"tp": 2, "mem_fraction_static": 0.5, "concurrency": [1, 3],
-              "extra_args": ["--trust-remote-code", "--api-key", SECRET, "--context-length", "4096"]}
+    sglang = {
+        "tp": 2,
+        "mem_fraction_static": 0.5,
+        "concurrency": [1, 3],
+        "extra_args": ["--trust-remote-code", "--api-key", SECRET, "--context-length", "4096"],
+    }
     out = tmp_path / "bench" / "run.json"
     logs: list[str] = []
     report = h.run_sglang_benchmark(
-        "/models/target", fake_sglang.drafter, [chat, maths], out, sglang=sglang, max_new_tokens=24, render=render,
-        sglang_python=fake_sglang.python, warmup=1, stop_grace_s=0.5, server_env=fake_sglang.env, log=logs.append)
+        "/models/target",
+        fake_sglang.drafter,
+        [chat, maths],
+        out,
+        sglang=sglang,
+        max_new_tokens=24,
+        render=render,
+        sglang_python=fake_sglang.python,
+        warmup=1,
+        stop_grace_s=0.5,
+        server_env=fake_sglang.env,
+        log=logs.append,
+    )
 
     assert json.loads(out.read_text()) == report
     assert report["format"] == "aerie.sglang-bench/2" and report["complete"] and report["error"] is None
     assert "flush_cache" in report["notes"]["acceptance"] and "prefill" in report["notes"]["acceptance"]
     assert SECRET not in out.read_text()
-    assert report["input"] == "input_ids" and report["sampling"] == {"temperature": 0.0, "max_new_tokens": 24,
-                                                                     "skip_special_tokens": False}
+    assert report["input"] == "input_ids" and report["sampling"] == {
+        "temperature": 0.0,
+        "max_new_tokens": 24,
+        "skip_special_tokens": False,
+    }
     assert report["drafter_config"]["architectures"] == ["LlamaForCausalLMEagle3"]
 
     # What each server process was really started with: the harness's command line, through the sglang python.
@@ -454,13 +628,17 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         # Warm-up + every prompt at every concurrency, authenticated, greedy, ids, special tokens kept.
         assert st["requests"] == 1 + 2 * (4 + 3) and st["unauthorized"] == 0 and st["bad_shape"] == 0
         assert st["flushes"] == 4
-        assert all(b["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}
-                   and set(b) == {"input_ids", "sampling_params"} for b in st["bodies"])
+        assert all(
+            b["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}
+            and set(b) == {"input_ids", "sampling_params"}
+            for b in st["bodies"]
+        )
         # Stopped: the server and its SIGTERM-ignoring worker are gone; the worker had to be killed.
         assert {st["pid"], st["child_pid"]} <= set(server["pids"])
         assert not sglang_server.process_alive(st["pid"]) and not sglang_server.process_alive(st["child_pid"])
         assert server["leftover_pids_killed"] == [st["child_pid"]]
     assert report["servers"]["eagle3"]["server_info"]["speculative_num_steps"] == 3
+
     # The fake keeps SGLang 0.5.23's counter: reset by /flush_cache, decode-step tokens only. Its value is reported
     # as read; the acceptance figure is the per-request mean of completion_tokens / spec_verify_ct.
     def server_counter(ps: PromptSet) -> float:
@@ -472,11 +650,17 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     assert report["versions"]["sglang"] == "0.5.23"
 
     rows = report["rows"]
-    assert [(r["set"], r["concurrency"], r["prompts"]) for r in rows] == [("chat", 1, 4), ("chat", 3, 4),
-                                                                          ("math", 1, 3), ("math", 3, 3)]
+    assert [(r["set"], r["concurrency"], r["prompts"]) for r in rows] == [
+        ("chat", 1, 4),
+        ("chat", 3, 4),
+        ("math", 1, 3),
+        ("math", 3, 3),
+    ]
     # The fake answers max_new_tokens for an even prompt length, half of it for an odd one.
-    expected_tokens = {ps.name: sum(24 if len(p["messages"][0]["content"]) % 2 == 0 else 12 for p in ps.prompts)
-                       for ps in (chat, maths)}
+    expected_tokens = {
+        ps.name: sum(24 if len(p["messages"][0]["content"]) % 2 == 0 else 12 for p in ps.prompts)
+        for ps in (chat, maths)
+    }
     for r in rows:
         b, e = r["baseline"], r["eagle3"]
         for s in (b, e):
@@ -492,15 +676,17 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         assert e["accept_length_mean_excluding_degenerate"] == 3.0
         counter = server_counter(chat if r["set"] == "chat" else maths)  # this run's requests only: flushed before
         assert e["server_avg_spec_accept_length"] == pytest.approx(counter) and counter < 3.0
-        assert [p["spec_verify_ct"] for p in e["per_request"]] == [c // 3 for c in
-                                                                   (p["completion_tokens"] for p in e["per_request"])]
+        assert [p["spec_verify_ct"] for p in e["per_request"]] == [
+            c // 3 for c in (p["completion_tokens"] for p in e["per_request"])
+        ]
         assert r["speedup"] == pytest.approx(e["output_tokens_per_s"] / b["output_tokens_per_s"])
         assert r["speedup"] > 1.3  # simulated: 4 ms per token vs 5 ms per 3 tokens
         lossless = r["lossless"]
         if r["set"] == "chat":
             assert (lossless["compared"], lossless["identical"], lossless["differing"]) == (4, 3, 1)
-            assert lossless["first_differing"] == [{"id": "chat/1", "first_diff": 12, "baseline_tokens": 24,
-                                                    "eagle3_tokens": 24}]
+            assert lossless["first_differing"] == [
+                {"id": "chat/1", "first_diff": 12, "baseline_tokens": 24, "eagle3_tokens": 24}
+            ]
         else:
             assert (lossless["compared"], lossless["identical"]) == (3, 3)
 
@@ -522,9 +708,20 @@ def test_a_server_that_fails_to_start_leaves_a_partial_report_and_nothing_runnin
     out = tmp_path / "run.json"
     with pytest.raises(RuntimeError, match="exited with code 1") as e:
         h.run_sglang_benchmark(
-            "/models/target", fake_sglang.drafter, [prompts], out, sglang={"concurrency": [2]}, max_new_tokens=6,
-            render=render, sglang_python=fake_sglang.python, warmup=0, stop_grace_s=0.5,
-            server_env={**fake_sglang.env, "FAKE_SGLANG_FAIL_EAGLE3": "1"}, record_outputs=False, log=lambda m: None)
+            "/models/target",
+            fake_sglang.drafter,
+            [prompts],
+            out,
+            sglang={"concurrency": [2]},
+            max_new_tokens=6,
+            render=render,
+            sglang_python=fake_sglang.python,
+            warmup=0,
+            stop_grace_s=0.5,
+            server_env={**fake_sglang.env, "FAKE_SGLANG_FAIL_EAGLE3": "1"},
+            record_outputs=False,
+            log=lambda m: None,
+        )
     assert "draft model vocab does not match" in str(e.value)  # the server log's tail is in the message
     report = json.loads(out.read_text())
     assert not report["complete"] and report["error"].startswith("eagle3: RuntimeError")

@@ -16,9 +16,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from aerie.bench.speculative import (
     EagleProposer,
-    _target_forward,
     NgramProposer,
     SpecResult,
+    _target_forward,
     crop_cache,
     first_mismatch,
     greedy_generate,
@@ -26,7 +26,6 @@ from aerie.bench.speculative import (
 )
 from aerie.capture import AuxHiddenCapture
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,9 +37,16 @@ MAX_NEW = 40
 def _tiny_llama(seed: int = 0, eos_token_id: int | None = None) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=eos_token_id,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=eos_token_id,
     )
     return LlamaForCausalLM(cfg).eval()
 
@@ -312,7 +318,10 @@ def _save_tiny_target(folder: Path) -> LlamaForCausalLM:
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="<|end|>",
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="<|end|>",
         chat_template=(
             "{% for m in messages %}{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -331,11 +340,21 @@ def bench_files(tmp_path_factory) -> Path:
     target = _save_tiny_target(folder / "target")
     _tiny_drafter(target).save_pretrained(folder / "drafter")
     texts = ["sort 3 1 2", "what is 12+30?", "hello there", "unused: cut by max_prompts"]
-    (folder / "bench.jsonl").write_text("".join(
-        json.dumps({"format": "aerie.prompts/1", "id": f"demo/{i}", "dataset": "demo",
-                    "messages": [{"role": "user", "content": t}], "source": {"kind": "test"}}) + "\n"
-        for i, t in enumerate(texts)
-    ))
+    (folder / "bench.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "format": "aerie.prompts/1",
+                    "id": f"demo/{i}",
+                    "dataset": "demo",
+                    "messages": [{"role": "user", "content": t}],
+                    "source": {"kind": "test"},
+                }
+            )
+            + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
     return folder
 
 
@@ -345,8 +364,16 @@ def _bench(folder: Path, out: Path, lines: list[str] | None = None) -> dict:
     threads_before = torch.get_num_threads()
     try:
         return run_benchmark(
-            folder / "target", folder / "drafter", [folder / "bench.jsonl"], out,
-            max_new_tokens=12, num_draft_steps=3, repeats=2, warmup=1, threads=1, max_prompts=3,
+            folder / "target",
+            folder / "drafter",
+            [folder / "bench.jsonl"],
+            out,
+            max_new_tokens=12,
+            num_draft_steps=3,
+            repeats=2,
+            warmup=1,
+            threads=1,
+            max_prompts=3,
             log=(lines if lines is not None else []).append,
         )
     finally:
@@ -361,8 +388,21 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(report))
     assert [p.name for p in out.parent.iterdir()] == ["demo.json"]  # no temporary file left behind
-    documented = ["format", "target", "drafter", "prompts", "num_draft_steps", "max_new_tokens", "baseline",
-                  "speculative", "speedup", "acceptance_length", "acceptance_per_position", "lossless", "per_prompt"]
+    documented = [
+        "format",
+        "target",
+        "drafter",
+        "prompts",
+        "num_draft_steps",
+        "max_new_tokens",
+        "baseline",
+        "speculative",
+        "speedup",
+        "acceptance_length",
+        "acceptance_per_position",
+        "lossless",
+        "per_prompt",
+    ]
     assert not [f for f in documented if f not in on_disk]
     assert on_disk["format"] == "aerie.bench/2"
     assert on_disk["prompts"] == 3 and len(on_disk["per_prompt"]) == 3
@@ -386,7 +426,7 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
     # The reference drafters ran in the same run, on the same prompts, losslessly.
     methods = on_disk["methods"]
     assert set(methods) == {"eagle3", "untrained", "ngram"}
-    for name, m in methods.items():
+    for m in methods.values():
         assert m["lossless"] is True
         assert m["speedup"] == pytest.approx(m["tokens_per_s"] / base)
         assert m["tokens"] == 2 * gen

@@ -6,17 +6,28 @@ import json
 
 import pytest
 import yaml
+from conftest import REPO, snakemake
 
 from aerie.target.config import (
-    architectures, check_servable_aux_layer_ids, is_mla, read_text_config, resolve_aux_layer_ids, target_architectures,
-    target_num_hidden_layers, text_config,
+    architectures,
+    check_servable_aux_layer_ids,
+    is_mla,
+    read_text_config,
+    resolve_aux_layer_ids,
+    target_architectures,
+    target_num_hidden_layers,
+    text_config,
 )
-from conftest import REPO, snakemake
 
 KIMI_LIKE = {
     "architectures": ["KimiK25ForConditionalGeneration"],
-    "text_config": {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
-                    "kv_lora_rank": 512, "vocab_size": 163840},
+    "text_config": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "hidden_size": 7168,
+        "num_hidden_layers": 61,
+        "kv_lora_rank": 512,
+        "vocab_size": 163840,
+    },
     "vision_config": {"hidden_size": 1152},
 }
 
@@ -25,8 +36,11 @@ def test_a_wrapped_text_config_is_read_the_same_way_everywhere(tmp_path) -> None
     (tmp_path / "config.json").write_text(json.dumps(KIMI_LIKE))
     assert text_config(KIMI_LIKE)["hidden_size"] == 7168 == read_text_config(tmp_path)["hidden_size"]
     assert target_num_hidden_layers(tmp_path) == 61
-    assert architectures(KIMI_LIKE) == target_architectures(tmp_path) == [
-        "KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"]
+    assert (
+        architectures(KIMI_LIKE)
+        == target_architectures(tmp_path)
+        == ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"]
+    )
     assert is_mla(KIMI_LIKE) and not is_mla({"hidden_size": 64, "num_hidden_layers": 2})
     assert text_config({"hidden_size": 64})["hidden_size"] == 64  # an unwrapped config is its own text config
 

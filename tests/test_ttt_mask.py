@@ -30,8 +30,16 @@ def hand_built_batch() -> Batch:
     row_valid[0, :7] = True
     row_valid[1, :4] = True
     ids = torch.arange(2 * W).view(2, W)
-    return Batch(aux=torch.zeros(2, T, 4), position_ids=torch.arange(T).expand(2, T), row_valid=row_valid,
-                 ids=ids, have=torch.ones(2, W, dtype=torch.bool), gen=gen, final=None, rows=11)
+    return Batch(
+        aux=torch.zeros(2, T, 4),
+        position_ids=torch.arange(T).expand(2, T),
+        row_valid=row_valid,
+        ids=ids,
+        have=torch.ones(2, W, dtype=torch.bool),
+        gen=gen,
+        final=None,
+        rows=11,
+    )
 
 
 def supervised(batch: Batch, k: int, target_ok: torch.Tensor | None = None) -> list[list[int]]:

@@ -71,8 +71,11 @@ class BackendSettings:
         return params
 
     def params_hash(self) -> str:
-        blob = json.dumps({"backend": self.backend, "model": self.model, "params": self.sampling()},
-                          sort_keys=True, separators=(",", ":"))
+        blob = json.dumps(
+            {"backend": self.backend, "model": self.model, "params": self.sampling()},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def url(self) -> str:
@@ -80,8 +83,12 @@ class BackendSettings:
         return f"{base}/generate" if self.backend == "sglang" else f"{base}/chat/completions"
 
 
-def request_body(settings: BackendSettings, messages: list[dict[str, Any]],
-                 prompt_ids: list[int] | None = None, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def request_body(
+    settings: BackendSettings,
+    messages: list[dict[str, Any]],
+    prompt_ids: list[int] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The JSON body for one sample. ``prompt_ids`` are required by the native sglang backend (they were
     rendered with ``tools``); chat backends send ``tools`` so the server renders and parses them."""
     if settings.backend == "sglang":
@@ -134,8 +141,9 @@ def classify_http_error(status: int, body: Any, text: str, retry_after: str | No
     wait = parse_retry_after(retry_after)
     low = message.lower()
     if status in (404, 503) and any(s in low for s in NO_ENDPOINTS):
-        return FatalError("no_endpoints", f"HTTP {status}: {message} (provider routing leaves no endpoint; "
-                                          "relax responses.provider)")
+        return FatalError(
+            "no_endpoints", f"HTTP {status}: {message} (provider routing leaves no endpoint; relax responses.provider)"
+        )
     if status == 402:
         source = str(metadata.get("limit_source") or "")
         if "in_flight" in source:
@@ -226,8 +234,11 @@ def parse_sglang_generate(body: Any, split_ids, eos_ids: list[int], want_reasoni
         ids.append(matched)
     parts = split_ids(ids)
     finish_reason = "length" if kind == "length" else parts["finish_reason"]
-    usage = {"prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens", len(ids)),
-             "cached_tokens": meta.get("cached_tokens")}
+    usage = {
+        "prompt_tokens": meta.get("prompt_tokens"),
+        "completion_tokens": meta.get("completion_tokens", len(ids)),
+        "cached_tokens": meta.get("cached_tokens"),
+    }
     return {
         "reasoning": parts["reasoning"],
         "content": parts["content"],

@@ -98,7 +98,7 @@ class MoneyGuard:
     token_cap: int | None = None  # this dataset's output-token cap
     tokens_before: int = 0  # this dataset's journaled output tokens
     expected_tokens: float = 0.0
-    others: "LedgerWatcher | None" = None  # other shards' journals, followed live
+    others: LedgerWatcher | None = None  # other shards' journals, followed live
     lost_usd: float = 0.0  # account spend no journal holds (interrupted requests), from the last reconcile
     account: AccountWatcher | None = None  # the provider's account, polled while running
 
@@ -118,8 +118,14 @@ class AccountWatcher:
     ``record(usage, journal, lost)`` appends the reading to that ledger.
     """
 
-    def __init__(self, url: str, baseline_usage: float, baseline_journal: float,
-                 record: Callable[[float, float, float], None] | None = None, floor: float = 0.0):
+    def __init__(
+        self,
+        url: str,
+        baseline_usage: float,
+        baseline_journal: float,
+        record: Callable[[float, float, float], None] | None = None,
+        floor: float = 0.0,
+    ):
         self.url, self.baseline_usage, self.baseline_journal = url, baseline_usage, baseline_journal
         self.floor = floor
         self._record = record
@@ -212,9 +218,11 @@ class RunStats:
         if guard.lost_usd > 0:
             budget += f" ({_usd(guard.lost_usd)} lost to interrupted requests)"
         retries = " ".join(f"{k}:{v}" for k, v in sorted(self.retries.items())) or "0"
-        return (f"{name} [{bar}] {n}/{self.total} {100 * frac:.0f}% | {self.done / elapsed:.1f} req/s "
-                f"{self.completion_tokens / elapsed:.0f} tok/s | ${self.cost:.4f} this shard, run ${spent:.2f}{budget} "
-                f"| retries {retries} | failed {self.failed} | in flight {self.in_flight}")
+        return (
+            f"{name} [{bar}] {n}/{self.total} {100 * frac:.0f}% | {self.done / elapsed:.1f} req/s "
+            f"{self.completion_tokens / elapsed:.0f} tok/s | ${self.cost:.4f} this shard, run ${spent:.2f}{budget} "
+            f"| retries {retries} | failed {self.failed} | in flight {self.in_flight}"
+        )
 
 
 def _usd(amount: float) -> str:
@@ -272,50 +280,84 @@ async def regenerate_shard(
     pending = [p for p in prompts if p["id"] not in state.finished]
     unseen = unseen_intents(intents_path(out_path), state)
     if unseen:
-        log(f"{name}: {len(unseen)} samples were sent before an interruption and never answered here "
+        log(
+            f"{name}: {len(unseen)} samples were sent before an interruption and never answered here "
             f"(they may have been billed unseen; the account reconcile counts that money): "
-            f"{', '.join(sorted(unseen)[:5])}{' ...' if len(unseen) > 5 else ''}")
+            f"{', '.join(sorted(unseen)[:5])}{' ...' if len(unseen) > 5 else ''}"
+        )
     stats = RunStats(total=len(prompts), already=len(prompts) - len(pending))
-    log(f"{name}: {stats.already} of {len(prompts)} samples already journaled, {len(pending)} to request "
-        f"({settings.backend} {settings.model} at {settings.base_url}, concurrency {limits.concurrency})")
+    log(
+        f"{name}: {stats.already} of {len(prompts)} samples already journaled, {len(pending)} to request "
+        f"({settings.backend} {settings.model} at {settings.base_url}, concurrency {limits.concurrency})"
+    )
 
     if pending:
         journal, intents = Journal(jpath), Journal(intents_path(out_path))
         try:
-            await _run(pending, settings, api_key, limits, guard, journal, intents, stats, want_reasoning,
-                       render_ids, split_ids, eos_ids, name, log, state.lines)
+            await _run(
+                pending,
+                settings,
+                api_key,
+                limits,
+                guard,
+                journal,
+                intents,
+                stats,
+                want_reasoning,
+                render_ids,
+                split_ids,
+                eos_ids,
+                name,
+                log,
+                state.lines,
+            )
         finally:
             await journal.aclose()
             await intents.aclose()
 
     missing = [p["id"] for p in prompts if p["id"] not in state.lines]
     summary = {
-        "samples": len(prompts), "already_journaled": stats.already, "requested_now": stats.done,
-        "missing": len(missing), "cost_usd_now": round(stats.cost, 6),
-        "completion_tokens_now": stats.completion_tokens, "retries": dict(stats.retries),
-        "final_errors": dict(stats.final_errors), "flags_now": dict(stats.flags),
+        "samples": len(prompts),
+        "already_journaled": stats.already,
+        "requested_now": stats.done,
+        "missing": len(missing),
+        "cost_usd_now": round(stats.cost, 6),
+        "completion_tokens_now": stats.completion_tokens,
+        "retries": dict(stats.retries),
+        "final_errors": dict(stats.final_errors),
+        "flags_now": dict(stats.flags),
         "seconds": round(time.monotonic() - stats.started, 2),
     }
     log(f"{name}: {json.dumps(summary)}")
     quota_done = stats.stop_kind == "quota" and not stats.failed
     if missing and not quota_done:
         failures = ", ".join(f"{k}: {v}" for k, v in stats.final_errors.items())
-        raise RegenerationStopped(stats.stop_reason or f"{len(missing)} samples have no response after "
-                                  f"responses.max_attempts attempts ({failures}); rerun to retry only them")
+        raise RegenerationStopped(
+            stats.stop_reason
+            or f"{len(missing)} samples have no response after "
+            f"responses.max_attempts attempts ({failures}); rerun to retry only them"
+        )
     kept = [p["id"] for p in prompts if p["id"] in state.lines]
     kept_records = [json.loads(state.lines[i]) for i in kept]
     completion = {
-        "format": COMPLETION_FORMAT, "shard": out_path.name, "prompts": len(prompts), "samples": len(kept),
-        "not_requested": len(missing), "reason": QUOTA_REASON if missing else None,
+        "format": COMPLETION_FORMAT,
+        "shard": out_path.name,
+        "prompts": len(prompts),
+        "samples": len(kept),
+        "not_requested": len(missing),
+        "reason": QUOTA_REASON if missing else None,
         "max_output_tokens": guard.token_cap,
-        "dataset_output_tokens": guard.tokens_before + stats.completion_tokens
+        "dataset_output_tokens": guard.tokens_before
+        + stats.completion_tokens
         + (guard.others.dataset_tokens if guard.others else 0),
         "shard_output_tokens": sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in kept_records),
         "shard_cost_usd": round(sum(float(r.get("cost") or 0.0) for r in kept_records), 6),
     }
     if missing:
-        log(f"{name}: the dataset's max_output_tokens quota ({guard.token_cap:,}) is reached: the shard is "
-            f"complete with {len(kept)} of {len(prompts)} samples; {len(missing)} prompts not requested")
+        log(
+            f"{name}: the dataset's max_output_tokens quota ({guard.token_cap:,}) is reached: the shard is "
+            f"complete with {len(kept)} of {len(prompts)} samples; {len(missing)} prompts not requested"
+        )
     summary["completion"] = completion
     # The completion record first: a published shard always has it beside it.
     atomic_write_bytes(completion_path(out_path), (json.dumps(completion, indent=1) + "\n").encode())
@@ -341,8 +383,23 @@ def read_completion(shard_output: str | Path) -> dict[str, Any] | None:
     return rec
 
 
-async def _run(pending, settings, api_key, limits, guard, journal, intents, stats, want_reasoning,
-               render_ids, split_ids, eos_ids, name, log, lines: dict[str, bytes]) -> None:
+async def _run(
+    pending,
+    settings,
+    api_key,
+    limits,
+    guard,
+    journal,
+    intents,
+    stats,
+    want_reasoning,
+    render_ids,
+    split_ids,
+    eos_ids,
+    name,
+    log,
+    lines: dict[str, bytes],
+) -> None:
     headers = {"Content-Type": "application/json", **(settings.extra_headers or {})}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -376,25 +433,37 @@ async def _run(pending, settings, api_key, limits, guard, journal, intents, stat
             spent = guard.spent(stats.cost)
             if spent + (stats.in_flight + 1) * per_cost > guard.budget_usd:
                 lost = f", {_usd(guard.lost_usd)} of it lost to interrupted requests" if guard.lost_usd > 0 else ""
-                halt(f"budget: ${spent:.2f} spent{lost} of responses.budget_usd ${guard.budget_usd:.2f} "
-                     f"(${stats.in_flight * per_cost:.2f} more in flight); finished samples are kept in the "
-                     "journal - raise the budget and rerun to finish the rest", "budget")
+                halt(
+                    f"budget: ${spent:.2f} spent{lost} of responses.budget_usd ${guard.budget_usd:.2f} "
+                    f"(${stats.in_flight * per_cost:.2f} more in flight); finished samples are kept in the "
+                    "journal - raise the budget and rerun to finish the rest",
+                    "budget",
+                )
                 return False
         if guard.token_cap is not None:
             used = guard.tokens_before + stats.completion_tokens + (others.dataset_tokens if others else 0)
             if used + (stats.in_flight + 1) * per_tokens > guard.token_cap:
-                halt(f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
-                     "the dataset is complete with the samples that fit", "quota")
+                halt(
+                    f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
+                    "the dataset is complete with the samples that fit",
+                    "quota",
+                )
                 return False
         return True
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout)
-    connector = aiohttp.TCPConnector(limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300,
-                                     ssl=tls_context(limits.ca_bundle))
+    connector = aiohttp.TCPConnector(
+        limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300, ssl=tls_context(limits.ca_bundle)
+    )
     url = settings.url()
     # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers,
-                                     cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False) as session:
+    async with aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        headers=headers,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        raise_for_status=False,
+    ) as session:
 
         async def one(sample: _Sample) -> dict[str, Any] | None:
             attempt = 0
@@ -403,8 +472,15 @@ async def _run(pending, settings, api_key, limits, guard, journal, intents, stat
                 t0 = time.monotonic()
                 # Before the request leaves: if this process dies while it is in flight, the next run
                 # knows the sample may have been billed without an answer.
-                intents.append({"format": INTENT_FORMAT, "id": sample.prompt["id"], "t": round(time.time(), 3),
-                                "params_hash": phash, "attempt": attempt})
+                intents.append(
+                    {
+                        "format": INTENT_FORMAT,
+                        "id": sample.prompt["id"],
+                        "t": round(time.time(), 3),
+                        "params_hash": phash,
+                        "attempt": attempt,
+                    }
+                )
                 try:
                     async with session.post(url, data=sample.body) as resp:
                         raw = await resp.read()
@@ -428,12 +504,14 @@ async def _run(pending, settings, api_key, limits, guard, journal, intents, stat
                 except aiohttp.ClientConnectorCertificateError as e:
                     # A certificate the client does not trust will not be trusted on a retry either.
                     stats.final_errors["tls_certificate"] += 1
-                    halt(f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
-                         "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off")
+                    halt(
+                        f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
+                        "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off"
+                    )
                     return None
                 except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
                     kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
-                except (asyncio.TimeoutError, TimeoutError):
+                except TimeoutError:
                     kind, message, wait = "timeout", f"no answer within {limits.read_timeout:g}s", None
                 except FatalError as e:
                     stats.final_errors[e.kind] += 1
@@ -489,9 +567,15 @@ async def _run(pending, settings, api_key, limits, guard, journal, intents, stat
 
         # The account is read on a connection of its own: with every request slot busy, a poll through the
         # main pool would wait for a free one and see the account only when the shard is over.
-        account_session = (aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(limits.ca_bundle)), headers=headers,
-            cookie_jar=aiohttp.DummyCookieJar()) if guard.account is not None else None)
+        account_session = (
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(limits.ca_bundle)),
+                headers=headers,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            if guard.account is not None
+            else None
+        )
 
         async def progress() -> None:
             while True:

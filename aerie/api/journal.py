@@ -76,8 +76,9 @@ class JournalState:
     cost: float = 0.0  # dollars of every line, stale ones included: money already spent
 
 
-def read_journal(path: Path, params_hash: str | None = None, prompts: dict[str, str] | None = None,
-                 repair: bool = False) -> JournalState:
+def read_journal(
+    path: Path, params_hash: str | None = None, prompts: dict[str, str] | None = None, repair: bool = False
+) -> JournalState:
     """Read a journal. ``prompts`` maps sample id -> ``messages_key``; ``repair`` cuts a torn tail.
 
     Only the last line can be torn (appends are single writes and a torn tail is cut before the next
@@ -100,8 +101,10 @@ def read_journal(path: Path, params_hash: str | None = None, prompts: dict[str, 
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise FormatError(f"{path}:{lineno}: corrupt journal line ({e.msg}); only a torn last line is "
-                              "expected - move the file aside to inspect it") from None
+            raise FormatError(
+                f"{path}:{lineno}: corrupt journal line ({e.msg}); only a torn last line is "
+                "expected - move the file aside to inspect it"
+            ) from None
         state.cost += float(rec.get("cost") or 0.0)
         sid = rec.get("id")
         current = params_hash is None or rec.get("params_hash") == params_hash

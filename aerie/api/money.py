@@ -32,8 +32,11 @@ def config_prices(responses: dict[str, Any]) -> Prices | None:
         return Prices(0.0, 0.0, "free (self-hosted)")
     if "price_per_million_output_usd" not in responses:
         return None
-    return Prices(responses.get("price_per_million_input_usd", 0.0) / 1e6,
-                  responses["price_per_million_output_usd"] / 1e6, "config")
+    return Prices(
+        responses.get("price_per_million_input_usd", 0.0) / 1e6,
+        responses["price_per_million_output_usd"] / 1e6,
+        "config",
+    )
 
 
 def _endpoint_allowed(ep: dict[str, Any], provider: dict[str, Any]) -> bool:
@@ -82,8 +85,10 @@ def resolve_prices(responses: dict[str, Any], api_key: str | None = None, live: 
     prices = live_prices(responses, api_key) if live else None
     prices = prices or config_prices(responses)
     if prices is None:
-        raise ValueError("responses.price_per_million_output_usd: no price in the config and the "
-                         "endpoints API did not answer; set the price to preview and cap spending")
+        raise ValueError(
+            "responses.price_per_million_output_usd: no price in the config and the "
+            "endpoints API did not answer; set the price to preview and cap spending"
+        )
     return prices
 
 
@@ -107,8 +112,15 @@ class ShardEstimate:
     dollars: float
 
 
-def estimate_shard(dataset: str, shard: str, prompts: list[dict[str, Any]], output_path: Path,
-                   params_hash: str, mean_output_tokens: float, prices: Prices) -> ShardEstimate:
+def estimate_shard(
+    dataset: str,
+    shard: str,
+    prompts: list[dict[str, Any]],
+    output_path: Path,
+    params_hash: str,
+    mean_output_tokens: float,
+    prices: Prices,
+) -> ShardEstimate:
     """Cost of what is still to be requested for one shard (journaled samples are free)."""
     from aerie.api.journal import messages_key
 
@@ -121,8 +133,9 @@ def estimate_shard(dataset: str, shard: str, prompts: list[dict[str, Any]], outp
     return ShardEstimate(dataset, shard, len(pending), prompt_tokens, output_tokens, dollars)
 
 
-def mean_output_tokens(responses: dict[str, Any], spent: dict[str, float],
-                       dataset: tuple[str, dict[str, Any]] | None = None) -> tuple[float, str]:
+def mean_output_tokens(
+    responses: dict[str, Any], spent: dict[str, float], dataset: tuple[str, dict[str, Any]] | None = None
+) -> tuple[float, str]:
     """Expected output tokens per sample: the journals' mean once 20 responses exist, else the dataset's
     ``expected_output_tokens``, else ``responses.expected_output_tokens``, else ``max_new_tokens``.
 
@@ -158,8 +171,15 @@ class DatasetEstimate:
         return self.expected_samples < self.pending_prompts
 
 
-def estimate_dataset(dataset: str, rows: list[ShardEstimate], mean_tokens: float, basis: str, prices: Prices,
-                     quota: int | None, quota_used: int) -> DatasetEstimate:
+def estimate_dataset(
+    dataset: str,
+    rows: list[ShardEstimate],
+    mean_tokens: float,
+    basis: str,
+    prices: Prices,
+    quota: int | None,
+    quota_used: int,
+) -> DatasetEstimate:
     """Sum a dataset's shard estimates, then keep only the samples its quota leaves room for.
 
     The client stops admitting requests once the next one would pass the quota, so at the expected
@@ -174,8 +194,19 @@ def estimate_dataset(dataset: str, rows: list[ShardEstimate], mean_tokens: float
         prompt_tokens = int(round(prompt_tokens * samples / pending))
     output_tokens = int(round(samples * mean_tokens))
     dollars = prompt_tokens * prices.input + output_tokens * prices.output
-    return DatasetEstimate(dataset, len(rows), pending, samples, prompt_tokens, output_tokens, dollars, basis,
-                           mean_tokens, quota, quota_used)
+    return DatasetEstimate(
+        dataset,
+        len(rows),
+        pending,
+        samples,
+        prompt_tokens,
+        output_tokens,
+        dollars,
+        basis,
+        mean_tokens,
+        quota,
+        quota_used,
+    )
 
 
 @dataclass
@@ -194,39 +225,59 @@ class AccountState:
         return max(0.0, (self.usage - self.baseline_usage) - (self.journal_spend - self.baseline_journal))
 
 
-def format_preview(estimates: list[DatasetEstimate], spent_total: float, budget: float | None, prices: Prices,
-                   account: AccountState | None = None, account_note: str = "") -> str:
+def format_preview(
+    estimates: list[DatasetEstimate],
+    spent_total: float,
+    budget: float | None,
+    prices: Prices,
+    account: AccountState | None = None,
+    account_note: str = "",
+) -> str:
     lost = account.lost if account is not None else 0.0
-    lines = [f"aerie cost preview (price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out "
-             f"tokens, {prices.source}):"]
-    lines.append(f"  {'dataset':<16}{'shards':>7}{'prompts':>9}{'samples':>9}{'out tokens':>13}{'USD':>10}"
-                 "  estimate from")
+    lines = [
+        f"aerie cost preview (price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out "
+        f"tokens, {prices.source}):"
+    ]
+    lines.append(
+        f"  {'dataset':<16}{'shards':>7}{'prompts':>9}{'samples':>9}{'out tokens':>13}{'USD':>10}  estimate from"
+    )
     for e in estimates:
         if not e.shards and not e.pending_prompts:
             continue  # benchmark-only, or every shard published
         note = f"{e.basis} {e.mean_output_tokens:,.0f}/sample"
         if e.quota is not None:
-            note += (f"; quota {e.quota:,} reached: {e.expected_samples:,} of {e.pending_prompts:,} prompts"
-                     if e.quota_reached else f"; within quota {e.quota:,}")
-        lines.append(f"  {e.dataset:<16}{e.shards:>7}{e.pending_prompts:>9}{e.expected_samples:>9}"
-                     f"{e.output_tokens:>13,}{e.dollars:>10.2f}  {note}")
+            note += (
+                f"; quota {e.quota:,} reached: {e.expected_samples:,} of {e.pending_prompts:,} prompts"
+                if e.quota_reached
+                else f"; within quota {e.quota:,}"
+            )
+        lines.append(
+            f"  {e.dataset:<16}{e.shards:>7}{e.pending_prompts:>9}{e.expected_samples:>9}"
+            f"{e.output_tokens:>13,}{e.dollars:>10.2f}  {note}"
+        )
     total = sum(e.dollars for e in estimates)
-    lines.append(f"  will produce ~{sum(e.expected_samples for e in estimates):,} more responses "
-                 f"(~{sum(e.output_tokens for e in estimates):,} output tokens) for ${total:.2f}")
+    lines.append(
+        f"  will produce ~{sum(e.expected_samples for e in estimates):,} more responses "
+        f"(~{sum(e.output_tokens for e in estimates):,} output tokens) for ${total:.2f}"
+    )
     used = spent_total + lost
     money = f"  spent: ${spent_total:.2f} journaled + ${lost:.2f} lost to interrupted requests = ${used:.2f}"
     if budget is not None:
         money += f"; budget ${budget:.2f}, remaining ${budget - used:.2f}"
     lines.append(money)
     if account is not None:
-        lines.append(f"  account ({account.source}): usage ${account.usage:.2f}, "
-                     f"${account.usage - account.baseline_usage:.2f} since the run's first start, "
-                     f"journals ${account.journal_spend - account.baseline_journal:.2f}")
+        lines.append(
+            f"  account ({account.source}): usage ${account.usage:.2f}, "
+            f"${account.usage - account.baseline_usage:.2f} since the run's first start, "
+            f"journals ${account.journal_spend - account.baseline_journal:.2f}"
+        )
     elif account_note:
         lines.append(f"  account: {account_note}")
     if budget is not None and total > budget - used:
-        lines.append(f"  OVER BUDGET by ${total - (budget - used):.2f}: a real run refuses to start "
-                     "(--config allow_over_budget=True runs until the budget stops it)")
+        lines.append(
+            f"  OVER BUDGET by ${total - (budget - used):.2f}: a real run refuses to start "
+            "(--config allow_over_budget=True runs until the budget stops it)"
+        )
     return "\n".join(lines)
 
 
@@ -254,8 +305,7 @@ def account_key_url(responses: dict[str, Any]) -> str:
     return f"{responses['base_url'].rstrip('/')}/key"
 
 
-def read_account_usage(responses: dict[str, Any], api_key: str | None,
-                       timeout: float = 15.0) -> dict[str, Any] | None:
+def read_account_usage(responses: dict[str, Any], api_key: str | None, timeout: float = 15.0) -> dict[str, Any] | None:
     """The account's live usage: ``GET /key`` (usage, limit, limit_remaining), else ``GET /credits``
     (total_usage); None when neither gives a figure. Raises RuntimeError when the server is unreachable
     or refuses the key."""
@@ -269,13 +319,16 @@ def read_account_usage(responses: dict[str, Any], api_key: str | None,
             raise RuntimeError(f"the API key in ${responses.get('api_key_env')} was refused (HTTP 401)")
         data = (resp.json().get("data") or {}) if resp.status_code == 200 else {}
         if data.get("usage") is not None:
-            return {"usage": float(data["usage"]), "limit": data.get("limit"),
-                    "limit_remaining": data.get("limit_remaining"), "endpoint": "key"}
+            return {
+                "usage": float(data["usage"]),
+                "limit": data.get("limit"),
+                "limit_remaining": data.get("limit_remaining"),
+                "endpoint": "key",
+            }
         resp = requests.get(f"{base}/credits", headers=headers, timeout=timeout)
         data = (resp.json().get("data") or {}) if resp.status_code == 200 else {}
         if data.get("total_usage") is not None:
-            return {"usage": float(data["total_usage"]), "limit": None, "limit_remaining": None,
-                    "endpoint": "credits"}
+            return {"usage": float(data["total_usage"]), "limit": None, "limit_remaining": None, "endpoint": "credits"}
     except requests.RequestException as e:
         raise RuntimeError(f"responses.base_url {base}: unreachable ({type(e).__name__})") from None
     except ValueError:
@@ -298,15 +351,28 @@ def read_account_ledger(path: Path, account: str) -> list[dict[str, Any]]:
     return out
 
 
-def append_account_ledger(path: Path, account: str, event: str, job: str, usage: float, journal_spend: float,
-                          lost: float) -> None:
+def append_account_ledger(
+    path: Path, account: str, event: str, job: str, usage: float, journal_spend: float, lost: float
+) -> None:
     """One reading, appended with a single write (parallel jobs append to the same file)."""
     import time
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"format": ACCOUNT_FORMAT, "account": account, "event": event, "job": job,
-                       "t": round(time.time(), 3), "usage": usage, "journal_spend": round(journal_spend, 9),
-                       "lost": round(lost, 9)}) + "\n"
+    line = (
+        json.dumps(
+            {
+                "format": ACCOUNT_FORMAT,
+                "account": account,
+                "event": event,
+                "job": job,
+                "t": round(time.time(), 3),
+                "usage": usage,
+                "journal_spend": round(journal_spend, 9),
+                "lost": round(lost, 9),
+            }
+        )
+        + "\n"
+    )
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
@@ -325,5 +391,10 @@ def account_state(ledger: list[dict[str, Any]], usage: float | None, journal_spe
 
     last = ledger[-1]
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["t"]))
-    return AccountState(float(last["usage"]), float(first["usage"]), float(last["journal_spend"]),
-                        float(first["journal_spend"]), f"last reading {when}")
+    return AccountState(
+        float(last["usage"]),
+        float(first["usage"]),
+        float(last["journal_spend"]),
+        float(first["journal_spend"]),
+        f"last reading {when}",
+    )

@@ -49,7 +49,10 @@ def backend_settings(responses: dict[str, Any], target_path: str, base_url: str 
     return BackendSettings(
         backend=responses["backend"],
         # A server started by the rule serves the target folder under its path.
-        model=str(target_path) if served else responses["model"] if responses["backend"] != "sglang"
+        model=str(target_path)
+        if served
+        else responses["model"]
+        if responses["backend"] != "sglang"
         else responses.get("model") or str(target_path),
         base_url=base_url or responses.get("base_url") or "",
         temperature=responses["temperature"],
@@ -88,8 +91,9 @@ def account_datasets(config: dict[str, Any], account: str) -> list[str]:
     return [d for d in api_datasets(config) if account_id(responses_config(config, d)) == account]
 
 
-def start_account(config: dict[str, Any], dataset: str, results_dir: Path, api_key: str | None, job: str,
-                  log: Callable[[str], None]) -> tuple[AccountState | None, AccountWatcher | None]:
+def start_account(
+    config: dict[str, Any], dataset: str, results_dir: Path, api_key: str | None, job: str, log: Callable[[str], None]
+) -> tuple[AccountState | None, AccountWatcher | None]:
     """At a job's start: read the account's usage, record it, reconcile it with the journals.
 
     The account's growth since the run's first start minus the journals' growth is money billed for
@@ -105,8 +109,10 @@ def start_account(config: dict[str, Any], dataset: str, results_dir: Path, api_k
     except RuntimeError as e:
         raise RuntimeError(f"{e}; nothing was requested") from None
     if live is None:
-        log("GET /key and /credits gave no usage figure: the account is not reconciled, the budget counts "
-            "journal spend only")
+        log(
+            "GET /key and /credits gave no usage figure: the account is not reconciled, the budget counts "
+            "journal spend only"
+        )
         return None, None
     ledger_path = account_ledger_path(results_dir)
     ledger = read_account_ledger(ledger_path, account)
@@ -114,10 +120,12 @@ def start_account(config: dict[str, Any], dataset: str, results_dir: Path, api_k
     journals = sum(s["cost"] for s in run_spend(results_dir, mine).values())
     state = account_state(ledger, live["usage"], journals)
     append_account_ledger(ledger_path, account, "start", job, live["usage"], journals, state.lost)
-    log(f"account ({live['endpoint']}): usage ${live['usage']:.2f}, limit {live['limit']}, remaining "
+    log(
+        f"account ({live['endpoint']}): usage ${live['usage']:.2f}, limit {live['limit']}, remaining "
         f"{live['limit_remaining']}; since the run's first start ${state.usage - state.baseline_usage:.2f} billed, "
         f"${state.journal_spend - state.baseline_journal:.2f} journaled: "
-        f"${state.lost:.2f} lost to interrupted requests")
+        f"${state.lost:.2f} lost to interrupted requests"
+    )
     remaining = live["limit_remaining"]
     if remaining is not None and float(remaining) <= 0:
         raise RuntimeError("the API key has no limit remaining (GET /key); raise its limit; nothing was requested")
@@ -127,21 +135,34 @@ def start_account(config: dict[str, Any], dataset: str, results_dir: Path, api_k
 
     # The watcher compares against the journals of every dataset the guard follows (api_datasets).
     all_journals = sum(s["cost"] for s in run_spend(results_dir, api_datasets(config)).values())
-    watcher = AccountWatcher(account_key_url(responses), state.baseline_usage,
-                             state.baseline_journal + (all_journals - journals), record, floor=state.lost)
+    watcher = AccountWatcher(
+        account_key_url(responses),
+        state.baseline_usage,
+        state.baseline_journal + (all_journals - journals),
+        record,
+        floor=state.lost,
+    )
     return state, watcher
 
 
-def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, Any], dataset: str,
-                         results_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+def regenerate_api_shard(
+    prompts_path: Path,
+    out_path: Path,
+    config: dict[str, Any],
+    dataset: str,
+    results_dir: Path,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Run one shard through the dataset's API backend (starting a loopback server if configured)."""
     responses = responses_config(config, dataset)
     target = config["target"]
     prompts = read_prompts(prompts_path)
     api_key = api_key_from_env(responses)
     if responses["backend"] == "openrouter" and not api_key:
-        raise RuntimeError(f"responses.api_key_env: environment variable ${responses['api_key_env']} is not set "
-                           "(the key is read from the environment only)")
+        raise RuntimeError(
+            f"responses.api_key_env: environment variable ${responses['api_key_env']} is not set "
+            "(the key is read from the environment only)"
+        )
 
     datasets = api_datasets(config)
     spend = run_spend(results_dir, datasets)
@@ -155,13 +176,15 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
         tokens_before=int(spend[dataset]["completion_tokens"]),
         expected_tokens=mean_tokens,
     )
-    guard.others = LedgerWatcher(_all_journals(results_dir, datasets), exclude=journal_path(out_path),
-                                 dataset_dir=out_path.parent)
+    guard.others = LedgerWatcher(
+        _all_journals(results_dir, datasets), exclude=journal_path(out_path), dataset_dir=out_path.parent
+    )
     guard.others.prime()
-    log(f"{dataset}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
-        f"expected {mean_tokens:.0f} output tokens per sample ({basis}); spent so far ${guard.spent_before:.2f}")
-    account, guard.account = start_account(config, dataset, results_dir, api_key,
-                                           f"{dataset}/{out_path.name}", log)
+    log(
+        f"{dataset}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
+        f"expected {mean_tokens:.0f} output tokens per sample ({basis}); spent so far ${guard.spent_before:.2f}"
+    )
+    account, guard.account = start_account(config, dataset, results_dir, api_key, f"{dataset}/{out_path.name}", log)
     if account is not None:
         guard.lost_usd = account.lost
 
@@ -189,15 +212,28 @@ def regenerate_api_shard(prompts_path: Path, out_path: Path, config: dict[str, A
         device = str(pick_device(target.get("device", "auto")))
         server = serve_on_loopback(
             lambda port: transformers_serve_command(target["path"], port, device=device),
-            "/health", out_path.parent / f".{out_path.name}.server.log")
+            "/health",
+            out_path.parent / f".{out_path.name}.server.log",
+        )
     with server as base:
         if base:
             log(f"{dataset}: transformers serve ready at {base}")
         settings = backend_settings(responses, target["path"], base_url=f"{base}/v1" if base else None)
-        return asyncio.run(regenerate_shard(
-            prompts, out_path, settings, api_key=api_key, limits=client_limits(responses), guard=guard,
-            want_reasoning=responses["require_reasoning"], render_ids=render_ids, split_ids=split_ids,
-            eos_ids=eos_ids, log=log))
+        return asyncio.run(
+            regenerate_shard(
+                prompts,
+                out_path,
+                settings,
+                api_key=api_key,
+                limits=client_limits(responses),
+                guard=guard,
+                want_reasoning=responses["require_reasoning"],
+                render_ids=render_ids,
+                split_ids=split_ids,
+                eos_ids=eos_ids,
+                log=log,
+            )
+        )
 
 
 @dataclass
@@ -212,8 +248,9 @@ class CostPreview:
     datasets: dict[str, DatasetEstimate]
 
 
-def preview_account(config: dict[str, Any], datasets: list[str], results_dir: Path, spent: float,
-                    live: bool) -> tuple[AccountState | None, str]:
+def preview_account(
+    config: dict[str, Any], datasets: list[str], results_dir: Path, spent: float, live: bool
+) -> tuple[AccountState | None, str]:
     """The account reconcile for the preview: live when the key is here, else the ledger's last reading."""
     accounts = {account_id(responses_config(config, d)) for d in datasets} - {None}
     if not accounts:
@@ -246,8 +283,9 @@ def _quota_raised(completion: dict[str, Any], quota: int | None) -> bool:
     return recorded is not None and (quota is None or quota > recorded)
 
 
-def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Path,
-                 live: bool = True) -> CostPreview | None:
+def cost_preview(
+    config: dict[str, Any], plans: dict[str, Any], results_dir: Path, live: bool = True
+) -> CostPreview | None:
     """Estimate the pending API work per dataset, cut at each dataset's output-token quota; None when no
     dataset uses an API.
 
@@ -265,9 +303,21 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
     priced: dict[str, Prices] = {}  # one endpoints-API call per distinct model/routing, not per dataset
     for name in datasets:
         responses = responses_config(config, name)
-        key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider", "live_prices",
-                                                      "price_per_million_input_usd", "price_per_million_output_usd")],
-                         sort_keys=True)
+        key = json.dumps(
+            [
+                responses.get(k)
+                for k in (
+                    "backend",
+                    "base_url",
+                    "model",
+                    "provider",
+                    "live_prices",
+                    "price_per_million_input_usd",
+                    "price_per_million_output_usd",
+                )
+            ],
+            sort_keys=True,
+        )
         if key not in priced:
             priced[key] = resolve_prices(responses, api_key_from_env(responses), live=live and responses["live_prices"])
         prices = priced[key]
@@ -290,14 +340,18 @@ def cost_preview(config: dict[str, Any], plans: dict[str, Any], results_dir: Pat
             rows.append(estimate_shard(name, shard, prompts, out, phash, mean_tokens, prices))
         if cut:
             # A published shard is never rerun by Snakemake on its own: say how to request the rest.
-            notes.append(f"datasets.{name}.max_output_tokens was raised after {len(cut)} shard(s) were published "
-                         f"at the old quota; not counted above. `snakemake --forcerun {' '.join(cut)}` requests "
-                         "their remaining prompts (journaled samples are not paid again)")
-        estimates[name] = estimate_dataset(name, rows, mean_tokens, basis, prices, ds.get("max_output_tokens"),
-                                           int(spend[name]["completion_tokens"]))
+            notes.append(
+                f"datasets.{name}.max_output_tokens was raised after {len(cut)} shard(s) were published "
+                f"at the old quota; not counted above. `snakemake --forcerun {' '.join(cut)}` requests "
+                "their remaining prompts (journaled samples are not paid again)"
+            )
+        estimates[name] = estimate_dataset(
+            name, rows, mean_tokens, basis, prices, ds.get("max_output_tokens"), int(spend[name]["completion_tokens"])
+        )
     spent = sum(s["cost"] for s in spend.values())
     account, note = preview_account(config, datasets, results_dir, spent, live)
     text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
     text += "".join(f"\n  NOTE {n}" for n in notes)
-    return CostPreview(text, sum(e.dollars for e in estimates.values()), budget, spent,
-                       account.lost if account else 0.0, estimates)
+    return CostPreview(
+        text, sum(e.dollars for e in estimates.values()), budget, spent, account.lost if account else 0.0, estimates
+    )

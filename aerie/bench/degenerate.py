@@ -23,9 +23,9 @@ def loop_period(ids: Sequence[int] | None, window: int = LOOP_WINDOW, max_period
     """Shortest period p <= max_period with which the last ``window`` ids repeat, else None."""
     if not ids or len(ids) < window + max_period:
         return None
-    tail = list(ids[-(window + max_period):])
+    tail = list(ids[-(window + max_period) :])
     for p in range(1, max_period + 1):
-        seg = tail[-(window + p):]
+        seg = tail[-(window + p) :]
         if all(seg[i] == seg[i + p] for i in range(len(seg) - p)):
             return p
     return None
@@ -33,7 +33,7 @@ def loop_period(ids: Sequence[int] | None, window: int = LOOP_WINDOW, max_period
 
 def repeated_ngram_rate(ids: Sequence[int], n: int = REPEAT_NGRAM) -> float:
     """Share of the output's n-grams that already occurred earlier in it (0 for short outputs)."""
-    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
     if not grams:
         return 0.0
     return 1.0 - len(set(grams)) / len(grams)

@@ -26,8 +26,12 @@ def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
     positions = list(range(1, k + 1))
     for j, (name, m) in enumerate(methods.items()):
         xs = [p - 0.4 + width * (j + 0.5) for p in positions]
-        ax_acc.bar(xs, [a or 0.0 for a in m["acceptance_per_position"]], width=width,
-                   label=f"{name} (acceptance length {m['acceptance_length'] or 0:.2f})")
+        ax_acc.bar(
+            xs,
+            [a or 0.0 for a in m["acceptance_per_position"]],
+            width=width,
+            label=f"{name} (acceptance length {m['acceptance_length'] or 0:.2f})",
+        )
     ax_acc.set_xticks(positions)
     ax_acc.set_xlabel("draft position")
     ax_acc.set_ylabel("share of verify steps accepting it")
@@ -44,8 +48,13 @@ def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
     bars = ax_tps.bar(names, tps, color=["grey", *[f"C{j}" for j in range(len(methods))]])
     for bar, name in zip(bars[1:], methods):
         sp = methods[name]["speedup"]
-        ax_tps.annotate(f"{sp or 0:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=9)
+        ax_tps.annotate(
+            f"{sp or 0:.2f}x",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
     ax_tps.set_ylabel("tokens / s (batch 1)")
     ax_tps.set_title(f"Throughput on {report['device']}, {report['prompts']} prompts, same run", fontsize=10)
     fig.tight_layout()

@@ -184,8 +184,7 @@ def run_benchmark(
         for m in methods:
             decode(m, rendered[0])
 
-    totals = {m: _MethodTotals(accepted_pos=[0] * num_draft_steps, drafted_pos=[0] * num_draft_steps)
-              for m in methods}
+    totals = {m: _MethodTotals(accepted_pos=[0] * num_draft_steps, drafted_pos=[0] * num_draft_steps) for m in methods}
     per_prompt: list[dict[str, Any]] = []
     degenerate_ids: list[str] = []
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
@@ -193,7 +192,7 @@ def run_benchmark(
         for r in range(repeats):
             shift = (i + r) % len(methods)
             for m in methods[shift:] + methods[:shift]:
-                runs[m].append(_timed(lambda m=m: decode(m, ids), dev))
+                runs[m].append(_timed(lambda m=m, ids=ids: decode(m, ids), dev))
 
         ref = runs["baseline"][0][0]
         base_stable = all(b == ref for b, _ in runs["baseline"])
@@ -252,22 +251,35 @@ def run_benchmark(
             if mismatch is not None:
                 # Was it a near-tie (numerics) or a real divergence (a bug)? Look at the target's margin.
                 info["mismatch_logit_gap"] = logit_gap(target, ids + ref[:mismatch], dev)
-                log(f"WARNING {prompt['id']} ({m}): output diverges from greedy at token {mismatch} "
-                    f"(target top-2 logit gap there {info['mismatch_logit_gap']:.3g})")
+                log(
+                    f"WARNING {prompt['id']} ({m}): output diverges from greedy at token {mismatch} "
+                    f"(target top-2 logit gap there {info['mismatch_logit_gap']:.3g})"
+                )
             entry["methods"][m] = info
         # The trained drafter's numbers also at the top of the entry (format 1 readers).
         eagle = entry["methods"]["eagle3"]
-        entry.update(speculative_s=eagle["seconds"], speculative_tokens_per_s=eagle["tokens_per_s"],
-                     speedup=eagle["speedup"], verify_steps=eagle["verify_steps"],
-                     acceptance_length=eagle["acceptance_length"], finish_reason=eagle["finish_reason"],
-                     lossless=eagle["lossless"], first_mismatch=eagle["first_mismatch"],
-                     **({"mismatch_logit_gap": eagle["mismatch_logit_gap"]} if "mismatch_logit_gap" in eagle else {}))
+        entry.update(
+            speculative_s=eagle["seconds"],
+            speculative_tokens_per_s=eagle["tokens_per_s"],
+            speedup=eagle["speedup"],
+            verify_steps=eagle["verify_steps"],
+            acceptance_length=eagle["acceptance_length"],
+            finish_reason=eagle["finish_reason"],
+            lossless=eagle["lossless"],
+            first_mismatch=eagle["first_mismatch"],
+            **({"mismatch_logit_gap": eagle["mismatch_logit_gap"]} if "mismatch_logit_gap" in eagle else {}),
+        )
         per_prompt.append(entry)
-        log(f"[{i + 1}/{len(prompts)}] {prompt['id']}: {len(ref)} tokens, baseline {b_tps or 0:.1f} tok/s; "
-            + "; ".join(f"{m} {entry['methods'][m]['tokens_per_s'] or 0:.1f} tok/s, acceptance "
-                        f"{entry['methods'][m]['acceptance_length'] or float('nan'):.2f}" for m in proposers)
+        log(
+            f"[{i + 1}/{len(prompts)}] {prompt['id']}: {len(ref)} tokens, baseline {b_tps or 0:.1f} tok/s; "
+            + "; ".join(
+                f"{m} {entry['methods'][m]['tokens_per_s'] or 0:.1f} tok/s, acceptance "
+                f"{entry['methods'][m]['acceptance_length'] or float('nan'):.2f}"
+                for m in proposers
+            )
             + (f" [degenerate: {', '.join(flags)}]" if flags else "")
-            + ("" if entry["lossless"] else ", NOT LOSSLESS"))
+            + ("" if entry["lossless"] else ", NOT LOSSLESS")
+        )
 
     base = totals["baseline"]
     base_tps = _ratio(base.tokens, base.seconds)
@@ -328,18 +340,24 @@ def run_benchmark(
         "cpu_count": os.cpu_count(),
         "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "versions": {
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
         },
         "per_prompt": per_prompt,
     }
     atomic_write_json(out_json, report)
     for m in proposers:
         sm = summary[m]
-        log(f"{m}: speedup {sm['speedup'] or float('nan'):.3f}x (median paired "
+        log(
+            f"{m}: speedup {sm['speedup'] or float('nan'):.3f}x (median paired "
             f"{sm['speedup_median_paired'] or float('nan'):.3f}x), acceptance length "
-            f"{sm['acceptance_length'] or float('nan'):.2f}, lossless={sm['lossless']}")
-    log(f"{out_json}: baseline {base_tps or 0:.1f} tok/s; simulated acceptance {simulated or float('nan'):.2f} vs "
-        f"measured {measured or float('nan'):.2f}; degenerate prompts {len(degenerate_ids)}/{len(prompts)}")
+            f"{sm['acceptance_length'] or float('nan'):.2f}, lossless={sm['lossless']}"
+        )
+    log(
+        f"{out_json}: baseline {base_tps or 0:.1f} tok/s; simulated acceptance {simulated or float('nan'):.2f} vs "
+        f"measured {measured or float('nan'):.2f}; degenerate prompts {len(degenerate_ids)}/{len(prompts)}"
+    )
     return report
 
 
@@ -376,27 +394,41 @@ def gate_failures(report: dict[str, Any], gate: Gate) -> list[str]:
     speedup = min(figures) if figures else None
     if speedup is None or speedup < gate.min_speedup:
         base, spec = report["baseline"]["tokens_per_s"], report["speculative"]["tokens_per_s"]
-        failures.append(f"speedup {speedup or 0:.3f}x is below bench.gate.min_speedup {gate.min_speedup:g} "
-                        f"({spec or 0:.1f} tok/s with the drafter vs {base or 0:.1f} without, same run; "
-                        f"pooled {report.get('speedup') or 0:.3f}x, median paired "
-                        f"{report.get('speedup_median_paired') or 0:.3f}x)")
+        failures.append(
+            f"speedup {speedup or 0:.3f}x is below bench.gate.min_speedup {gate.min_speedup:g} "
+            f"({spec or 0:.1f} tok/s with the drafter vs {base or 0:.1f} without, same run; "
+            f"pooled {report.get('speedup') or 0:.3f}x, median paired "
+            f"{report.get('speedup_median_paired') or 0:.3f}x)"
+        )
     if not report.get("lossless"):
         failures.append("speculative output differs from greedy decoding (see per_prompt first_mismatch)")
     # Decided from the measured figures with the same function that wrote the report's beats_references field.
     refs = reference_acceptance(report)
     if gate.must_beat_references and not beats_references(report["acceptance_length"], refs):
-        failures.append(f"acceptance length {report['acceptance_length'] or 0:.2f} does not beat the reference "
-                        f"drafters {', '.join(f'{m} {a or 0:.2f}' for m, a in refs.items())}")
+        failures.append(
+            f"acceptance length {report['acceptance_length'] or 0:.2f} does not beat the reference "
+            f"drafters {', '.join(f'{m} {a or 0:.2f}' for m, a in refs.items())}"
+        )
     gap = report.get("simulated_vs_measured")
     if gate.max_simulated_gap is not None and gap is not None and gap > gate.max_simulated_gap:
-        failures.append(f"measured acceptance {report['acceptance_length']:.2f} and the training eval's simulated "
-                        f"{report['simulated_acceptance_length']:.2f} differ by {gap:.0%} "
-                        f"(> bench.gate.max_simulated_gap {gate.max_simulated_gap:.0%})")
+        failures.append(
+            f"measured acceptance {report['acceptance_length']:.2f} and the training eval's simulated "
+            f"{report['simulated_acceptance_length']:.2f} differ by {gap:.0%} "
+            f"(> bench.gate.max_simulated_gap {gate.max_simulated_gap:.0%})"
+        )
     return failures
 
 
-def gated_benchmark(target: dict[str, Any], drafter_dir: Path, prompt_files: Sequence[Path], out_json: Path,
-                    out_png: Path, bench: dict[str, Any], threads: int, log: Callable[[str], None] = print) -> dict:
+def gated_benchmark(
+    target: dict[str, Any],
+    drafter_dir: Path,
+    prompt_files: Sequence[Path],
+    out_json: Path,
+    out_png: Path,
+    bench: dict[str, Any],
+    threads: int,
+    log: Callable[[str], None] = print,
+) -> dict:
     """The bench rule's work: run_benchmark with the config's ``bench`` settings, the plot, then the gate.
 
     A drafter that fails the gate fails the job; Snakemake would delete the job's outputs, so the evidence is
@@ -404,10 +436,20 @@ def gated_benchmark(target: dict[str, Any], drafter_dir: Path, prompt_files: Seq
     from aerie.bench.plots import plot_benchmark
 
     report = run_benchmark(
-        Path(target["path"]), drafter_dir, list(prompt_files), out_json,
-        max_new_tokens=bench["max_new_tokens"], num_draft_steps=bench["num_draft_steps"], repeats=bench["repeats"],
-        warmup=bench["warmup"], threads=bench.get("threads") or threads, max_prompts=bench.get("max_prompts"),
-        device=target["device"], dtype=target["dtype"], references=bench["references"], log=log,
+        Path(target["path"]),
+        drafter_dir,
+        list(prompt_files),
+        out_json,
+        max_new_tokens=bench["max_new_tokens"],
+        num_draft_steps=bench["num_draft_steps"],
+        repeats=bench["repeats"],
+        warmup=bench["warmup"],
+        threads=bench.get("threads") or threads,
+        max_prompts=bench.get("max_prompts"),
+        device=target["device"],
+        dtype=target["dtype"],
+        references=bench["references"],
+        log=log,
     )
     plot_benchmark(report, out_png)
     gate = Gate(**bench["gate"])
@@ -440,9 +482,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--references", nargs="*", default=list(REFERENCES), choices=list(REFERENCES))
     a = ap.parse_args(argv)
     run_benchmark(
-        a.target, a.drafter, a.prompts, a.out,
-        max_new_tokens=a.max_new_tokens, num_draft_steps=a.num_draft_steps, repeats=a.repeats,
-        warmup=a.warmup, threads=a.threads, max_prompts=a.max_prompts, device=a.device, dtype=a.dtype,
+        a.target,
+        a.drafter,
+        a.prompts,
+        a.out,
+        max_new_tokens=a.max_new_tokens,
+        num_draft_steps=a.num_draft_steps,
+        repeats=a.repeats,
+        warmup=a.warmup,
+        threads=a.threads,
+        max_prompts=a.max_prompts,
+        device=a.device,
+        dtype=a.dtype,
         references=a.references,
     )
 

@@ -25,11 +25,28 @@ from aerie.prompts import PromptSet
 # 0.5.23 sizes decode and prefill CUDA graphs separately (cuda_graph_max_bs_decode / _prefill);
 # cuda_graph_max_bs is the single setting of older servers.
 SERVER_INFO_FIELDS = (
-    "version", "model_path", "tp_size", "dp_size", "mem_fraction_static", "speculative_algorithm",
-    "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
-    "speculative_num_draft_tokens", "max_running_requests", "cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill",
-    "cuda_graph_max_bs", "disable_cuda_graph", "disable_radix_cache", "max_total_num_tokens", "max_req_input_len",
-    "attention_backend", "dtype", "kv_cache_dtype", "decode_log_interval",
+    "version",
+    "model_path",
+    "tp_size",
+    "dp_size",
+    "mem_fraction_static",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "max_running_requests",
+    "cuda_graph_max_bs_decode",
+    "cuda_graph_max_bs_prefill",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+    "disable_radix_cache",
+    "max_total_num_tokens",
+    "max_req_input_len",
+    "attention_backend",
+    "dtype",
+    "kv_cache_dtype",
+    "decode_log_interval",
 )
 
 
@@ -82,8 +99,11 @@ def parse_server_info(body: Any) -> dict[str, Any]:
     per_dp: list[float] = []
     states = body.get("internal_states")
     if isinstance(states, list):
-        per_dp = [float(s["avg_spec_accept_length"]) for s in states
-                  if isinstance(s, dict) and isinstance(s.get("avg_spec_accept_length"), (int, float))]
+        per_dp = [
+            float(s["avg_spec_accept_length"])
+            for s in states
+            if isinstance(s, dict) and isinstance(s.get("avg_spec_accept_length"), (int, float))
+        ]
     value: float | None = statistics.fmean(per_dp) if per_dp else None
     if value is None and isinstance(body.get("avg_spec_accept_length"), (int, float)):
         value = float(body["avg_spec_accept_length"])
@@ -91,12 +111,16 @@ def parse_server_info(body: Any) -> dict[str, Any]:
     if value is None and isinstance(decode, list) and decode and isinstance(decode[0], dict):
         v = decode[0].get("avg_spec_accept_length")
         value = float(v) if isinstance(v, (int, float)) else None
-    fields = {k: body[k] for k in SERVER_INFO_FIELDS
-              if k in body and (body[k] is None or isinstance(body[k], (str, int, float, bool)))}
+    fields = {
+        k: body[k]
+        for k in SERVER_INFO_FIELDS
+        if k in body and (body[k] is None or isinstance(body[k], (str, int, float, bool)))
+    }
     return {"avg_spec_accept_length": value, "avg_spec_accept_length_per_dp": per_dp, "fields": fields}
 
 
 # ---- the client ---------------------------------------------------------------------------------------
+
 
 @dataclass
 class SGLangClient:
@@ -111,25 +135,30 @@ class SGLangClient:
     info_endpoint: str | None = None
 
     def body(self, prompt_input: list[int] | str, max_new_tokens: int | None = None) -> dict[str, Any]:
-        return {self.input_key: prompt_input,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens or self.max_new_tokens,
-                                    "skip_special_tokens": False}}
+        return {
+            self.input_key: prompt_input,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": max_new_tokens or self.max_new_tokens,
+                "skip_special_tokens": False,
+            },
+        }
 
     async def generate(self, session, pid: str, prompt_input, max_new_tokens: int | None = None) -> dict[str, Any]:
         import aiohttp
 
         t0 = time.perf_counter()
         try:
-            async with session.post(self.base + "/generate", json=self.body(prompt_input, max_new_tokens),
-                                    headers=self.headers) as resp:
+            async with session.post(
+                self.base + "/generate", json=self.body(prompt_input, max_new_tokens), headers=self.headers
+            ) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError) as e:
             return {"id": pid, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
         latency = time.perf_counter() - t0
         if status != 200:
-            return {"id": pid, "latency_s": latency,
-                    "error": f"HTTP {status}: {raw[:300].decode(errors='replace')}"}
+            return {"id": pid, "latency_s": latency, "error": f"HTTP {status}: {raw[:300].decode(errors='replace')}"}
         try:
             body = json.loads(raw)
         except json.JSONDecodeError:
@@ -172,10 +201,16 @@ class SGLangClient:
             return False
 
 
-async def drive_server(client: SGLangClient, prompt_sets: Sequence[PromptSet],
-                       inputs: Mapping[str, list[tuple[str, Any]]], concurrency: Sequence[int], warmup: int,
-                       flush_cache: bool, mode: str,
-                       log: Callable[[str], None]) -> tuple[dict[tuple[str, int], dict[str, Any]], dict | None]:
+async def drive_server(
+    client: SGLangClient,
+    prompt_sets: Sequence[PromptSet],
+    inputs: Mapping[str, list[tuple[str, Any]]],
+    concurrency: Sequence[int],
+    warmup: int,
+    flush_cache: bool,
+    mode: str,
+    log: Callable[[str], None],
+) -> tuple[dict[tuple[str, int], dict[str, Any]], dict | None]:
     """Warm the server up, then run every prompt set at every concurrency level, each after a cache flush.
 
     Returns ``runs[(set, concurrency)] = {records, wall_s, cache_flushed, server_avg_spec_accept_length}`` and
@@ -201,12 +236,18 @@ async def drive_server(client: SGLangClient, prompt_sets: Sequence[PromptSet],
                 got = await client.server_info(session)
                 info = got or info
                 avg = got["avg_spec_accept_length"] if got else None
-                runs[(ps.name, c)] = {"records": records, "wall_s": wall, "cache_flushed": flushed,
-                                      "server_avg_spec_accept_length": avg}
+                runs[(ps.name, c)] = {
+                    "records": records,
+                    "wall_s": wall,
+                    "cache_flushed": flushed,
+                    "server_avg_spec_accept_length": avg,
+                }
                 stats = mode_stats(records, wall, avg, cache_flushed=flushed)
                 al = stats["accept_length_mean"]
                 server = f"{avg:.2f}" if avg is not None else "n/a"
-                log(f"{mode} {ps.name} @ concurrency {c}: {stats['ok']}/{stats['requests']} ok, "
+                log(
+                    f"{mode} {ps.name} @ concurrency {c}: {stats['ok']}/{stats['requests']} ok, "
                     f"{stats['output_tokens_per_s'] or 0:.1f} tok/s"
-                    + (f", acceptance {al:.2f} per request (server counter {server})" if al else ""))
+                    + (f", acceptance {al:.2f} per request (server counter {server})" if al else "")
+                )
     return runs, info

@@ -72,17 +72,24 @@ def _drafter_config(drafter_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{drafter_dir}: no config.json; expected a save_pretrained EAGLE-3 drafter folder")
     cfg = json.loads(cfg_path.read_text())
     eagle = cfg.get("eagle_config") or {}
-    return {"architectures": cfg.get("architectures"), "vocab_size": cfg.get("vocab_size"),
-            "draft_vocab_size": cfg.get("draft_vocab_size"),
-            "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids")}
+    return {
+        "architectures": cfg.get("architectures"),
+        "vocab_size": cfg.get("vocab_size"),
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+    }
 
 
 def _gpus() -> list[str] | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else None
@@ -97,12 +104,18 @@ def _versions(sglang_version: str | None) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return None
 
-    return {"sglang": sglang_version, "aerie": ver("aerie"), "python": platform.python_version(),
-            "aiohttp": ver("aiohttp"), "transformers": ver("transformers") if "transformers" in sys.modules else None}
+    return {
+        "sglang": sglang_version,
+        "aerie": ver("aerie"),
+        "python": platform.python_version(),
+        "aiohttp": ver("aiohttp"),
+        "transformers": ver("transformers") if "transformers" in sys.modules else None,
+    }
 
 
-def tokenizer_render(tokenizer_path: str | Path, *, as_text: bool = False,
-                     trust_remote_code: bool = False) -> Callable[[list[dict[str, Any]]], list[int] | str]:
+def tokenizer_render(
+    tokenizer_path: str | Path, *, as_text: bool = False, trust_remote_code: bool = False
+) -> Callable[[list[dict[str, Any]]], list[int] | str]:
     """A render callable from the target's tokenizer: chat template + generation prompt, as ids or text."""
     from aerie.target.chat import render_prompt_ids
     from aerie.target.model import load_tokenizer
@@ -149,12 +162,18 @@ def run_sglang_benchmark(
     target_path, drafter_dir, out_json = str(target_path), Path(drafter_dir), Path(out_json)
     drafter_cfg = _drafter_config(drafter_dir)
     if not any("Eagle3" in str(a) for a in drafter_cfg["architectures"] or []):
-        log(f"WARNING {drafter_dir}: architectures {drafter_cfg['architectures']} (SGLang's EAGLE3 loads "
-            f"LlamaForCausalLMEagle3)")
-    if settings["speculative_eagle_topk"] == 1 and \
-            settings["speculative_num_draft_tokens"] != settings["speculative_num_steps"] + 1:
-        log("WARNING: with speculative_eagle_topk 1 SGLang sets speculative_num_draft_tokens to "
-            "speculative_num_steps + 1; the effective values are in servers.eagle3.server_info")
+        log(
+            f"WARNING {drafter_dir}: architectures {drafter_cfg['architectures']} (SGLang's EAGLE3 loads "
+            f"LlamaForCausalLMEagle3)"
+        )
+    if (
+        settings["speculative_eagle_topk"] == 1
+        and settings["speculative_num_draft_tokens"] != settings["speculative_num_steps"] + 1
+    ):
+        log(
+            "WARNING: with speculative_eagle_topk 1 SGLang sets speculative_num_draft_tokens to "
+            "speculative_num_steps + 1; the effective values are in servers.eagle3.server_info"
+        )
     if not prompt_sets:
         raise ValueError("no prompt sets")
     names = [ps.name for ps in prompt_sets]
@@ -210,10 +229,18 @@ def run_sglang_benchmark(
             launched["cmd"] = server_command(target_path, port, settings, drafter_dir=drafter, python=sglang_python)
             return launched["cmd"]
 
-        info: dict[str, Any] = {"command": None, "command_line": None, "log": str(log_path),
-                                "env_keys": sorted(server_env or {}), "ready_s": None,
-                                "server_info_endpoint": None, "server_info": None, "pids": [],
-                                "leftover_pids_killed": [], "error": None}
+        info: dict[str, Any] = {
+            "command": None,
+            "command_line": None,
+            "log": str(log_path),
+            "env_keys": sorted(server_env or {}),
+            "ready_s": None,
+            "server_info_endpoint": None,
+            "server_info": None,
+            "pids": [],
+            "leftover_pids_killed": [],
+            "error": None,
+        }
         servers[mode] = info
         client = SGLangClient("", max_new_tokens, input_key, request_timeout, headers, admin_headers)
         log(f"{mode}: starting SGLang (log {log_path})")
@@ -226,10 +253,13 @@ def run_sglang_benchmark(
                 log(f"{mode}: ready at {base} after {info['ready_s']:.0f}s")
                 client.base = base
                 runs[mode], server_info = asyncio.run(
-                    drive_server(client, prompt_sets, inputs, settings["concurrency"], warmup, flush_cache, mode, log))
+                    drive_server(client, prompt_sets, inputs, settings["concurrency"], warmup, flush_cache, mode, log)
+                )
                 if server_info is not None:
-                    info["server_info"] = {**server_info["fields"],
-                                           "avg_spec_accept_length": server_info["avg_spec_accept_length"]}
+                    info["server_info"] = {
+                        **server_info["fields"],
+                        "avg_spec_accept_length": server_info["avg_spec_accept_length"],
+                    }
                 info["server_info_endpoint"] = client.info_endpoint
         except BaseException as e:  # noqa: BLE001 - recorded in the report, then raised
             error = e
@@ -245,8 +275,14 @@ def run_sglang_benchmark(
             break
 
     rows = build_rows(prompt_sets, settings["concurrency"], runs, record_outputs)
-    sglang_version = next((s["server_info"].get("version") for s in servers.values()
-                           if s.get("server_info") and s["server_info"].get("version")), None)
+    sglang_version = next(
+        (
+            s["server_info"].get("version")
+            for s in servers.values()
+            if s.get("server_info") and s["server_info"].get("version")
+        ),
+        None,
+    )
     report: dict[str, Any] = {
         "format": SGLANG_BENCH_FORMAT,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -261,26 +297,31 @@ def run_sglang_benchmark(
         "warmup": warmup,
         "flush_cache": flush_cache,
         "record_outputs": record_outputs,
-        "prompt_sets": [{"name": ps.name, "kind": ps.kind, "source": ps.source, "prompts": len(ps.prompts)}
-                        for ps in prompt_sets],
+        "prompt_sets": [
+            {"name": ps.name, "kind": ps.kind, "source": ps.source, "prompts": len(ps.prompts)} for ps in prompt_sets
+        ],
         "servers": servers,
         "versions": _versions(sglang_version),
         "host": {"hostname": platform.node(), "gpus": _gpus()},
         "rows": rows,
         "summary": summarize(rows, prompt_sets, settings["concurrency"], runs),
-        "notes": {"acceptance": SERVER_COUNTER_NOTE,
-                  "degenerate": "degenerate lists the flags of aerie.bench.degenerate (loop: the output ends in a "
-                                "short cycle; repetitive: mostly repeated 4-grams), the in-process benchmark's "
-                                "definition; such outputs inflate acceptance"},
+        "notes": {
+            "acceptance": SERVER_COUNTER_NOTE,
+            "degenerate": "degenerate lists the flags of aerie.bench.degenerate (loop: the output ends in a "
+            "short cycle; repetitive: mostly repeated 4-grams), the in-process benchmark's "
+            "definition; such outputs inflate acceptance",
+        },
     }
     atomic_write_text(out_json, _dumps(report))
     if error is not None:
         log(f"{out_json}: partial report written; {report['error']}")
         raise error
     s = report["summary"]
-    log(f"{out_json}: speedup {s['speedup_min'] or float('nan'):.2f}x..{s['speedup_max'] or float('nan'):.2f}x, "
+    log(
+        f"{out_json}: speedup {s['speedup_min'] or float('nan'):.2f}x..{s['speedup_max'] or float('nan'):.2f}x, "
         f"acceptance {s['accept_length_mean'] or float('nan'):.2f} (mean per request), lossless "
-        f"{s['lossless']['identical']}/{s['lossless']['compared']}")
+        f"{s['lossless']['identical']}/{s['lossless']['compared']}"
+    )
     return report
 
 
@@ -305,6 +346,7 @@ def _dumps(report: dict[str, Any]) -> str:
 
 # ---- command line -------------------------------------------------------------------------------------
 
+
 def _read_config(path: Path) -> dict[str, Any]:
     import yaml
 
@@ -318,45 +360,79 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="aerie-sglang-bench",
         description="Benchmark the target under SGLang without and with the EAGLE-3 drafter "
-                    f"(writes {SGLANG_BENCH_FORMAT} JSON).")
-    ap.add_argument("--config", type=Path, help="pipeline config YAML: its sglang: section, bench.max_new_tokens, "
-                                                "target.path and target.trust_remote_code are the defaults")
+        f"(writes {SGLANG_BENCH_FORMAT} JSON).",
+    )
+    ap.add_argument(
+        "--config",
+        type=Path,
+        help="pipeline config YAML: its sglang: section, bench.max_new_tokens, "
+        "target.path and target.trust_remote_code are the defaults",
+    )
     ap.add_argument("--target", help="target model path for SGLang (default: target.path of --config)")
     ap.add_argument("--drafter", required=True, help="EAGLE-3 drafter folder (LlamaForCausalLMEagle3 save_pretrained)")
-    ap.add_argument("--prompt-set", action="append", required=True, metavar="[NAME=]KIND[:PATH]",
-                    help=f"repeatable; KIND is one of {', '.join(BENCHMARK_KINDS)} (humaneval needs no PATH)")
+    ap.add_argument(
+        "--prompt-set",
+        action="append",
+        required=True,
+        metavar="[NAME=]KIND[:PATH]",
+        help=f"repeatable; KIND is one of {', '.join(BENCHMARK_KINDS)} (humaneval needs no PATH)",
+    )
     ap.add_argument("--max-prompts", type=int, help="first N prompts of each set")
     ap.add_argument("--out", required=True, type=Path, help=f"report ({SGLANG_BENCH_FORMAT} JSON)")
-    ap.add_argument("--sglang-python", metavar="PATH",
-                    help="python of SGLang's environment (default: this interpreter)")
+    ap.add_argument(
+        "--sglang-python", metavar="PATH", help="python of SGLang's environment (default: this interpreter)"
+    )
     over = "overrides sglang.%s of --config"
     ap.add_argument("--tp", type=int, help=over % "tp" + " (sent as --tp-size)")
     ap.add_argument("--speculative-num-steps", type=int, help=over % "speculative_num_steps")
     ap.add_argument("--speculative-eagle-topk", type=int, help=over % "speculative_eagle_topk")
     ap.add_argument("--speculative-num-draft-tokens", type=int, help=over % "speculative_num_draft_tokens")
     ap.add_argument("--mem-fraction-static", type=float, help=over % "mem_fraction_static")
-    ap.add_argument("--extra-args", metavar="'ARGS'",
-                    help="extra launch_server arguments as one shell-quoted string, written --extra-args='--a b' "
-                         "(replaces the config's extra_args)")
+    ap.add_argument(
+        "--extra-args",
+        metavar="'ARGS'",
+        help="extra launch_server arguments as one shell-quoted string, written --extra-args='--a b' "
+        "(replaces the config's extra_args)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", help=over % "concurrency" + " (levels, e.g. 1 8 32)")
     ap.add_argument("--max-new-tokens", type=int, help="default: bench.max_new_tokens of --config, else 128")
-    ap.add_argument("--input", choices=["input_ids", "text"], default="input_ids",
-                    help="send the chat-templated prompt as token ids (default) or as text")
+    ap.add_argument(
+        "--input",
+        choices=["input_ids", "text"],
+        default="input_ids",
+        help="send the chat-templated prompt as token ids (default) or as text",
+    )
     ap.add_argument("--tokenizer", help="tokenizer folder for rendering (default: the target path)")
-    ap.add_argument("--trust-remote-code", action="store_true", default=None,
-                    help="load the tokenizer with trust_remote_code (default: target.trust_remote_code)")
+    ap.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="load the tokenizer with trust_remote_code (default: target.trust_remote_code)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (default 2)")
     ap.add_argument("--no-flush-cache", action="store_true", help="do not flush the radix cache between runs")
     ap.add_argument("--health-path", default="/health", help="readiness endpoint (/health or /health_generate)")
     ap.add_argument("--ready-timeout", type=float, default=3600.0, help="seconds to wait for a server (default 3600)")
     ap.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request (default 3600)")
-    ap.add_argument("--stop-grace", type=float, default=30.0,
-                    help="seconds a stopped server's processes get before they are killed (default 30)")
-    ap.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra environment variable for the servers (repeatable; values never reported)")
+    ap.add_argument(
+        "--stop-grace",
+        type=float,
+        default=30.0,
+        help="seconds a stopped server's processes get before they are killed (default 30)",
+    )
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment variable for the servers (repeatable; values never reported)",
+    )
     ap.add_argument("--log-dir", type=Path, help="server logs (default: beside --out)")
-    ap.add_argument("--no-outputs", action="store_true",
-                    help="leave output ids and text out of the report (the lossless check still runs)")
+    ap.add_argument(
+        "--no-outputs",
+        action="store_true",
+        help="leave output ids and text out of the report (the lossless check still runs)",
+    )
     a = ap.parse_args(argv)
 
     cfg = _read_config(a.config) if a.config else {}
@@ -365,8 +441,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not target:
         ap.error("--target is required (or a --config with target.path)")
     sglang = dict(cfg.get("sglang") or {})
-    for key in ("tp", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                "mem_fraction_static", "concurrency"):
+    for key in (
+        "tp",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+        "mem_fraction_static",
+        "concurrency",
+    ):
         if getattr(a, key) is not None:
             sglang[key] = getattr(a, key)
     if a.extra_args is not None:
@@ -385,10 +467,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, OSError) as e:
         ap.error(str(e))
     report = run_sglang_benchmark(
-        target, a.drafter, sets, a.out, sglang=sglang, max_new_tokens=max_new_tokens, render=render,
-        sglang_python=a.sglang_python, warmup=a.warmup, flush_cache=not a.no_flush_cache,
-        health_path=a.health_path, ready_timeout=a.ready_timeout, request_timeout=a.request_timeout,
-        stop_grace_s=a.stop_grace, server_env=env, log_dir=a.log_dir, record_outputs=not a.no_outputs,
+        target,
+        a.drafter,
+        sets,
+        a.out,
+        sglang=sglang,
+        max_new_tokens=max_new_tokens,
+        render=render,
+        sglang_python=a.sglang_python,
+        warmup=a.warmup,
+        flush_cache=not a.no_flush_cache,
+        health_path=a.health_path,
+        ready_timeout=a.ready_timeout,
+        request_timeout=a.request_timeout,
+        stop_grace_s=a.stop_grace,
+        server_env=env,
+        log_dir=a.log_dir,
+        record_outputs=not a.no_outputs,
     )
     try:  # the figure is a convenience: SGLang's env may lack matplotlib
         from aerie.bench.plots import plot_sglang_benchmark

@@ -31,12 +31,24 @@ SGLANG_DEFAULTS: dict[str, Any] = {
 }
 
 # Flags the harness sets itself; extra_args must not override them (argparse keeps the last value).
-MANAGED_FLAGS = frozenset({
-    "--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--host", "--port",
-    "--mem-fraction-static", "--speculative-algorithm", "--speculative-draft-model-path",
-    "--speculative-draft-model", "--speculative-num-steps", "--speculative-eagle-topk",
-    "--speculative-num-draft-tokens",
-})
+MANAGED_FLAGS = frozenset(
+    {
+        "--model-path",
+        "--model",
+        "--tp-size",
+        "--tensor-parallel-size",
+        "--tp",
+        "--host",
+        "--port",
+        "--mem-fraction-static",
+        "--speculative-algorithm",
+        "--speculative-draft-model-path",
+        "--speculative-draft-model",
+        "--speculative-num-steps",
+        "--speculative-eagle-topk",
+        "--speculative-num-draft-tokens",
+    }
+)
 
 _SECRET_FLAG = re.compile(r"api[-_]?key|secret|passw|auth|(?:hf|access|bearer)[-_]?token", re.IGNORECASE)
 
@@ -63,32 +75,60 @@ def sglang_settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
     if clash:
         raise ValueError(f"sglang.extra_args sets {clash}, which the harness sets itself from the config")
     conc = s["concurrency"]
-    if (not isinstance(conc, (list, tuple)) or not conc
-            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in conc)):
+    if (
+        not isinstance(conc, (list, tuple))
+        or not conc
+        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in conc)
+    ):
         raise ValueError(f"sglang.concurrency must be a non-empty list of integers >= 1, got {conc!r}")
     s["extra_args"] = list(extra)
     s["concurrency"] = list(conc)
     return s
 
 
-def server_command(target_path: str | Path, port: int, sglang: Mapping[str, Any] | None = None, *,
-                   drafter_dir: str | Path | None = None, python: str | None = None,
-                   host: str = "127.0.0.1") -> list[str]:
+def server_command(
+    target_path: str | Path,
+    port: int,
+    sglang: Mapping[str, Any] | None = None,
+    *,
+    drafter_dir: str | Path | None = None,
+    python: str | None = None,
+    host: str = "127.0.0.1",
+) -> list[str]:
     """The ``launch_server`` argv: baseline without ``drafter_dir``, EAGLE-3 with it.
 
     Flag spellings are SGLang 0.5.23's (``--tp-size`` is the field's own flag, ``--tp`` only works as
     an argparse abbreviation). ``extra_args`` come last, verbatim.
     """
     s = sglang_settings(sglang)
-    cmd = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_path),
-           "--tp-size", str(s["tp"]), "--host", host, "--port", str(int(port))]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(target_path),
+        "--tp-size",
+        str(s["tp"]),
+        "--host",
+        host,
+        "--port",
+        str(int(port)),
+    ]
     if s["mem_fraction_static"] is not None:
         cmd += ["--mem-fraction-static", str(s["mem_fraction_static"])]
     if drafter_dir is not None:
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(drafter_dir),
-                "--speculative-num-steps", str(s["speculative_num_steps"]),
-                "--speculative-eagle-topk", str(s["speculative_eagle_topk"]),
-                "--speculative-num-draft-tokens", str(s["speculative_num_draft_tokens"])]
+        cmd += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(drafter_dir),
+            "--speculative-num-steps",
+            str(s["speculative_num_steps"]),
+            "--speculative-eagle-topk",
+            str(s["speculative_eagle_topk"]),
+            "--speculative-num-draft-tokens",
+            str(s["speculative_num_draft_tokens"]),
+        ]
     return cmd + s["extra_args"]
 
 
@@ -123,6 +163,7 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
 
 
 # ---- the server's processes ---------------------------------------------------------------------------
+
 
 def process_alive(pid: int) -> bool:
     """False for a process that is gone or a zombie (exited, waiting for its parent)."""
@@ -176,4 +217,3 @@ def kill_leftovers(marker: str, grace: float) -> list[int]:
     while any(process_alive(p) for p in left) and time.monotonic() < end:
         time.sleep(0.05)
     return left
-

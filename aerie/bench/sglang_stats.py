@@ -31,7 +31,8 @@ SERVER_COUNTER_NOTE = (
     "run: accepted tokens per verify step over the decode steps since the last /flush_cache (the harness flushes "
     "before every run unless told not to), folded in only every decode_log_interval (default 40) decode steps, "
     "and without the first (prefill) token; accept_length_mean, the mean over requests of completion_tokens / "
-    "spec_verify_ct, is the acceptance figure")
+    "spec_verify_ct, is the acceptance figure"
+)
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:
@@ -44,18 +45,40 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def mode_stats(records: Sequence[dict[str, Any]], wall_s: float,
-               server_avg_spec_accept_length: float | None = None, record_outputs: bool = True, *,
-               cache_flushed: bool | None = None) -> dict[str, Any]:
+def mode_stats(
+    records: Sequence[dict[str, Any]],
+    wall_s: float,
+    server_avg_spec_accept_length: float | None = None,
+    record_outputs: bool = True,
+    *,
+    cache_flushed: bool | None = None,
+) -> dict[str, Any]:
     """Statistics of one (mode, set, concurrency) run from its per-request records.
 
     ``record_outputs=False`` leaves ``output_ids`` and ``text`` out of ``per_request`` (set to null).
     """
-    kept = ("id", "latency_s", "e2e_latency_s", "prompt_tokens", "completion_tokens", "cached_tokens",
-            "spec_verify_ct", "accept_length", "degenerate", "finish_reason", "output_ids", "text", "error")
+    kept = (
+        "id",
+        "latency_s",
+        "e2e_latency_s",
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "spec_verify_ct",
+        "accept_length",
+        "degenerate",
+        "finish_reason",
+        "output_ids",
+        "text",
+        "error",
+    )
     # Judged on the output ids (None without them: the server did not return ids).
-    records = [{**r, "degenerate": degenerate_flags(r["output_ids"]) if r.get("output_ids") is not None else None}
-               if not r.get("error") else r for r in records]
+    records = [
+        {**r, "degenerate": degenerate_flags(r["output_ids"]) if r.get("output_ids") is not None else None}
+        if not r.get("error")
+        else r
+        for r in records
+    ]
     ok = [r for r in records if not r.get("error")]
     failed = [r for r in records if r.get("error")]
     out_tokens = sum(int(r["completion_tokens"] or 0) for r in ok)
@@ -83,14 +106,16 @@ def mode_stats(records: Sequence[dict[str, Any]], wall_s: float,
         "spec_verify_ct": verify if spec else None,
         "accept_length_mean": statistics.fmean(r["accept_length"] for r in spec) if spec else None,
         "accept_length_pooled": _ratio(sum(int(r["completion_tokens"]) for r in spec), verify) if spec else None,
-        "accept_length_mean_excluding_degenerate": (statistics.fmean(r["accept_length"] for r in spec_clean)
-                                                    if spec_clean else None),
+        "accept_length_mean_excluding_degenerate": (
+            statistics.fmean(r["accept_length"] for r in spec_clean) if spec_clean else None
+        ),
         "server_avg_spec_accept_length": server_avg_spec_accept_length,
         "cache_flushed": cache_flushed,
         "finish_reasons": dict(Counter(str(r.get("finish_reason")) for r in ok)),
         "degenerate_requests": sum(1 for r in ok if r.get("degenerate")),
-        "per_request": [{k: r.get(k) if record_outputs or k not in ("output_ids", "text") else None for k in kept}
-                        for r in records],
+        "per_request": [
+            {k: r.get(k) if record_outputs or k not in ("output_ids", "text") else None for k in kept} for r in records
+        ],
     }
 
 
@@ -111,15 +136,29 @@ def compare_outputs(baseline: Sequence[dict[str, Any]], eagle3: Sequence[dict[st
     for b, e in pairs:
         d = _first_diff(b.get(key) or [], e.get(key) or [])
         if d is not None:
-            differing.append({"id": e["id"], "first_diff": d, "baseline_tokens": b.get("completion_tokens"),
-                              "eagle3_tokens": e.get("completion_tokens")})
-    return {"compared_on": key, "compared": len(pairs), "identical": len(pairs) - len(differing),
-            "differing": len(differing), "first_differing": differing[:_MAX_DIFF_EXAMPLES]}
+            differing.append(
+                {
+                    "id": e["id"],
+                    "first_diff": d,
+                    "baseline_tokens": b.get("completion_tokens"),
+                    "eagle3_tokens": e.get("completion_tokens"),
+                }
+            )
+    return {
+        "compared_on": key,
+        "compared": len(pairs),
+        "identical": len(pairs) - len(differing),
+        "differing": len(differing),
+        "first_differing": differing[:_MAX_DIFF_EXAMPLES],
+    }
 
 
-def build_rows(prompt_sets: Sequence[PromptSet], concurrency: Sequence[int],
-               runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]],
-               record_outputs: bool = True) -> list[dict[str, Any]]:
+def build_rows(
+    prompt_sets: Sequence[PromptSet],
+    concurrency: Sequence[int],
+    runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]],
+    record_outputs: bool = True,
+) -> list[dict[str, Any]]:
     """Rows from raw runs: ``runs[mode][(set, c)] = {records, wall_s, server_avg_spec_accept_length}``."""
     rows = []
     for ps in prompt_sets:
@@ -127,21 +166,37 @@ def build_rows(prompt_sets: Sequence[PromptSet], concurrency: Sequence[int],
             row: dict[str, Any] = {"set": ps.name, "concurrency": c, "prompts": len(ps.prompts)}
             for mode in MODES:
                 run = runs.get(mode, {}).get((ps.name, c))
-                row[mode] = (mode_stats(run["records"], run["wall_s"], run.get("server_avg_spec_accept_length"),
-                                        record_outputs, cache_flushed=run.get("cache_flushed"))
-                             if run is not None else None)
+                row[mode] = (
+                    mode_stats(
+                        run["records"],
+                        run["wall_s"],
+                        run.get("server_avg_spec_accept_length"),
+                        record_outputs,
+                        cache_flushed=run.get("cache_flushed"),
+                    )
+                    if run is not None
+                    else None
+                )
             b, e = row["baseline"], row["eagle3"]
             row["speedup"] = _ratio(e["output_tokens_per_s"], b["output_tokens_per_s"]) if b and e else None
-            row["speedup_per_request"] = (_ratio(e["per_request_tokens_per_s_mean"], b["per_request_tokens_per_s_mean"])
-                                          if b and e else None)
-            row["lossless"] = (compare_outputs(runs["baseline"][(ps.name, c)]["records"],
-                                               runs["eagle3"][(ps.name, c)]["records"]) if b and e else None)
+            row["speedup_per_request"] = (
+                _ratio(e["per_request_tokens_per_s_mean"], b["per_request_tokens_per_s_mean"]) if b and e else None
+            )
+            row["lossless"] = (
+                compare_outputs(runs["baseline"][(ps.name, c)]["records"], runs["eagle3"][(ps.name, c)]["records"])
+                if b and e
+                else None
+            )
             rows.append(row)
     return rows
 
 
-def summarize(rows: Sequence[dict[str, Any]], prompt_sets: Sequence[PromptSet], concurrency: Sequence[int],
-              runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]]) -> dict[str, Any]:
+def summarize(
+    rows: Sequence[dict[str, Any]],
+    prompt_sets: Sequence[PromptSet],
+    concurrency: Sequence[int],
+    runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]],
+) -> dict[str, Any]:
     """The report's ``summary``: throughput and speedup per concurrency, acceptance over every EAGLE3 request,
     the lossless check over rows and of baseline against itself across concurrency levels, failures."""
     by_c = []
@@ -154,8 +209,9 @@ def summarize(rows: Sequence[dict[str, Any]], prompt_sets: Sequence[PromptSet], 
         entry["speedup"] = _ratio(entry["eagle3_output_tokens_per_s"], entry["baseline_output_tokens_per_s"])
         by_c.append(entry)
     speedups = [r["speedup"] for r in rows if r["speedup"]]
-    spec_reqs = [p for r in rows if r["eagle3"] for p in r["eagle3"]["per_request"]
-                 if not p["error"] and p["spec_verify_ct"]]
+    spec_reqs = [
+        p for r in rows if r["eagle3"] for p in r["eagle3"]["per_request"] if not p["error"] and p["spec_verify_ct"]
+    ]
     spec_clean = [p for p in spec_reqs if not p["degenerate"]]
     lossless = [r["lossless"] for r in rows if r["lossless"]]
     compared = sum(x["compared"] for x in lossless)
@@ -170,8 +226,14 @@ def summarize(rows: Sequence[dict[str, Any]], prompt_sets: Sequence[PromptSet], 
                 cmp = compare_outputs(first["records"], other["records"])
                 cross["compared"] += cmp["compared"]
                 cross["identical"] += cmp["identical"]
-    last_server = next((r["eagle3"]["server_avg_spec_accept_length"] for r in reversed(rows)
-                        if r["eagle3"] and r["eagle3"]["server_avg_spec_accept_length"] is not None), None)
+    last_server = next(
+        (
+            r["eagle3"]["server_avg_spec_accept_length"]
+            for r in reversed(rows)
+            if r["eagle3"] and r["eagle3"]["server_avg_spec_accept_length"] is not None
+        ),
+        None,
+    )
     verify = sum(p["spec_verify_ct"] for p in spec_reqs)
     return {
         "by_concurrency": by_c,
@@ -180,11 +242,16 @@ def summarize(rows: Sequence[dict[str, Any]], prompt_sets: Sequence[PromptSet], 
         "speedup_geomean": math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None,
         "accept_length_mean": statistics.fmean(p["accept_length"] for p in spec_reqs) if spec_reqs else None,
         "accept_length_pooled": _ratio(sum(p["completion_tokens"] for p in spec_reqs), verify) if spec_reqs else None,
-        "accept_length_mean_excluding_degenerate": (statistics.fmean(p["accept_length"] for p in spec_clean)
-                                                    if spec_clean else None),
+        "accept_length_mean_excluding_degenerate": (
+            statistics.fmean(p["accept_length"] for p in spec_clean) if spec_clean else None
+        ),
         "server_avg_spec_accept_length": last_server,
-        "lossless": {"compared": compared, "identical": identical, "differing": compared - identical,
-                     "all_identical": bool(lossless) and compared == identical},
+        "lossless": {
+            "compared": compared,
+            "identical": identical,
+            "differing": compared - identical,
+            "all_identical": bool(lossless) and compared == identical,
+        },
         "baseline_cross_concurrency": cross,
         "failed_requests": {m: sum(r[m]["failed"] for r in rows if r[m]) for m in MODES},
         "degenerate_requests": {m: sum(r[m]["degenerate_requests"] for r in rows if r[m]) for m in MODES},

@@ -22,17 +22,27 @@ from aerie.drafter.loop import train_drafter
 from aerie.target.config import resolve_aux_layer_ids, target_architectures, target_num_hidden_layers
 
 
-def run_training_job(hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, out_dir: Path,
-                     cfg: TrainConfig, *, gpus: int, configured_aux_layer_ids: Sequence[int] | None,
-                     log: Callable[[str], None], log_path: Path) -> None:
+def run_training_job(
+    hidden_shards: Sequence[Path],
+    vocab_path: Path,
+    target_path: Path,
+    out_dir: Path,
+    cfg: TrainConfig,
+    *,
+    gpus: int,
+    configured_aux_layer_ids: Sequence[int] | None,
+    log: Callable[[str], None],
+    log_path: Path,
+) -> None:
     """The drafter rule's work: resolve the aux layers, then train in this process, or - with ``gpus`` > 1 and
     that many visible - as torchrun processes (one per GPU, DDP) whose output goes to ``log_path``.
 
     The configured aux layers (null: SGLang's default for the target's depth) are checked against what SGLang
     serves; training refuses shards captured at other layers or from a target of another depth. Either way a
     killed job resumes where its last checkpoint left off (aerie.drafter.state)."""
-    aux_layer_ids = resolve_aux_layer_ids(configured_aux_layer_ids, target_num_hidden_layers(target_path),
-                                          target_architectures(target_path))
+    aux_layer_ids = resolve_aux_layer_ids(
+        configured_aux_layer_ids, target_num_hidden_layers(target_path), target_architectures(target_path)
+    )
     inputs = (list(hidden_shards), vocab_path, target_path, out_dir)
     nproc = distributed.processes_for(gpus, cfg)
     if nproc <= 1:
@@ -58,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--target", required=True, help="the target's save_pretrained folder")
     ap.add_argument("--out", required=True, help="output folder for the drafter")
     ap.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
-    ap.add_argument("--aux-layer-ids", default=None, help="the configured aux layer ids as JSON (checked against the shards)")
+    ap.add_argument(
+        "--aux-layer-ids", default=None, help="the configured aux layer ids as JSON (checked against the shards)"
+    )
     args = ap.parse_args(argv)
     cfg = TrainConfig(**json.loads(args.config))
 
@@ -67,8 +79,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         ids = json.loads(args.aux_layer_ids) if args.aux_layer_ids else None
-        train_drafter([Path(x) for x in args.hidden], Path(args.vocab), Path(args.target), Path(args.out), cfg, log=log,
-                      aux_layer_ids=ids)
+        train_drafter(
+            [Path(x) for x in args.hidden],
+            Path(args.vocab),
+            Path(args.target),
+            Path(args.out),
+            cfg,
+            log=log,
+            aux_layer_ids=ids,
+        )
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ATTENTION_KINDS = ("auto", "llama", "mla")
 
+
 @dataclass
 class TrainConfig:
     ttt_steps: int = 7  # unrolled draft steps per position (EAGLE-3 uses 7)
@@ -47,14 +48,18 @@ class TrainConfig:
             raise ValueError(f"drafter.attention must be one of {', '.join(ATTENTION_KINDS)}, not {self.attention!r}")
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 0:
-                raise ValueError(f"drafter.{name} must be >= 0 (0 = derived from the target), not {getattr(self, name)}")
+                raise ValueError(
+                    f"drafter.{name} must be >= 0 (0 = derived from the target), not {getattr(self, name)}"
+                )
 
     def drafter_shape(self) -> dict:
         """The keyword arguments DrafterConfig.from_target takes for the drafter's shape (None = derived)."""
         return {
             "attention": self.attention,
-            **{name: getattr(self, name) or None
-               for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")},
+            **{
+                name: getattr(self, name) or None
+                for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+            },
             "fc_norm": self.fc_norm,
             "norm_output": self.norm_output,
         }

@@ -102,7 +102,9 @@ class Batch:
     topk_logprobs: Tensor | None = None  # compact layout: [B, W, k] their log-probabilities
 
 
-def load_batch(windows: list[Window], shards: list[HiddenShard], ttt_steps: int, device: torch.device, dtype: torch.dtype) -> Batch:
+def load_batch(
+    windows: list[Window], shards: list[HiddenShard], ttt_steps: int, device: torch.device, dtype: torch.dtype
+) -> Batch:
     B = len(windows)
     T = max(w.end - w.start for w in windows)
     W = T + ttt_steps + 2
@@ -133,5 +135,15 @@ def load_batch(windows: list[Window], shards: list[HiddenShard], ttt_steps: int,
         row_valid[i, :n] = True
         position_ids[i] = w.pos0 + torch.arange(T)
     to = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
-    return Batch(to(aux), to(position_ids), to(row_valid), to(ids), to(have), to(gen), to(final), int(row_valid.sum()),
-                 to(topk_ids), to(topk_lp))
+    return Batch(
+        to(aux),
+        to(position_ids),
+        to(row_valid),
+        to(ids),
+        to(have),
+        to(gen),
+        to(final),
+        int(row_valid.sum()),
+        to(topk_ids),
+        to(topk_lp),
+    )

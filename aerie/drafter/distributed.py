@@ -77,8 +77,16 @@ def processes_for(gpus: int, cfg: TrainConfig) -> int:
     return min(gpus, torch.cuda.device_count())
 
 
-def torchrun_command(nproc: int, hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, out_dir: Path,
-                     cfg: TrainConfig, python: str = sys.executable, aux_layer_ids: Sequence[int] | None = None) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    hidden_shards: Sequence[Path],
+    vocab_path: Path,
+    target_path: Path,
+    out_dir: Path,
+    cfg: TrainConfig,
+    python: str = sys.executable,
+    aux_layer_ids: Sequence[int] | None = None,
+) -> list[str]:
     """``torchrun --standalone --nproc_per_node=N -m aerie.drafter.cli ...`` (as python -m torch.distributed.run,
     so it runs under the same interpreter)."""
     return [

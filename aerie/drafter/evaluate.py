@@ -12,7 +12,6 @@ from aerie.drafter.data import Window, load_batch
 from aerie.drafter.model import Eagle3Drafter
 from aerie.drafter.ttt import TargetHead, autocast, target_mask, ttt_loss, ttt_unroll
 
-
 EMPTY_EVAL = {  # what eval.json says when there is nothing held out
     "simulated_acceptance_length": None,
     "acceptance_per_position": [],
@@ -23,9 +22,18 @@ EMPTY_EVAL = {  # what eval.json says when there is nothing held out
     "heldout_start_positions": 0,
 }
 
+
 @torch.no_grad()
-def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: TargetHead, cfg: TrainConfig, device, dtype,
-             all_reduce: Callable[[Tensor], Tensor] | None = None) -> dict:
+def evaluate(
+    model: Eagle3Drafter,
+    groups: list[list[Window]],
+    shards,
+    head: TargetHead,
+    cfg: TrainConfig,
+    device,
+    dtype,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
+) -> dict:
     """Held-out TTT loss plus simulated chain acceptance with greedy verification.
 
     For every held-out start row t whose first drafted token is a generated one, draft step k is accepted
@@ -74,7 +82,7 @@ def evaluate(model: Eagle3Drafter, groups: list[list[Window]], shards, head: Tar
         "acceptance_per_position": per_pos,
         # what a chain of n draft steps would give: 1 + sum of the first n per-position rates
         "simulated_acceptance_length_by_steps": [1.0 + sum(per_pos[:n]) for n in range(1, K + 1)],
-        "heldout_loss": sum(cfg.step_loss_decay**k * l for k, l in enumerate(loss_k)),
+        "heldout_loss": sum(cfg.step_loss_decay**k * loss for k, loss in enumerate(loss_k)),
         "heldout_loss_per_step": loss_k,
         "heldout_accuracy_per_step": (correct / wsum.clamp_min(1)).tolist(),
         "heldout_start_positions": starts,

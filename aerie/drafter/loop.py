@@ -30,7 +30,13 @@ from aerie.drafter.distributed import setup_distributed, shard_for_rank
 from aerie.drafter.evaluate import EMPTY_EVAL, evaluate
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter, atomic_write
 from aerie.drafter.state import (
-    Progress, TrainLog, copy_atomic, data_fingerprint, load_train_state, save_train_state, set_rng_state,
+    Progress,
+    TrainLog,
+    copy_atomic,
+    data_fingerprint,
+    load_train_state,
+    save_train_state,
+    set_rng_state,
     train_state_dir,
 )
 from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast, target_mask, ttt_loss
@@ -38,7 +44,6 @@ from aerie.formats.hidden import check_shard_layers, open_hidden_shards
 from aerie.formats.vocab import DraftVocab, load_draft_vocab
 from aerie.target.config import target_num_hidden_layers
 from aerie.target.heads import read_target_heads
-
 
 EVAL_FORMAT = "aerie.drafter-eval/1"
 
@@ -61,8 +66,9 @@ def export_drafter(model: Eagle3Drafter, folder: Path, aux_layer_ids: Sequence[i
     check_exported_layer_ids(folder, aux_layer_ids)
 
 
-def build_drafter(target_path: Path, vocab: DraftVocab, aux_layer_ids: list[int], cfg: TrainConfig,
-                  need_lm_head: bool) -> tuple[Eagle3Drafter, DrafterConfig, torch.Tensor | None]:
+def build_drafter(
+    target_path: Path, vocab: DraftVocab, aux_layer_ids: list[int], cfg: TrainConfig, need_lm_head: bool
+) -> tuple[Eagle3Drafter, DrafterConfig, torch.Tensor | None]:
     """A new drafter around the target's frozen embeddings (lm_head and norm from the target's too, with
     init_head_from_target), and the target's lm_head [V, H] when ``need_lm_head`` (soft targets of ``full``
     hidden shards) - as Eagle3Drafter.from_target would build it from the loaded model, without loading it."""
@@ -130,8 +136,9 @@ def train_drafter(
     aux_layer_ids = list(aux_layer_ids) if aux_layer_ids is not None else shards[0].aux_layer_ids
     check_shard_layers(shards, aux_layer_ids, target_num_hidden_layers(Path(target_path)))
     vocab = load_draft_vocab(Path(vocab_path))
-    model, dcfg, lm_head = build_drafter(Path(target_path), vocab, aux_layer_ids, cfg,
-                                         need_lm_head=shards[0].layout == "full")
+    model, dcfg, lm_head = build_drafter(
+        Path(target_path), vocab, aux_layer_ids, cfg, need_lm_head=shards[0].layout == "full"
+    )
     if (shards[0].hidden_size, shards[0].vocab_size) != (dcfg.hidden_size, dcfg.vocab_size):
         raise ValueError(
             f"hidden shards were captured from a target with hidden {shards[0].hidden_size}, vocab "
@@ -139,8 +146,11 @@ def train_drafter(
         )
     model = model.to(device)
     if shards[0].layout == "full":
-        head = TargetHead(full=lm_head.to(device).float(), draft=lm_head[vocab.target_ids].to(device).float(),
-                          t2d=vocab.t2d.to(device))
+        head = TargetHead(
+            full=lm_head.to(device).float(),
+            draft=lm_head[vocab.target_ids].to(device).float(),
+            t2d=vocab.t2d.to(device),
+        )
     else:  # compact shards carry the target's top-k: no [V, H] head on the device (4.7 GB fp32 for Kimi)
         head = TargetHead(full=None, draft=None, t2d=vocab.t2d.to(device))
     del lm_head
@@ -163,7 +173,9 @@ def train_drafter(
     def held_out_eval() -> dict:
         if not eval_w:
             return dict(EMPTY_EVAL)
-        return evaluate(model, eval_groups, shards, head, cfg, device, dtype, all_reduce=dist.sum if dist.world > 1 else None)
+        return evaluate(
+            model, eval_groups, shards, head, cfg, device, dtype, all_reduce=dist.sum if dist.world > 1 else None
+        )
 
     # optimizer: AdamW; the LR is set from lr_at(step) before every step
     decay_params = [w for w in model.parameters() if w.requires_grad and w.dim() >= 2]
@@ -181,12 +193,16 @@ def train_drafter(
     if state is not None:
         missing, unexpected = model.load_state_dict(state["model"], strict=False)
         if set(missing) != {"embed_tokens.weight"} or unexpected:
-            raise ValueError(f"{state_path}: drafter tensors missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            raise ValueError(
+                f"{state_path}: drafter tensors missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         progress = Progress(**state["progress"])
-        log(f"resuming from {state_path}: epoch {progress.epoch}, batch {progress.position}, "
-            f"step {progress.step}/{total_steps}")
+        log(
+            f"resuming from {state_path}: epoch {progress.epoch}, batch {progress.position}, "
+            f"step {progress.step}/{total_steps}"
+        )
     else:
         progress = Progress()
         if dist.main:
@@ -223,9 +239,12 @@ def train_drafter(
             train_log.write({"event": "eval", "epoch": 0, **progress.untrained})
             untrained = progress.untrained
             if untrained.get("heldout_start_positions"):
-                log(f"untrained: acceptance {untrained['simulated_acceptance_length']:.3f}, loss {untrained['heldout_loss']:.4f}")
+                acceptance, loss = untrained["simulated_acceptance_length"], untrained["heldout_loss"]
+                log(f"untrained: acceptance {acceptance:.3f}, loss {loss:.4f}")
         else:
-            train_log.write({"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step})
+            train_log.write(
+                {"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step}
+            )
 
         model.train()
         for epoch in range(progress.epoch, cfg.epochs + 1):
@@ -242,7 +261,9 @@ def train_drafter(
                 loss, stats = ttt_loss(steps, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+                grad_norm = (
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+                )
                 opt.step()
                 # rows, supervised rows and loss of all ranks (one small all-reduce; a no-op in one process)
                 counts = dist.sum(torch.tensor([b.rows, float(stats[0][1]), float(loss.detach())], dtype=torch.float64))
@@ -265,9 +286,15 @@ def train_drafter(
                         "tokens_per_s": progress.tokens / max(progress.train_seconds, 1e-9),
                     }
                     train_log.write(event)
-                    log(f"step {progress.step}/{total_steps} loss {event['loss']:.4f} "
-                        f"acc0 {event['acc_per_step'][0]:.3f} {event['tokens_per_s']:.0f} tok/s")
-                if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.position < len(order):
+                    log(
+                        f"step {progress.step}/{total_steps} loss {event['loss']:.4f} "
+                        f"acc0 {event['acc_per_step'][0]:.3f} {event['tokens_per_s']:.0f} tok/s"
+                    )
+                if (
+                    cfg.checkpoint_every
+                    and progress.step % cfg.checkpoint_every == 0
+                    and progress.position < len(order)
+                ):
                     checkpoint()  # (the epoch's last batch is checkpointed after its evaluation)
                 if on_step is not None:
                     on_step(progress.step)
@@ -280,12 +307,17 @@ def train_drafter(
             # the first epoch, a better held-out acceptance, or every epoch when nothing is held out
             improved = acceptance is None or progress.best_acceptance is None or acceptance > progress.best_acceptance
             if dist.main:
-                facts = {"target": str(target_path), "hidden_shards": [str(x) for x in hidden_shards],
-                         "draft_vocab": str(vocab_path), "train_config": asdict(cfg), "epoch": epoch,
-                         "tokens_trained": progress.tokens,
-                         "seconds": round(elapsed_before + time.time() - t_start, 3),
-                         "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
-                         "heldout_loss": evaluation.get("heldout_loss")}
+                facts = {
+                    "target": str(target_path),
+                    "hidden_shards": [str(x) for x in hidden_shards],
+                    "draft_vocab": str(vocab_path),
+                    "train_config": asdict(cfg),
+                    "epoch": epoch,
+                    "tokens_trained": progress.tokens,
+                    "seconds": round(elapsed_before + time.time() - t_start, 3),
+                    "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
+                    "heldout_loss": evaluation.get("heldout_loss"),
+                }
                 export_drafter(model, state_dir / "last", aux_layer_ids, facts)
                 if improved:
                     for name in ("model.safetensors", "config.json"):
@@ -293,8 +325,10 @@ def train_drafter(
             if improved:
                 progress.best_epoch, progress.best_acceptance = epoch, acceptance
             if evaluation.get("heldout_start_positions"):
-                log(f"epoch {epoch}: acceptance {acceptance:.3f}, loss {evaluation['heldout_loss']:.4f}"
-                    + (" (best so far)" if improved else f" (best: epoch {progress.best_epoch})"))
+                log(
+                    f"epoch {epoch}: acceptance {acceptance:.3f}, loss {evaluation['heldout_loss']:.4f}"
+                    + (" (best so far)" if improved else f" (best: epoch {progress.best_epoch})")
+                )
             progress.epoch, progress.position = epoch + 1, 0
             checkpoint()
     finally:
@@ -308,11 +342,14 @@ def train_drafter(
         **best,  # the held-out figures of the drafter in out_dir
         "best_epoch": progress.best_epoch,
         "untrained": {
-            k: progress.untrained.get(k) for k in ("simulated_acceptance_length", "acceptance_per_position", "heldout_loss")
+            k: progress.untrained.get(k)
+            for k in ("simulated_acceptance_length", "acceptance_per_position", "heldout_loss")
         },
         "per_epoch": [
             {k: e.get(k) for k in ("epoch", "simulated_acceptance_length", "heldout_loss")} for e in progress.epochs
-        ] if eval_w else [],
+        ]
+        if eval_w
+        else [],
         "epochs": progress.epochs,  # every epoch's full held-out evaluation
         "heldout_sequences": len(held),
         "tokens_trained": progress.tokens,  # real rows processed, summed over epochs (each row runs ttt_steps steps)
@@ -334,7 +371,9 @@ def train_drafter(
         atomic_write(out_dir / "eval.json", lambda path: Path(path).write_text(json.dumps(result, indent=2) + "\n"))
         state_path.unlink(missing_ok=True)  # nothing left to resume; last/ and best/ stay
         log_tmp.unlink(missing_ok=True)
-        log(f"drafter (epoch {progress.best_epoch} of {cfg.epochs}) written to {out_dir} in {seconds:.1f}s "
-            f"({result['tokens_per_s']:.0f} tok/s)")
+        log(
+            f"drafter (epoch {progress.best_epoch} of {cfg.epochs}) written to {out_dir} in {seconds:.1f}s "
+            f"({result['tokens_per_s']:.0f} tok/s)"
+        )
     dist.barrier()
     return result

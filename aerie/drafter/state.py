@@ -65,8 +65,11 @@ def _safetensors_header_sha(path: Path) -> str:
         return hashlib.sha256(f.read(n)).hexdigest()[:16]
 
 
-def data_fingerprint(hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, aux_layer_ids: list[int]) -> dict:
+def data_fingerprint(
+    hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, aux_layer_ids: list[int]
+) -> dict:
     """What the training data is: shard paths, sizes and header hashes, the draft vocab, target, aux ids."""
+
     def file(p):
         return [str(p), os.path.getsize(p), _safetensors_header_sha(Path(p))]
 
@@ -98,8 +101,16 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-def save_train_state(path: Path, model: Eagle3Drafter, opt, progress: Progress, cfg: TrainConfig,
-                     fingerprint: dict, world: int, total_steps: int) -> None:
+def save_train_state(
+    path: Path,
+    model: Eagle3Drafter,
+    opt,
+    progress: Progress,
+    cfg: TrainConfig,
+    fingerprint: dict,
+    world: int,
+    total_steps: int,
+) -> None:
     """Everything a resume needs, in one atomically replaced file. The frozen embeddings are left out: the
     resumed run reads them from the target again (they are the biggest tensor: 4.7 GB fp32 for Kimi)."""
     state = {

@@ -71,7 +71,9 @@ class HiddenShard:
         self._file = safe_open(str(self.path), framework="pt")
         meta = self._file.metadata() or {}
         if meta.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"{self.path}: format {meta.get('format')!r}, expected one of {', '.join(READABLE_FORMATS)}")
+            raise ValueError(
+                f"{self.path}: format {meta.get('format')!r}, expected one of {', '.join(READABLE_FORMATS)}"
+            )
         self.layout = meta.get("layout", "full")
         if self.layout not in LAYOUTS:
             raise ValueError(f"{self.path}: unknown layout {self.layout!r}")
@@ -108,7 +110,9 @@ class HiddenShard:
     def aux_rows(self, start: int, end: int, dtype: torch.dtype) -> Tensor:
         """[n, A*H] aux features in ``dtype`` (the compact layout's float8 values times their scales)."""
         if self.layout == "compact":
-            return dequantize_aux(self.rows("aux_hidden_states", start, end), self.rows("aux_scales", start, end), dtype)
+            return dequantize_aux(
+                self.rows("aux_hidden_states", start, end), self.rows("aux_scales", start, end), dtype
+            )
         return self.rows("aux_hidden_states", start, end).to(dtype)
 
 

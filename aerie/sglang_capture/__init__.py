@@ -71,10 +71,23 @@ _LAZY = {
 }
 
 __all__ = [
-    "ANY_VERSION_ENV", "MANAGED_KWARGS", "REFUSED_KWARGS", "TESTED_SGLANG_VERSION", "SGLangCaptureError",
-    "SGLangMappingError", "SGLangUnavailableError", "capture_layers_of", "captured_output_ids",
-    "check_capture_mapping", "gpu_ids", "plan_forwards", "predicted_capture_inputs", "sglang_capture_inputs",
-    "sglang_server_kwargs", "target_dims", *_LAZY,
+    "ANY_VERSION_ENV",
+    "MANAGED_KWARGS",
+    "REFUSED_KWARGS",
+    "TESTED_SGLANG_VERSION",
+    "SGLangCaptureError",
+    "SGLangMappingError",
+    "SGLangUnavailableError",
+    "capture_layers_of",
+    "captured_output_ids",
+    "check_capture_mapping",
+    "gpu_ids",
+    "plan_forwards",
+    "predicted_capture_inputs",
+    "sglang_capture_inputs",
+    "sglang_server_kwargs",
+    "target_dims",
+    *_LAZY,
 ]
 
 

@@ -63,8 +63,16 @@ class SGLangCapture:
     hidden_size: int
     vocab_size: int
 
-    def __init__(self, target_path: str, layer_ids: list[int], *, dtype: str = "auto", backend: Any = None,
-                 early_mapping_check: bool | None = None, **sglang_kwargs: Any):
+    def __init__(
+        self,
+        target_path: str,
+        layer_ids: list[int],
+        *,
+        dtype: str = "auto",
+        backend: Any = None,
+        early_mapping_check: bool | None = None,
+        **sglang_kwargs: Any,
+    ):
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._fault_dir: str | None = None
@@ -79,14 +87,18 @@ class SGLangCapture:
             raise SGLangUnavailableError(
                 f"SGLang {version} is installed; aerie's SGLang capture uses internals of SGLang "
                 f"{TESTED_SGLANG_VERSION} (envs/sglang.yaml). Install that version, or set {ANY_VERSION_ENV}=1 to "
-                f"try this one (then run `aerie-sglang-capture check` first)")
+                f"try this one (then run `aerie-sglang-capture check` first)"
+            )
         self.sglang_version = version
         config_path = Path(target_path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path}: the SGLang capture needs a local model folder")
         dims = target_dims(read_config(target_path))
         self.num_hidden_layers, self.hidden_size, self.vocab_size = (
-            dims["num_hidden_layers"], dims["hidden_size"], dims["vocab_size"])
+            dims["num_hidden_layers"],
+            dims["hidden_size"],
+            dims["vocab_size"],
+        )
         self.layer_ids = check_servable_aux_layer_ids(layer_ids, self.num_hidden_layers)
         if self.early_mapping_check:
             predicted = predicted_capture_inputs(dims["architectures"], self.layer_ids)
@@ -105,9 +117,11 @@ class SGLangCapture:
                     inbox = ctx.Queue()
                     # Not daemonic: SGLang may start processes of its own. close() (also at exit) stops them, and a
                     # worker whose parent died stops by itself.
-                    proc = ctx.Process(target=run_rank, name=f"aerie-sglang-capture-tp{rank}",
-                                       args=(backend_ref, payload, rank, gpu, inbox, self._outbox, os.getpid(),
-                                             self._fault_dir))
+                    proc = ctx.Process(
+                        target=run_rank,
+                        name=f"aerie-sglang-capture-tp{rank}",
+                        args=(backend_ref, payload, rank, gpu, inbox, self._outbox, os.getpid(), self._fault_dir),
+                    )
                     proc.start()
                     self._procs.append(proc)
                     self._inboxes.append(inbox)
@@ -121,7 +135,8 @@ class SGLangCapture:
             if info["hidden_size"] != self.hidden_size or info["num_hidden_layers"] != self.num_hidden_layers:
                 raise SGLangCaptureError(
                     f"SGLang's model config has {info['num_hidden_layers']} layers x {info['hidden_size']}, "
-                    f"{config_path} says {self.num_hidden_layers} x {self.hidden_size}")
+                    f"{config_path} says {self.num_hidden_layers} x {self.hidden_size}"
+                )
         except BaseException:
             self.close()
             raise
@@ -136,17 +151,22 @@ class SGLangCapture:
         info = self.info
         out: list[Any] = [None] * len(ids)
         try:
-            for fwd in plan_forwards([len(s) for s in ids], max_tokens=info["max_tokens"],
-                                     max_requests=info["max_requests"], context_len=info["context_len"],
-                                     chunk_tokens=info.get("chunk_tokens")):
+            for fwd in plan_forwards(
+                [len(s) for s in ids],
+                max_tokens=info["max_tokens"],
+                max_requests=info["max_requests"],
+                context_len=info["context_len"],
+                chunk_tokens=info.get("chunk_tokens"),
+            ):
                 self._batch_id += 1
                 for inbox in self._inboxes:  # every rank runs the same forward (their collectives pair up)
                     inbox.put((self._batch_id, [ids[i] for i in fwd]))
                 msg = self._receive(("result",), self.batch_timeout_s, "capturing")
                 if msg[2] != self._batch_id:
                     raise SGLangCaptureError(f"rank 0 answered batch {msg[2]}, expected {self._batch_id}")
-                pieces = split_capture(msg[3], msg[4], [len(ids[i]) for i in fwd], len(self.layer_ids),
-                                       self.hidden_size)
+                pieces = split_capture(
+                    msg[3], msg[4], [len(ids[i]) for i in fwd], len(self.layer_ids), self.hidden_size
+                )
                 for i, piece in zip(fwd, pieces):
                     out[i] = piece
         except BaseException:
@@ -164,11 +184,15 @@ class SGLangCapture:
             msg = self._outbox.get(timeout=self.poll_s)
             if msg[0] == "error":
                 return SGLangCaptureError(f"SGLang worker rank {msg[1]} failed while {doing}:\n{msg[2]}")
-        lines = [f"rank {r}: {exit_reason(code, fault_log_path(self._fault_dir, r) if self._fault_dir else None)}"
-                 for r, code in dead]
+        lines = [
+            f"rank {r}: {exit_reason(code, fault_log_path(self._fault_dir, r) if self._fault_dir else None)}"
+            for r, code in dead
+        ]
         return SGLangCaptureError(
-            f"SGLang worker(s) exited while {doing} without reporting an error:\n" + "\n".join(lines)
-            + "\n(a worker that dies before its first line of Python prints its traceback on this process's stderr)")
+            f"SGLang worker(s) exited while {doing} without reporting an error:\n"
+            + "\n".join(lines)
+            + "\n(a worker that dies before its first line of Python prints its traceback on this process's stderr)"
+        )
 
     def _receive(self, kinds: tuple[str, ...], timeout: float, doing: str) -> tuple:
         """The next message of one of ``kinds``; raises on a worker's error, a dead worker, or the timeout."""
@@ -182,7 +206,8 @@ class SGLangCapture:
                     raise error from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"no answer from the SGLang workers after {timeout:.0f} s while {doing}") from None
+                        f"no answer from the SGLang workers after {timeout:.0f} s while {doing}"
+                    ) from None
                 continue
             if msg[0] == "error":
                 raise SGLangCaptureError(f"SGLang worker rank {msg[1]} failed while {doing}:\n{msg[2]}")

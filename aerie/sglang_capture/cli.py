@@ -25,26 +25,39 @@ PROG = "aerie-sglang-capture"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description="GPU-host checks of aerie's SGLang capture backend "
-                                                        "(also: python -m aerie.sglang_capture).")
+    ap = argparse.ArgumentParser(
+        prog=PROG,
+        description="GPU-host checks of aerie's SGLang capture backend (also: python -m aerie.sglang_capture).",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     mk = sub.add_parser("make-tiny", help="write a random-weight target folder (llama or deepseek)")
     mk.add_argument("kind", choices=["llama", "deepseek"])
     mk.add_argument("out", type=Path)
     ck = sub.add_parser("check", help="capture with SGLang and compare with transformers (exit 1 on a mismatch)")
-    ck.add_argument("--target", type=Path, required=True,
-                    help="a model transformers can also load on one GPU in fp32 (make-tiny, the demo target)")
+    ck.add_argument(
+        "--target",
+        type=Path,
+        required=True,
+        help="a model transformers can also load on one GPU in fp32 (make-tiny, the demo target)",
+    )
     ck.add_argument("--layers", type=int, nargs="+", required=True, help="aerie aux ids (decoder-layer outputs)")
     ck.add_argument("--tp", type=int, default=1)
     ck.add_argument("--seqs", type=int, default=4)
     ck.add_argument("--len", type=int, default=96, help="tokens per sequence (lengths vary from len/2 to len)")
     ck.add_argument("--trust-remote-code", action="store_true")
     ck.add_argument("--mem-fraction-static", type=float, default=0.5)
-    ck.add_argument("--expect-refusal", action="store_true",
-                    help="the ids must be refused by the check on the LOADED model (the early prediction is skipped)")
-    ck.add_argument("--backend", metavar="MODULE:CLASS", default=backend_reference(SGLangCapture.backend),
-                    help="the class that drives SGLang (default %(default)s); an adapter for another SGLang "
-                         "version is checked with this before the pin in envs/sglang.yaml changes")
+    ck.add_argument(
+        "--expect-refusal",
+        action="store_true",
+        help="the ids must be refused by the check on the LOADED model (the early prediction is skipped)",
+    )
+    ck.add_argument(
+        "--backend",
+        metavar="MODULE:CLASS",
+        default=backend_reference(SGLangCapture.backend),
+        help="the class that drives SGLang (default %(default)s); an adapter for another SGLang "
+        "version is checked with this before the pin in envs/sglang.yaml changes",
+    )
     ck.add_argument("--out", type=Path, help="write the report (JSON), with the flat output shapes SGLang returned")
     return ap
 
@@ -83,11 +96,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         capture_s = time.perf_counter() - t0
         info = cap.info
     report = compare_with_transformers(a.target, cap.layer_ids, captured, seqs, trust_remote_code=a.trust_remote_code)
-    report.update({"sglang_version": cap.sglang_version, "backend": a.backend, "target": str(a.target),
-                   "layer_ids": a.layers, "tp": a.tp, "lengths": lengths, "runner_info": info,
-                   "load_s": round(load_s, 1), "capture_s": round(capture_s, 3),
-                   "shapes": [{"aux": list(x.shape), "final": list(f.shape), "dtype": str(x.dtype)}
-                              for x, f in captured]})
+    report.update(
+        {
+            "sglang_version": cap.sglang_version,
+            "backend": a.backend,
+            "target": str(a.target),
+            "layer_ids": a.layers,
+            "tp": a.tp,
+            "lengths": lengths,
+            "runner_info": info,
+            "load_s": round(load_s, 1),
+            "capture_s": round(capture_s, 3),
+            "shapes": [{"aux": list(x.shape), "final": list(f.shape), "dtype": str(x.dtype)} for x, f in captured],
+        }
+    )
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if a.out:

@@ -18,11 +18,17 @@ TESTED_SGLANG_VERSION = "0.5.23"  # the version the adapter (sglang_0523.py) was
 ANY_VERSION_ENV = "AERIE_SGLANG_ANY_VERSION"  # set to 1 to try another SGLang version anyway
 
 # Keys aerie sets itself: a user value would change what is captured or how.
-MANAGED_KWARGS = frozenset({
-    "model_path", "enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids",
-    "speculative_algorithm", "speculative_draft_model_path", "enable_return_hidden_states",
-    "return_hidden_states_mode",
-})
+MANAGED_KWARGS = frozenset(
+    {
+        "model_path",
+        "enable_return_aux_hidden_states",
+        "return_aux_hidden_state_layer_ids",
+        "speculative_algorithm",
+        "speculative_draft_model_path",
+        "enable_return_hidden_states",
+        "return_hidden_states_mode",
+    }
+)
 # Settings the capture cannot support: hidden rows would be split across ranks or pipeline stages.
 REFUSED_KWARGS = {"pp_size": 1, "dp_size": 1, "enable_dp_attention": False, "nnodes": 1}
 
@@ -40,6 +46,7 @@ class SGLangMappingError(SGLangCaptureError):
 
 
 # ---- layer-id convention --------------------------------------------------------------------------------
+
 
 def sglang_capture_inputs(layer_ids: Sequence[int]) -> list[int]:
     """aerie aux ids (decoder-layer outputs) -> the layer indices whose *input* SGLang must capture.
@@ -61,8 +68,9 @@ def predicted_capture_inputs(architectures: Sequence[str], layer_ids: Sequence[i
     return sglang_capture_inputs(ids)
 
 
-def check_capture_mapping(layer_ids: Sequence[int], layers_to_capture: Sequence[int],
-                          model: str = "the target") -> None:
+def check_capture_mapping(
+    layer_ids: Sequence[int], layers_to_capture: Sequence[int], model: str = "the target"
+) -> None:
     """Refuse unless SGLang captures exactly the outputs of ``layer_ids`` (aerie's convention)."""
     expected = sglang_capture_inputs(layer_ids)
     got = [int(j) for j in layers_to_capture]
@@ -73,7 +81,8 @@ def check_capture_mapping(layer_ids: Sequence[int], layers_to_capture: Sequence[
         f"outputs {captured_output_ids(got)}, not {list(layer_ids)} (inputs {expected}). SGLang applies the same "
         f"mapping when it serves a drafter with these eagle_config ids, so a drafter trained on aerie's convention "
         f"would be served off by one. DeepseekV2/V3 and Kimi K2.5 in SGLang add 1 only when the first id is 1: "
-        f"choose ids starting with 1 (SGLang's default [1, L//2-1, L-4] does).")
+        f"choose ids starting with 1 (SGLang's default [1, L//2-1, L-4] does)."
+    )
 
 
 def capture_layers_of(model: Any) -> list[int]:
@@ -84,19 +93,25 @@ def capture_layers_of(model: Any) -> list[int]:
     if not callable(getattr(model, "set_eagle3_layers_to_capture", None)):
         raise SGLangCaptureError(
             f"{type(model).__name__} has no set_eagle3_layers_to_capture: this SGLang model cannot capture EAGLE-3 "
-            f"aux hidden states (older Kimi K2.5 wrappers lack it; use an SGLang whose model class has it)")
-    found = {name: list(m.layers_to_capture) for name, m in model.named_modules()
-             if isinstance(getattr(m, "layers_to_capture", None), (list, tuple)) and len(m.layers_to_capture)}
+            f"aux hidden states (older Kimi K2.5 wrappers lack it; use an SGLang whose model class has it)"
+        )
+    found = {
+        name: list(m.layers_to_capture)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "layers_to_capture", None), (list, tuple)) and len(m.layers_to_capture)
+    }
     if not found:
         raise SGLangCaptureError(
             f"{type(model).__name__}: set_eagle3_layers_to_capture left every layers_to_capture empty: "
-            f"SGLang would capture nothing")
+            f"SGLang would capture nothing"
+        )
     if len({tuple(v) for v in found.values()}) > 1:
         raise SGLangCaptureError(f"{type(model).__name__}: several decoder stacks capture different layers: {found}")
     return next(iter(found.values()))
 
 
 # ---- target and SGLang arguments ------------------------------------------------------------------------
+
 
 def target_dims(config: Mapping[str, Any]) -> dict[str, Any]:
     """num_hidden_layers, hidden_size, vocab_size (of the text config, which Kimi K2.5 nests) and the
@@ -105,12 +120,17 @@ def target_dims(config: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:
         raise ValueError(f"config.json has no {', '.join(missing)} (top level keys: {sorted(config)})")
-    return {"num_hidden_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
-            "vocab_size": int(text["vocab_size"]), "architectures": architectures(config)}
+    return {
+        "num_hidden_layers": int(text["num_hidden_layers"]),
+        "hidden_size": int(text["hidden_size"]),
+        "vocab_size": int(text["vocab_size"]),
+        "architectures": architectures(config),
+    }
 
 
-def sglang_server_kwargs(target_path: str, layer_ids: Sequence[int], dtype: Any = "auto",
-                         user_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def sglang_server_kwargs(
+    target_path: str, layer_ids: Sequence[int], dtype: Any = "auto", user_kwargs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """ServerArgs keyword arguments for the capture: aux capture on the target, no draft, no CUDA graphs.
 
     ``dtype``: a string or a ``torch.dtype``. ``user_kwargs`` (tp_size, mem_fraction_static, trust_remote_code,
@@ -122,8 +142,10 @@ def sglang_server_kwargs(target_path: str, layer_ids: Sequence[int], dtype: Any 
         raise ValueError(f"hidden.sglang: {clash} are set by aerie's SGLang capture and cannot be overridden")
     for key, allowed in REFUSED_KWARGS.items():
         if key in user and user[key] != allowed:
-            raise ValueError(f"hidden.sglang: {key}={user[key]!r} is not supported by the capture (only {allowed!r}): "
-                             f"use tp_size to spread the target over GPUs")
+            raise ValueError(
+                f"hidden.sglang: {key}={user[key]!r} is not supported by the capture (only {allowed!r}): "
+                f"use tp_size to spread the target over GPUs"
+            )
     tp = user.get("tp_size", 1)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"hidden.sglang: tp_size must be an integer >= 1, got {tp!r}")
@@ -151,8 +173,14 @@ def gpu_ids(server_kwargs: Mapping[str, Any]) -> list[int]:
     return [base + r * step for r in range(tp)]
 
 
-def plan_forwards(lengths: Sequence[int], *, max_tokens: int, max_requests: int, context_len: int | None = None,
-                  chunk_tokens: int | None = None) -> list[list[int]]:
+def plan_forwards(
+    lengths: Sequence[int],
+    *,
+    max_tokens: int,
+    max_requests: int,
+    context_len: int | None = None,
+    chunk_tokens: int | None = None,
+) -> list[list[int]]:
     """Split a batch into forwards (lists of indices, in order) that fit SGLang's pools.
 
     ``max_tokens``/``max_requests``: the KV and request pools (a forward must fit whole). ``chunk_tokens``:
@@ -165,11 +193,14 @@ def plan_forwards(lengths: Sequence[int], *, max_tokens: int, max_requests: int,
     used = 0
     for i, n in enumerate(lengths):
         if context_len is not None and n > context_len:
-            raise ValueError(f"sequence {i} has {n} tokens, more than the target's context length {context_len} "
-                             f"in SGLang")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than the target's context length {context_len} in SGLang"
+            )
         if n > max_tokens:
-            raise ValueError(f"sequence {i} has {n} tokens, more than SGLang's KV pool holds ({max_tokens}): "
-                             f"raise mem_fraction_static or lower tokens.max_seq_len")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than SGLang's KV pool holds ({max_tokens}): "
+                f"raise mem_fraction_static or lower tokens.max_seq_len"
+            )
         if current and (used + n > limit or len(current) >= max_requests):
             forwards.append(current)
             current, used = [], 0

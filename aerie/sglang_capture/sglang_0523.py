@@ -41,7 +41,8 @@ class SGLang0523:
             raise SGLangUnavailableError(
                 f"hidden.backend sglang needs SGLang, which is not importable here ({e}). SGLang pins its own torch "
                 f"and transformers: run the hidden rule in its environment, envs/sglang.yaml (`snakemake --sdm "
-                f"conda`), or `conda env create -f envs/sglang.yaml` on the GPU host") from e
+                f"conda`), or `conda env create -f envs/sglang.yaml` on the GPU host"
+            ) from e
         return str(getattr(sglang, "__version__", "unknown"))
 
     @staticmethod
@@ -78,17 +79,30 @@ class SGLang0523:
 
         server_args, port_args = payload["server_args"], payload["port_args"]
         cfg = resolving_view(server_args)
-        publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=rank, pp_rank=0), gpu_id=gpu_id))
-        for init in (initialize_moe_config, initialize_fp8_gemm_config, initialize_bf16_gemm_config,
-                     initialize_fp4_gemm_config):
+        publish(
+            server_args,
+            role="scheduler",
+            ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=rank, pp_rank=0), gpu_id=gpu_id),
+        )
+        for init in (
+            initialize_moe_config,
+            initialize_fp8_gemm_config,
+            initialize_bf16_gemm_config,
+            initialize_fp4_gemm_config,
+        ):
             init()
         model_config = ModelConfig.from_server_args(server_args)
-        bootstrap.init_parallel_runtime(server_args=server_args, device=get_device().device,
-                                        dist_port=port_args.nccl_port)
+        bootstrap.init_parallel_runtime(
+            server_args=server_args, device=get_device().device, dist_port=port_args.nccl_port
+        )
         bootstrap.init_layer_runtime(model_config=model_config)
-        runner = ModelRunner(model_config=model_config, mem_fraction_static=cfg.mem_fraction_static, gpu_id=gpu_id,
-                             nccl_port=port_args.nccl_port, server_args=server_args)
+        runner = ModelRunner(
+            model_config=model_config,
+            mem_fraction_static=cfg.mem_fraction_static,
+            gpu_id=gpu_id,
+            nccl_port=port_args.nccl_port,
+            server_args=server_args,
+        )
         overlap = get_model().is_startup_weight_load_overlap
         if overlap:
             runner.start_startup_weight_load()
@@ -136,25 +150,39 @@ class SGLang0523:
         params = SamplingParams(temperature=0, max_new_tokens=1)
         reqs = []
         for i, ids in enumerate(seqs):
-            req = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params,
-                      return_hidden_states=True)
+            req = Req(
+                rid=str(i),
+                origin_input_text="",
+                origin_input_ids=array("q", ids),
+                sampling_params=params,
+                return_hidden_states=True,
+            )
             req.full_untruncated_fill_ids = req.origin_input_ids
             req.logprob_start_len = -1  # no input logprobs: logits only for each sequence's last token
             req.extend_end = len(ids)
             reqs.append(req)
-        cache = TreeCacheNamespace(page_size=get_schedule().page_size, device=runner.device,
-                                   token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
-        batch = ScheduleBatch.init_new(reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-                                       token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=cache,
-                                       model_config=runner.model_config, enable_overlap=False,
-                                       spec_algorithm=SpeculativeAlgorithm.NONE)
+        cache = TreeCacheNamespace(
+            page_size=get_schedule().page_size,
+            device=runner.device,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        )
+        batch = ScheduleBatch.init_new(
+            reqs=reqs,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            tree_cache=cache,
+            model_config=runner.model_config,
+            enable_overlap=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
+        )
         batch.prepare_for_extend()
         _maybe_prepare_mlp_sync_batch(batch, runner)
         if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
             batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
             batch.prefill_input_ids_cpu = None
-        forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL,
-                                              return_hidden_states_before_norm=False)
+        forward_batch = ForwardBatch.init_new(
+            batch, runner, capture_hidden_mode=CaptureHiddenMode.FULL, return_hidden_states_before_norm=False
+        )
         out = runner.forward(forward_batch).logits_output
         if getattr(out, "hidden_states_token_indices", None) is not None:
             raise SGLangCaptureError("SGLang captured only a subset of the tokens (hidden_states_token_indices is set)")

@@ -34,7 +34,8 @@ def backend_reference(backend: type) -> str:
     if not module or module == "__main__" or "<locals>" in qualname:
         raise SGLangCaptureError(
             f"capture backend {backend!r} is defined in {'a function' if '<locals>' in qualname else '__main__'}: "
-            f"the worker processes import it by name, so it must live at the top level of an importable module")
+            f"the worker processes import it by name, so it must live at the top level of an importable module"
+        )
     ref = f"{module}:{qualname}"
     if resolve_backend(ref) is not backend:
         raise SGLangCaptureError(f"capture backend {backend!r}: {ref} names another object")
@@ -45,8 +46,9 @@ def resolve_backend(ref: str) -> Any:
     """The object a ``"module:qualname"`` reference names (ValueError when it does not name one)."""
     module, sep, qualname = ref.partition(":")
     if not sep or not module or not qualname:
-        raise ValueError(f"backend reference {ref!r}: expected MODULE:CLASS, e.g. "
-                         f"aerie.sglang_capture.sglang_0523:SGLang0523")
+        raise ValueError(
+            f"backend reference {ref!r}: expected MODULE:CLASS, e.g. aerie.sglang_capture.sglang_0523:SGLang0523"
+        )
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):
         try:
@@ -103,8 +105,9 @@ def _next_job(inbox: Any, parent_pid: int) -> Any:
                 return None
 
 
-def run_rank(backend_ref: str, payload: bytes, rank: int, gpu_id: int, inbox: Any, outbox: Any, parent_pid: int,
-             fault_dir: str) -> None:
+def run_rank(
+    backend_ref: str, payload: bytes, rank: int, gpu_id: int, inbox: Any, outbox: Any, parent_pid: int, fault_dir: str
+) -> None:
     """One tensor-parallel rank: load, report, then run every batch the parent sends (all ranks run each
     forward together; only rank 0 sends the states back). Every failure, including importing the backend
     and unpickling the payload, goes to the parent as ``("error", rank, traceback)``."""

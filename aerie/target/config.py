@@ -20,10 +20,17 @@ NESTED_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 # when the first id is 1, and otherwise captures the INPUTS of the ids, one layer early (sglang 0.5.23
 # models/deepseek_v2.py, inherited by DeepseekV3/V32, wrapped by Kimi K2.5; models/glm4_moe_lite.py). The
 # same mapping applies when SGLang serves the drafter, so for these targets ids must start with 1.
-FIRST_ID_MUST_BE_ONE = frozenset({
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "KimiK25ForConditionalGeneration",
-    "MistralLarge3ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeLiteForCausalLM",
-})
+FIRST_ID_MUST_BE_ONE = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+        "MistralLarge3ForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+    }
+)
 
 
 def read_config(target_path: str | Path) -> dict[str, Any]:
@@ -32,8 +39,9 @@ def read_config(target_path: str | Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: the target has no config.json (is target.path a save_pretrained "
-                                "folder?)") from None
+        raise FileNotFoundError(
+            f"{path}: the target has no config.json (is target.path a save_pretrained folder?)"
+        ) from None
 
 
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,8 +60,12 @@ def read_text_config(target_path: str | Path) -> dict[str, Any]:
 
 def architectures(config: Mapping[str, Any]) -> list[str]:
     """Top-level ``architectures`` followed by the nested text config's (Kimi K2.5 wraps DeepseekV3)."""
-    nested = [a for key in NESTED_TEXT_CONFIG_KEYS if isinstance(config.get(key), Mapping)
-              for a in config[key].get("architectures") or []]
+    nested = [
+        a
+        for key in NESTED_TEXT_CONFIG_KEYS
+        if isinstance(config.get(key), Mapping)
+        for a in config[key].get("architectures") or []
+    ]
     return [*(config.get("architectures") or []), *nested]
 
 
@@ -91,8 +103,9 @@ def check_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> lis
     return ids
 
 
-def check_servable_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int,
-                                 architectures: Sequence[str] = ()) -> list[int]:
+def check_servable_aux_layer_ids(
+    layer_ids: Sequence[int], num_hidden_layers: int, architectures: Sequence[str] = ()
+) -> list[int]:
     """check_aux_layer_ids plus what SGLang can serve: a drafter trained on these ids must see the same
     layers when SGLang runs it, or acceptance silently drops.
 
@@ -105,23 +118,27 @@ def check_servable_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: in
         raise ValueError(
             f"aux layer ids {ids}: at least two are needed. With one aux layer the captured width equals the "
             "hidden size, and SGLang's EAGLE-3 drafter then skips its fc projection entirely, so the drafter would "
-            "be served with unprojected features it was never trained on")
+            "be served with unprojected features it was never trained on"
+        )
     if ids[-1] >= num_hidden_layers - 1:
         raise ValueError(
             f"aux layer id {ids[-1]} is the last decoder layer's output: SGLang captures a layer's output at the next "
-            f"layer's input, and no layer follows layer {num_hidden_layers - 1} (use ids <= {num_hidden_layers - 2})")
+            f"layer's input, and no layer follows layer {num_hidden_layers - 1} (use ids <= {num_hidden_layers - 2})"
+        )
     family = sorted(set(architectures) & FIRST_ID_MUST_BE_ONE)
     if family and ids[0] != 1:
         raise ValueError(
             f"aux layer ids {ids} do not start with 1: SGLang's {family[0]} adds 1 to the ids (output i = input of "
             f"layer i+1) only when the first id is 1, so it would capture and serve these layers one early and the "
             f"drafter would see other features than it was trained on. Start the ids with 1 (SGLang's default "
-            f"[1, L//2-1, L-4] does)")
+            f"[1, L//2-1, L-4] does)"
+        )
     return ids
 
 
-def resolve_aux_layer_ids(configured: Sequence[int] | None, num_hidden_layers: int,
-                          architectures: Sequence[str] = ()) -> list[int]:
+def resolve_aux_layer_ids(
+    configured: Sequence[int] | None, num_hidden_layers: int, architectures: Sequence[str] = ()
+) -> list[int]:
     """The configured ids (null: SGLang's default), refused unless SGLang can capture and serve exactly them."""
     ids = list(configured) if configured else default_aux_layer_ids(num_hidden_layers)
     return check_servable_aux_layer_ids(ids, num_hidden_layers, architectures)

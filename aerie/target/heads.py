@@ -94,6 +94,7 @@ def read_target_heads(target: str | Path, roles: Iterable[str] = ROLES) -> Targe
     tensors = {role: by_name[name] for role, name in wanted.items()}
     for role in ("embed", "lm_head"):
         if role in tensors and not tensors[role].is_floating_point():
-            raise ValueError(f"{target}: {wanted[role]} is {tensors[role].dtype}; quantized embeddings and heads "
-                             "are not supported")
+            raise ValueError(
+                f"{target}: {wanted[role]} is {tensors[role].dtype}; quantized embeddings and heads are not supported"
+            )
     return TargetHeads(config, tensors.get("embed"), tensors.get("lm_head"), tensors.get("norm"), tied, wanted)

@@ -32,7 +32,9 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.chat_template is None:
-        raise ValueError(f"{path}: the tokenizer has no chat_template; aerie renders prompts with the model's own template")
+        raise ValueError(
+            f"{path}: the tokenizer has no chat_template; aerie renders prompts with the model's own template"
+        )
     return tok
 
 
