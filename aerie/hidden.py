@@ -33,7 +33,7 @@ import torch
 from aerie.artifacts import split_packed
 from aerie.capture import AuxHiddenCapture, base_decoder
 from aerie.formats.hidden import FP8, LAYOUTS, quantize_aux, write_hidden_shard
-from aerie.formats.tokens import read_tokens_shard
+from aerie.formats.tokens import mask_facts, read_tokens_shard
 from aerie.target.config import read_text_config, resolve_aux_layer_ids, target_architectures
 
 BACKENDS = ("hf", "sglang")
@@ -462,7 +462,7 @@ def capture_into(
         "backend": backend,
         "sample_ids": meta.get("sample_ids", []),
         # the tokens shard's mask facts, so readers can check the mask again (aerie.formats.tokens.check_tokens_shard)
-        **{key: meta[key] for key in ("generation_prompt_ids", "stop_ids", "cut_sequences")},
+        **mask_facts(meta),
         "next_token_agreement": round(agreement, 6),
         "next_token_in_topk": round(topk_rate, 6),
         "next_token_agreement_positions": total,

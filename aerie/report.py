@@ -199,23 +199,42 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
             "empty": _rate(sum("empty" in r["flags"] or not r["has_content"] for r in rs), n),
             "no_reasoning": _rate(sum("no_reasoning" in r["flags"] for r in rs), n),
         }
+    from aerie.tokens import provider_outliers, provider_stats
+
     sums: dict[str, Counter] = defaultdict(Counter)
+    reports = []
     for p in token_reports:
         rep = json.loads(Path(p).read_text())
+        rep.setdefault("dataset", _dataset_of(Path(p)))
+        reports.append(rep)
         c = sums[_dataset_of(Path(p))]
         for k in ("samples", "kept", "exact_ids_available", "retokenized_equal", "usage_length_checked",
-                  "usage_length_equal", "prompt_length_checked", "prompt_length_equal"):
+                  "usage_length_equal", "prompt_length_checked", "prompt_length_equal", "special_token_text",
+                  "degenerate", "empty_reasoning", "no_reasoning"):
             c[k] += int(rep.get(k) or 0)
+        c["refused"] += int((rep.get("rebuild_paths") or {}).get("refused") or 0)
+        c["normalised"] += int((rep.get("mismatch_classes") or {}).get("template_normalised") or 0)
     fid = {d: {
         "retokenized equal / exact ids": _rate(sums[d]["retokenized_equal"], sums[d]["exact_ids_available"]),
         "usage length equal / checked": _rate(sums[d]["usage_length_equal"], sums[d]["usage_length_checked"]),
         "prompt length equal / checked": _rate(sums[d]["prompt_length_equal"], sums[d]["prompt_length_checked"]),
         "kept / samples": _rate(sums[d]["kept"], sums[d]["samples"]),
+        # every anomaly the tokens stage decided on, as a share of the samples
+        "template refused": _rate(sums[d]["refused"], sums[d]["samples"]),
+        "text normalised by template": _rate(sums[d]["normalised"], sums[d]["samples"]),
+        "special-token text": _rate(sums[d]["special_token_text"], sums[d]["samples"]),
+        "degenerate (loop)": _rate(sums[d]["degenerate"], sums[d]["samples"]),
+        "empty reasoning": _rate(sums[d]["empty_reasoning"], sums[d]["samples"]),
+        "no reasoning": _rate(sums[d]["no_reasoning"], sums[d]["samples"]),
     } for d in datasets}
+    providers = provider_stats(reports)
+    outliers = provider_outliers(providers)
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 8.4))
+    (ax, ax2), (ax3, ax4) = axes
+    _figure_providers(ax3, ax4, providers, outliers)
     for axis, table, title in ((ax, resp, "truncation and flag rates (responses)"),
-                               (ax2, fid, "tokenization fidelity (tokens reports)")):
+                               (ax2, fid, "tokenization fidelity and anomalies (tokens reports)")):
         if not datasets:
             _note(axis, "no data")
             axis.set_title(title)
@@ -235,7 +254,45 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
         axis.legend(fontsize=7, loc="upper left")
         axis.set_title(title)
     _save(fig, out)
-    return {"responses": resp, "fidelity": fid}
+    summary_providers = {f"{d}/{p}": {k: v for k, v in s.items() if k != "generated_tokens"}
+                         for (d, p), s in providers.items()}
+    return {"responses": resp, "fidelity": fid, "providers": summary_providers, "provider_outliers": outliers}
+
+
+def _figure_providers(ax, ax2, providers: dict[tuple[str, str], dict[str, Any]],
+                      outliers: list[dict[str, Any]]) -> None:
+    """Per dataset and provider: the tokens reports' rates, and generated-length percentiles (issue 12 item 7)."""
+    import numpy as np
+
+    from aerie.tokens import PROVIDER_RATES
+
+    keys = sorted(providers)
+    title = "per provider (tokens reports)"
+    if not keys:
+        for a in (ax, ax2):
+            _note(a, "no provider figures in the tokens reports")
+        ax.set_title(title)
+        return
+    named = {(o["dataset"], o["provider"]) for o in outliers}
+    labels = [f"{d}/{p}" + (" (outlier)" if (d, p) in named else "") for d, p in keys]
+    x = np.arange(len(keys))
+    w = 0.8 / len(PROVIDER_RATES)
+    for j, k in enumerate(PROVIDER_RATES):
+        vals = [providers[key][k] for key in keys]
+        ax.bar(x + (j - (len(PROVIDER_RATES) - 1) / 2) * w, [v or 0 for v in vals], w,
+               label=k.removesuffix("_rate").replace("_", " "))
+    ax.set_xticks(x, labels, rotation=20, fontsize=8)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("fraction of the provider's samples")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(title + (f"; outliers: {', '.join(sorted(p for _, p in named))}" if named else ""))
+    data = [providers[key]["generated_tokens"] or [0] for key in keys]
+    ax2.boxplot(data, whis=(1, 99), showfliers=False)
+    ax2.plot(x + 1, [providers[key]["generated_tokens_mean"] or 0 for key in keys], "D", color="tab:red", label="mean")
+    ax2.set_xticks(x + 1, labels, rotation=20, fontsize=8)
+    ax2.set_ylabel("generated tokens per kept sample (p1..p99)")
+    ax2.legend(fontsize=7)
+    ax2.set_title("generated length per provider")
 
 
 def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) -> dict[str, Any]:

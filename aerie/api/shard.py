@@ -194,7 +194,7 @@ def regenerate_api_shard(
         from aerie.target.chat import read_chat_format, render_prompt_ids
         from aerie.target.model import load_tokenizer, read_generation_config
 
-        tok = load_tokenizer(target["path"])
+        tok = load_tokenizer(target["path"], target.get("trust_remote_code", False))
         fmt = read_chat_format(tok, read_generation_config(target["path"]))
         eos_ids = list(fmt.stop_ids)
 

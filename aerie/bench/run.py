@@ -133,6 +133,7 @@ def run_benchmark(
     device: str = "cpu",
     dtype: str = "float32",
     references: Sequence[str] = REFERENCES,
+    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Decode every benchmark prompt greedily, with the drafter and with each reference; write the report.
@@ -150,7 +151,7 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown reference drafters {unknown}; known: {list(REFERENCES)}")
     set_threads(threads)
-    target, tok, dev = load_target(target_path, device=device, dtype=dtype)
+    target, tok, dev = load_target(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     # The drafter computes in the target's dtype (its folder stores bf16, as SGLang serves it). Its export
     # has no embeddings: like SGLang's EAGLE worker, it takes the target's.
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=next(target.parameters()).dtype)
@@ -449,6 +450,7 @@ def gated_benchmark(
         device=target["device"],
         dtype=target["dtype"],
         references=bench["references"],
+        trust_remote_code=target.get("trust_remote_code", False),
         log=log,
     )
     plot_benchmark(report, out_png)

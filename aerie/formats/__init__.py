@@ -5,7 +5,7 @@ JSON records and in safetensors metadata). Stages import these modules; these im
 (atomic publishing, packed safetensors, JSONL) and never a stage.
 
 - ``responses``: ``aerie.responses/1`` JSONL shards (one record per sample).
-- ``tokens``: ``aerie.tokens/2`` packed token ids + loss masks, and the mask check every reader runs.
+- ``tokens``: ``aerie.tokens/3`` packed token ids + loss masks, and the mask check every reader runs.
 - ``hidden``: ``aerie.hidden/2`` captured aux states (compact or full layout) and its reader.
 - ``vocab``: ``aerie.draft-vocab/1``, the draft vocabulary SGLang's EAGLE-3 drafter reads (d2t, t2d).
 """

@@ -1,0 +1,148 @@
+"""The tokens stage on the published chat templates of every major family (issue 13).
+
+For each family (tests/template_families.py: the template as published, a real 128k BPE carrying the family's
+special tokens, text-only API records), every record the template can express is rebuilt id for id as the
+template renders it, and every other record is refused or falls back with the counted reason the family's
+template behaviour calls for. The expected ids are computed here from the template's own render with
+transformers' `apply_chat_template` + `encode` (not with the stage's code), and the basic record's text is
+also checked against the family's documented format.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from template_families import EXPECTED, FAMILIES, Family, family_records, family_tokenizer
+
+from aerie.artifacts import split_packed, write_jsonl
+from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, read_tokens_shard
+from aerie.target.chat import ChatTemplateError, TurnRefused, render_turn
+from aerie.tokens import tokenize_shard
+
+# The token that ends each family's answer turn (its documented format); GLM writes none: the model stops
+# on the next turn's opener, <|user|> (or <|observation|> after tool calls).
+TURN_END = {"Kimi K2-Thinking": "<|im_end|>", "Kimi K3": "<|end_of_msg|>", "Qwen3": "<|im_end|>",
+            "GLM 4.6": "<|user|>", "MiniMax M2": "[e~[", "gpt-oss": "<|return|>",
+            "Llama 3.1 (no reasoning)": "<|eot_id|>"}
+TOOL_CALL_END = {"gpt-oss": "<|call|>", "GLM 4.6": "<|observation|>"}
+DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for fam in FAMILIES:
+        out[fam.name] = root / fam.name.replace(" ", "_").replace("(", "").replace(")", "")
+        family_tokenizer(fam, out[fam.name])
+    return out
+
+
+def _dict_args(calls):
+    return [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+
+
+def expected_generated(tok, fam: Family, rec: dict) -> list[int]:
+    """The ids the template renders for the record's turn after its prompt, cut after the turn's end."""
+    messages = [{**m, "tool_calls": _dict_args(m["tool_calls"])} if m.get("tool_calls") else m for m in rec["messages"]]
+    kw = {**fam.kwargs, **({"tools": rec["tools"]} if rec.get("tools") else {})}
+    turn = {"role": "assistant", "content": rec["content"]}
+    if rec["reasoning"] is not None:
+        turn["reasoning_content"] = turn["thinking"] = rec["reasoning"]
+    if rec.get("tool_calls"):
+        turn["tool_calls"] = _dict_args(rec["tool_calls"])
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    full = tok.apply_chat_template(messages + [turn], tokenize=False, add_generation_prompt=False, **kw)
+    assert full.startswith(prompt), "the template's render of the turn does not begin with its prompt"
+    # Encoded apart from the prompt, as a server does: MiniMax's prompt ends '<think>\n', and a reasoning that
+    # starts with '\n' would merge with it into one '\n\n' token in a single encode of the whole text.
+    gen = tok.encode(full[len(prompt):], add_special_tokens=False)
+    end = TOOL_CALL_END.get(fam.name) if rec.get("tool_calls") else None
+    end_id = tok.convert_tokens_to_ids(end or TURN_END.get(fam.name, DEEPSEEK_EOS))
+    if end_id in gen:
+        return gen[:len(gen) - gen[::-1].index(end_id)]
+    assert fam.name == "GLM 4.6", f"{fam.name} renders no turn end"
+    return gen + [end_id]
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp_path) -> None:
+    from aerie.target.model import load_tokenizer
+
+    tok = load_tokenizer(targets[fam.name])
+    records = family_records(fam)
+    expected = EXPECTED[fam.name]
+    refused_as = {rid: reason for reason, ids in expected.get("refused", {}).items() for rid in ids}
+    fallback = set(expected.get("fallback", []))
+    # Record by record: the path render_turn takes is the one the family's template behaviour calls for.
+    for rec in records:
+        kwargs = (rec.get("params") or {}).get("chat_template_kwargs") or {}
+        try:
+            turn = render_turn(tok, rec["messages"], rec["reasoning"], rec["content"], rec.get("tool_calls"),
+                               rec.get("tools"), kwargs)
+            path = turn.path
+        except TurnRefused as refused:
+            path = f"refused:{refused.reason}"
+            assert len(str(refused)) > 60  # the message names the template behaviour
+        want = f"refused:{refused_as[rec['id']]}" if rec["id"] in refused_as else (
+            "fallback" if rec["id"] in fallback else "exact")
+        assert path == want, rec["id"]
+
+    write_jsonl(tmp_path / "r.jsonl", records)
+    try:
+        report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json",
+                                str(targets[fam.name]), max_seq_len=1 << 20, max_dropped_fraction=1.0,
+                                log=lambda m: None)
+    except FidelityError as err:  # every record refused: the shard is refused, with the counts
+        assert not set(r["id"] for r in records) - set(refused_as), "a record the template expresses was lost"
+        report = err.report
+        assert "the chat template cannot express these turns" in str(err)
+    n_refused = len(refused_as)
+    assert report["rebuild_paths"] == {"exact": len(records) - n_refused - len(fallback), "fallback": len(fallback),
+                                       "refused": n_refused}
+    assert report["dropped"] == {r: len(ids) for r, ids in expected.get("refused", {}).items()}
+    if n_refused == len(records):
+        return
+    assert report["mismatch_classes"]["template_normalised"] == len(expected.get("normalised", []))
+    assert [m["id"] for m in report["mismatches"]] == expected.get("normalised", [])
+    tensors, meta = read_tokens_shard(tmp_path / "t.safetensors")  # the per-record mask facts check out
+    by_id = {rec["id"]: rec for rec in records}
+    for sid, ids, prompt_len in zip(meta["sample_ids"], split_packed(tensors["input_ids"], tensors["seq_offsets"]),
+                                    meta["prompt_lengths"]):
+        generated = ids.tolist()[prompt_len:]
+        if sid not in fallback:
+            assert generated == expected_generated(tok, fam, by_id[sid]), sid
+        if sid == "basic" and fam.basic is not None:
+            assert tok.decode(generated, skip_special_tokens=False) == fam.basic
+
+
+def test_each_record_has_its_own_generation_prompt(targets, tmp_path) -> None:
+    """DeepSeek V3.1 adds no generation prompt after a tool result; a shard mixing such records with others
+    is written, each sequence checked against its own prompt (one shard-wide prompt refused it before)."""
+    fam = next(f for f in FAMILIES if f.name == "DeepSeek V3.1 (non-thinking)")
+    recs = {r["id"]: r for r in family_records(fam)}
+    after_tool = {**recs["after_tool"], "reasoning": None}
+    write_jsonl(tmp_path / "r.jsonl", [recs["missing_reasoning"], after_tool])
+    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json",
+                            str(targets[fam.name]), max_seq_len=1 << 20, log=lambda m: None)
+    _, meta = read_tokens_shard(tmp_path / "t.safetensors")
+    assert meta["format"] == TOKENS_FORMAT and report["kept"] == 2
+    prompts = [meta["generation_prompts"][k] for k in meta["generation_prompt_index"]]
+    assert len(prompts[0]) == 2 and prompts[1] == []  # <｜Assistant｜></think>, then none after the tool result
+    assert meta["generation_prompt_ids"] == []  # no shard-wide prompt for /2 readers to check
+
+
+def test_template_errors_name_the_feature_the_file_and_what_to_do(tmp_path) -> None:
+    fam = next(f for f in FAMILIES if f.name == "Qwen3")
+    tok = family_tokenizer(fam, tmp_path / "t")
+    msgs = [{"role": "user", "content": "hi"}]
+    tok.chat_template = "{% set ns = namespace(x=[]) %}{% set _ = ns.x.append(1) %}{{ messages[0].content }}"
+    with pytest.raises(ChatTemplateError, match=r"uses `list.append`.*sandboxed.*\{% set ns.items = ns.items"):
+        render_turn(tok, msgs, None, "yo")
+    tok.chat_template = "{{ messages[0].content | fromjson }}"
+    with pytest.raises(ChatTemplateError, match=r"filter `fromjson`.*Replace it with plain Jinja"):
+        render_turn(tok, msgs, None, "yo")
+    with pytest.raises(ChatTemplateError, match=r"chat_template.jinja or tokenizer_config.json"):
+        render_turn(tok, msgs, None, "yo")
