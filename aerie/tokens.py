@@ -569,16 +569,17 @@ def tokenize_shard(
                       "rebuild_paths": {k: rep.paths[k] for k in ("exact", "fallback", "refused")},
                       "mismatch_classes": {k: rep.mismatch_classes[k] for k in MISMATCH_CLASSES}}
         raise err
-    if not lengths:
-        raise FormatError(f"{responses_path}: no samples")
-
-    input_ids = torch.frombuffer(all_ids, dtype=torch.int32).clone()
+    # No records at all is a valid shard: its dataset reached its output-token quota before the shard began
+    # (aerie.api: the shard is published empty with its completion record). It yields an empty tokens shard.
+    input_ids = torch.frombuffer(all_ids, dtype=torch.int32).clone() if lengths else torch.zeros(0, dtype=torch.int32)
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
     # 1 from each sequence's first generated position to its end: position - start >= prompt length
-    starts = torch.repeat_interleave(offsets[:-1], torch.tensor(lengths))
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.repeat_interleave(offsets[:-1], counts)
     positions = torch.arange(len(input_ids), dtype=torch.int64) - starts
-    loss_mask = (positions >= torch.repeat_interleave(torch.tensor(prompt_lengths), torch.tensor(lengths))).to(torch.uint8)
+    prompt_starts = torch.repeat_interleave(torch.tensor(prompt_lengths, dtype=torch.int64), counts)
+    loss_mask = (positions >= prompt_starts).to(torch.uint8)
     prompts_table = [list(gp) for gp, _ in sorted(gen_prompts.items(), key=lambda kv: kv[1])]
     meta = {
         "sample_ids": kept_ids,
