@@ -38,8 +38,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     layers live deeper (Kimi K2.5: ``language_model.model.layers``)."""
     layers = getattr(base_decoder(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no decoder-layer ModuleList (looked for get_decoder().layers, "
-                        "following get_decoder() through wrappers): cannot hook decoder layers")
+        raise TypeError(
+            f"{type(model).__name__} has no decoder-layer ModuleList (looked for get_decoder().layers, "
+            "following get_decoder() through wrappers): cannot hook decoder layers"
+        )
     return layers
 
 

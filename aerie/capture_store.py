@@ -64,8 +64,9 @@ def target_identity(target_path: str | Path) -> dict[str, Any]:
 
 def capture_key(tokens_sha256: str, target: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
     """The key a store entry must carry to be reused for these tokens, this target and these settings."""
-    blob = json.dumps({"tokens": tokens_sha256, "target": target, "settings": settings}, sort_keys=True,
-                      separators=(",", ":"))
+    blob = json.dumps(
+        {"tokens": tokens_sha256, "target": target, "settings": settings}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -120,15 +121,30 @@ def publish(store: str | Path, out: str | Path) -> None:
     os.utime(out)
 
 
-def capture_settings(*, aux_layer_ids: Sequence[int], layout: str, backend: str, backend_options: Mapping | None,
-                     batch_tokens: int, device: str, dtype: str, target_topk: int, storage_dtype: str
-                     ) -> dict[str, Any]:
+def capture_settings(
+    *,
+    aux_layer_ids: Sequence[int],
+    layout: str,
+    backend: str,
+    backend_options: Mapping | None,
+    batch_tokens: int,
+    device: str,
+    dtype: str,
+    target_topk: int,
+    storage_dtype: str,
+) -> dict[str, Any]:
     """Every setting that decides a captured shard's bytes (the thresholds only accept or refuse a shard:
     a reused entry is checked against them again instead)."""
-    return {"aux_layer_ids": [int(i) for i in aux_layer_ids], "layout": layout, "backend": backend,
-            "backend_options": dict(backend_options or {}), "batch_tokens": int(batch_tokens), "device": device,
-            "dtype": dtype, **({"target_topk": int(target_topk)} if layout == "compact" else
-                               {"storage_dtype": storage_dtype})}
+    return {
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        "layout": layout,
+        "backend": backend,
+        "backend_options": dict(backend_options or {}),
+        "batch_tokens": int(batch_tokens),
+        "device": device,
+        "dtype": dtype,
+        **({"target_topk": int(target_topk)} if layout == "compact" else {"storage_dtype": storage_dtype}),
+    }
 
 
 def config_key_function(config: Mapping[str, Any]) -> Callable[[Path], str] | None:
@@ -144,15 +160,22 @@ def config_key_function(config: Mapping[str, Any]) -> Callable[[Path], str] | No
     except (OSError, KeyError, ValueError):
         return None
     settings = capture_settings(
-        aux_layer_ids=ids, layout=hidden["layout"], backend=hidden["backend"],
+        aux_layer_ids=ids,
+        layout=hidden["layout"],
+        backend=hidden["backend"],
         backend_options=hidden.get("sglang") if hidden["backend"] == "sglang" else None,
-        batch_tokens=hidden["batch_tokens"], device=target["device"], dtype=target["dtype"],
-        target_topk=hidden["target_topk"], storage_dtype=hidden["storage_dtype"])
+        batch_tokens=hidden["batch_tokens"],
+        device=target["device"],
+        dtype=target["dtype"],
+        target_topk=hidden["target_topk"],
+        storage_dtype=hidden["storage_dtype"],
+    )
     return lambda tokens: capture_key(file_sha256(tokens), identity, settings)
 
 
-def capture_plan(hidden_paths: Sequence[str | Path], tokens_paths: Sequence[str | Path],
-                 key_of: Callable[[Path], str] | None = None) -> dict[str, int]:
+def capture_plan(
+    hidden_paths: Sequence[str | Path], tokens_paths: Sequence[str | Path], key_of: Callable[[Path], str] | None = None
+) -> dict[str, int]:
     """What the capture job has left to do, judged from the files (as Snakemake judges, by mtime): ``pending``
     shards (published shard missing, or older than its tokens shard), of which ``stored`` have a store entry
     the job will reuse (its capture key equals ``key_of(tokens)``; without ``key_of``, any entry newer than its
@@ -172,8 +195,13 @@ def capture_plan(hidden_paths: Sequence[str | Path], tokens_paths: Sequence[str 
         else:
             stored += store.stat().st_mtime >= tokens.stat().st_mtime
     to_capture = pending - stored
-    return {"shards": len(hidden_paths), "pending": pending, "stored": stored, "to_capture": to_capture,
-            "loads": int(to_capture > 0)}
+    return {
+        "shards": len(hidden_paths),
+        "pending": pending,
+        "stored": stored,
+        "to_capture": to_capture,
+        "loads": int(to_capture > 0),
+    }
 
 
 def capture_plan_text(plan: Mapping[str, int]) -> str:
@@ -183,6 +211,8 @@ def capture_plan_text(plan: Mapping[str, int]) -> str:
     if not plan["pending"]:
         return f"aerie capture plan: all {plan['shards']} hidden shards are published: 0 target loads"
     stored = f", {plan['stored']} of them from the capture store" if plan["stored"] else ""
-    return (f"aerie capture plan: rule hidden (one job for all {plan['shards']} shards) publishes "
-            f"{plan['pending']} pending{stored}: {plan['loads']} target load{'' if plan['loads'] == 1 else 's'} "
-            f"when it runs (one job per shard: {plan['to_capture']})")
+    return (
+        f"aerie capture plan: rule hidden (one job for all {plan['shards']} shards) publishes "
+        f"{plan['pending']} pending{stored}: {plan['loads']} target load{'' if plan['loads'] == 1 else 's'} "
+        f"when it runs (one job per shard: {plan['to_capture']})"
+    )

@@ -66,13 +66,16 @@ class CaptureChecks:
         bad = ~torch.isfinite(layers).all(-1)  # [n, A]
         if bad.any():
             row, j = (int(x) for x in bad.nonzero()[0])
-            raise HiddenStateError(f"{self.where}: aux_hidden_states of aux layer {self.layer_ids[j]} contain NaN or "
-                                   f"inf ({int(bad[:, j].sum())} of {len(layers)} positions of this batch, the "
-                                   f"first at position {row} of the batch)")
+            raise HiddenStateError(
+                f"{self.where}: aux_hidden_states of aux layer {self.layer_ids[j]} contain NaN or "
+                f"inf ({int(bad[:, j].sum())} of {len(layers)} positions of this batch, the "
+                f"first at position {row} of the batch)"
+            )
         if not torch.isfinite(final).all():
             row = int((~torch.isfinite(final).all(-1)).nonzero()[0, 0])
-            raise HiddenStateError(f"{self.where}: final_hidden_states contain NaN or inf (first at position {row} "
-                                   "of the batch)")
+            raise HiddenStateError(
+                f"{self.where}: final_hidden_states contain NaN or inf (first at position {row} of the batch)"
+            )
         if not len(layers):
             return
         if self.first is None:
@@ -104,8 +107,9 @@ def check_captured(aux: torch.Tensor, final: torch.Tensor, layer_ids: list[int],
     checks.finish()
 
 
-def lm_head_topk(final: torch.Tensor, lm_head: torch.Tensor, k: int, max_elements: int = 1 << 26
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_topk(
+    final: torch.Tensor, lm_head: torch.Tensor, k: int, max_elements: int = 1 << 26
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, H] final states -> (ids int64 [n, k], log-probs fp32 [n, k]) of the target's top-k next tokens.
 
     Logits are computed in fp32 on lm_head's device, in row chunks (and, for a bf16 head, vocab chunks) so no
@@ -159,8 +163,16 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
 class HFCapture:
     """In-process transformers forward with hooks on the aux layers only (aerie.capture.AuxHiddenCapture)."""
 
-    def __init__(self, target_path: str, layer_ids: list[int], *, device: str = "auto", dtype: str = "auto",
-                 batch_tokens: int = 8192, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        target_path: str,
+        layer_ids: list[int],
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_tokens: int = 8192,
+        trust_remote_code: bool = False,
+    ):
         from transformers import AutoModelForCausalLM
 
         from aerie.target.model import pick_device, pick_dtype
@@ -169,8 +181,9 @@ class HFCapture:
         # trust_remote_code (config target.trust_remote_code): Kimi K2.5 and its rehearsal target load through
         # their own modeling code, a wrapper whose decoder stack is language_model.model (aerie.capture).
         self.device = pick_device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=pick_dtype(dtype, self.device),
-                                                          trust_remote_code=trust_remote_code)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(target_path), dtype=pick_dtype(dtype, self.device), trust_remote_code=trust_remote_code
+        )
         self.model.to(self.device).eval()
         self.decoder = base_decoder(self.model)  # its output is the final, post-norm hidden state
         text = self.model.config.get_text_config()
@@ -195,16 +208,21 @@ class HFCapture:
         H = self.hidden_size
         for j, lid in enumerate(self.layer_ids):
             ref = out.hidden_states[lid + 1][0]
-            got = hooked[:, j * H:(j + 1) * H]
+            got = hooked[:, j * H : (j + 1) * H]
             if not torch.allclose(got.float(), ref.float(), rtol=1e-3, atol=1e-3 * float(ref.abs().max())):
-                match = [i - 1 for i in range(1, len(out.hidden_states))
-                         if out.hidden_states[i][0].shape == got.shape
-                         and torch.allclose(got.float(), out.hidden_states[i][0].float(), rtol=1e-3, atol=1e-4)]
+                match = [
+                    i - 1
+                    for i in range(1, len(out.hidden_states))
+                    if out.hidden_states[i][0].shape == got.shape
+                    and torch.allclose(got.float(), out.hidden_states[i][0].float(), rtol=1e-3, atol=1e-4)
+                ]
                 raise HiddenStateError(
                     f"layer convention check failed: the state captured for aux id {lid} is not the output of "
                     f"decoder layer {lid} (transformers' output_hidden_states[{lid + 1}])"
-                    + (f"; it equals the output of layer {match[0]}" if match else "") + ": the capture is off by "
-                    "one or hooked on the wrong module")
+                    + (f"; it equals the output of layer {match[0]}" if match else "")
+                    + ": the capture is off by "
+                    "one or hooked on the wrong module"
+                )
         self._convention_checked = True
 
     @torch.no_grad()
@@ -232,17 +250,31 @@ class HFCapture:
         del self.model, self.decoder, self.lm_head
 
 
-def open_backend(name: str, target_path: str, layer_ids: list[int], *, device: str = "auto", dtype: str = "auto",
-                 batch_tokens: int = 8192, options: dict[str, Any] | None = None, trust_remote_code: bool = False,
-                 ) -> tuple[CaptureBackend, torch.Tensor]:
+def open_backend(
+    name: str,
+    target_path: str,
+    layer_ids: list[int],
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_tokens: int = 8192,
+    options: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[CaptureBackend, torch.Tensor]:
     """(backend, the target's lm_head weight [V, H] on the capture device) for ``hidden.backend``.
 
     This is the target load (minutes to tens of minutes for a 1T-parameter model): callers open it once for
     every shard of a run (:class:`TargetSession`). ``trust_remote_code`` is for the ``hf`` backend (the
     ``sglang`` backend takes its own from ``hidden.sglang``)."""
     if name == "hf":
-        cap = HFCapture(target_path, layer_ids, device=device, dtype=dtype, batch_tokens=batch_tokens,
-                        trust_remote_code=trust_remote_code)
+        cap = HFCapture(
+            target_path,
+            layer_ids,
+            device=device,
+            dtype=dtype,
+            batch_tokens=batch_tokens,
+            trust_remote_code=trust_remote_code,
+        )
         return cap, cap.lm_head
     if name == "sglang":
         from aerie.sglang_capture import SGLangCapture  # SGLang's environment only: imported when asked for
@@ -259,8 +291,9 @@ def open_backend(name: str, target_path: str, layer_ids: list[int], *, device: s
 # the stage
 
 
-def check_agreement(where: str, agreement: float, topk_rate: float, k: int, min_agreement: float,
-                    min_in_topk: float) -> None:
+def check_agreement(
+    where: str, agreement: float, topk_rate: float, k: int, min_agreement: float, min_in_topk: float
+) -> None:
     """Refuse a shard whose final states do not predict its recorded tokens (hidden.min_next_token_*)."""
     if agreement < min_agreement:
         raise HiddenStateError(
@@ -282,14 +315,29 @@ class TargetSession:
     The load is lazy: a job whose shards are all reused from the capture store never loads the target.
     ``loads`` counts the loads (the capture job logs it; tests and bench/hidden_loads.py assert it)."""
 
-    def __init__(self, target_path: str, *, aux_layer_ids: Sequence[int] | None, backend: str = "hf",
-                 backend_options: dict[str, Any] | None = None, batch_tokens: int = 8192, device: str = "auto",
-                 dtype: str = "auto", trust_remote_code: bool = False, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        target_path: str,
+        *,
+        aux_layer_ids: Sequence[int] | None,
+        backend: str = "hf",
+        backend_options: dict[str, Any] | None = None,
+        batch_tokens: int = 8192,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        log: Callable[[str], None] = print,
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"hidden.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
         self.target_path, self.backend_name, self.log = str(target_path), backend, log
-        self.options = dict(backend_options=backend_options, batch_tokens=batch_tokens, device=device, dtype=dtype,
-                            trust_remote_code=trust_remote_code)
+        self.options = dict(
+            backend_options=backend_options,
+            batch_tokens=batch_tokens,
+            device=device,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        )
         text = read_text_config(target_path)
         self.num_layers = int(text["num_hidden_layers"])
         # Resolved from config.json before anything loads: unservable ids fail in seconds, not after a load.
@@ -304,13 +352,22 @@ class TargetSession:
             o = self.options
             self.log(f"loading the target {self.target_path} for capture ({self.backend_name} backend)")
             started = time.perf_counter()
-            cap, lm_head = open_backend(self.backend_name, self.target_path, self.layer_ids, device=o["device"],
-                                        dtype=o["dtype"], batch_tokens=o["batch_tokens"],
-                                        options=o["backend_options"], trust_remote_code=o["trust_remote_code"])
+            cap, lm_head = open_backend(
+                self.backend_name,
+                self.target_path,
+                self.layer_ids,
+                device=o["device"],
+                dtype=o["dtype"],
+                batch_tokens=o["batch_tokens"],
+                options=o["backend_options"],
+                trust_remote_code=o["trust_remote_code"],
+            )
             if cap.num_hidden_layers != self.num_layers:
                 cap.close()
-                raise HiddenStateError(f"backend {self.backend_name} sees {cap.num_hidden_layers} layers, "
-                                       f"{self.target_path}/config.json says {self.num_layers}")
+                raise HiddenStateError(
+                    f"backend {self.backend_name} sees {cap.num_hidden_layers} layers, "
+                    f"{self.target_path}/config.json says {self.num_layers}"
+                )
             self.loads += 1
             self.load_seconds += time.perf_counter() - started
             self.log(f"target loaded in {time.perf_counter() - started:.1f}s (target loads in this job: {self.loads})")
@@ -357,12 +414,28 @@ def capture_shard(
     if layout not in LAYOUTS:
         raise ValueError(f"hidden.layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
     set_threads(threads)
-    with TargetSession(target_path, aux_layer_ids=aux_layer_ids, backend=backend, backend_options=backend_options,
-                       batch_tokens=batch_tokens, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                       log=log) as session:
-        return capture_into(session, tokens_path, out_path, layout=layout, target_topk=target_topk,
-                            storage_dtype=storage_dtype, min_next_token_agreement=min_next_token_agreement,
-                            min_next_token_in_topk=min_next_token_in_topk, log=log)
+    with TargetSession(
+        target_path,
+        aux_layer_ids=aux_layer_ids,
+        backend=backend,
+        backend_options=backend_options,
+        batch_tokens=batch_tokens,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        log=log,
+    ) as session:
+        return capture_into(
+            session,
+            tokens_path,
+            out_path,
+            layout=layout,
+            target_topk=target_topk,
+            storage_dtype=storage_dtype,
+            min_next_token_agreement=min_next_token_agreement,
+            min_next_token_in_topk=min_next_token_in_topk,
+            log=log,
+        )
 
 
 @torch.no_grad()
@@ -385,8 +458,12 @@ def capture_into(
     if layout not in LAYOUTS:
         raise ValueError(f"hidden.layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
     tensors, meta = read_tokens_shard(tokens_path)  # a shifted or partial loss mask stops here
-    num_layers, layer_ids, backend, target_path = (session.num_layers, session.layer_ids, session.backend_name,
-                                                   session.target_path)
+    num_layers, layer_ids, backend, target_path = (
+        session.num_layers,
+        session.layer_ids,
+        session.backend_name,
+        session.target_path,
+    )
     A = len(layer_ids)
     seqs = split_packed(tensors["input_ids"], tensors["seq_offsets"])
     masks = split_packed(tensors["loss_mask"], tensors["seq_offsets"])
@@ -406,14 +483,17 @@ def capture_into(
         idx = [order[g] for g in group]
         outs = cap.capture([seqs[s] for s in idx])
         if len(outs) != len(idx):
-            raise HiddenStateError(f"{out_path}: backend {backend} returned {len(outs)} results for {len(idx)} "
-                                   "sequences")
+            raise HiddenStateError(
+                f"{out_path}: backend {backend} returned {len(outs)} results for {len(idx)} sequences"
+            )
         for s, (aux, final) in zip(idx, outs):
             n = len(seqs[s])
             if aux.shape != (n, A * H) or final.shape != (n, H):
-                raise HiddenStateError(f"{out_path}: sequence {s}: backend returned aux {tuple(aux.shape)}, "
-                                       f"final {tuple(final.shape)} for {n} tokens (expected ({n}, {A * H}), "
-                                       f"({n}, {H}))")
+                raise HiddenStateError(
+                    f"{out_path}: sequence {s}: backend returned aux {tuple(aux.shape)}, "
+                    f"final {tuple(final.shape)} for {n} tokens (expected ({n}, {A * H}), "
+                    f"({n}, {H}))"
+                )
             checks.update(aux, final)
             # Next-token agreement: lm_head(final at t) should give token t+1 wherever t+1 was generated.
             top_ids, top_lp = lm_head_topk(final, lm_head, k)
@@ -427,8 +507,12 @@ def capture_into(
                 q, scale = quantize_aux(aux, A)
                 mass = top_lp[:-1][gen_next].exp().sum(-1)
                 mass_sum, mass_rows = mass_sum + float(mass.sum()), mass_rows + len(mass)
-                per_seq[s] = {"aux_hidden_states": q, "aux_scales": scale,
-                              "target_topk_ids": top_ids.to(torch.int32), "target_topk_logprobs": top_lp.half()}
+                per_seq[s] = {
+                    "aux_hidden_states": q,
+                    "aux_scales": scale,
+                    "target_topk_ids": top_ids.to(torch.int32),
+                    "target_topk_logprobs": top_lp.half(),
+                }
             else:
                 store = getattr(torch, storage_dtype)
                 per_seq[s] = {"aux_hidden_states": aux.to(store), "final_hidden_states": final.to(store)}
@@ -436,21 +520,27 @@ def capture_into(
         checks.finish()
 
     if checks.rows != tensors["input_ids"].shape[0]:
-        raise HiddenStateError(f"{out_path}: captured {checks.rows} positions, tokens shard has "
-                               f"{tensors['input_ids'].shape[0]}")
+        raise HiddenStateError(
+            f"{out_path}: captured {checks.rows} positions, tokens shard has {tensors['input_ids'].shape[0]}"
+        )
     agreement = agree / total if total else 1.0
     topk_rate = in_topk / total if total else 1.0
     check_agreement(str(out_path), agreement, topk_rate, k, min_next_token_agreement, min_next_token_in_topk)
     if per_seq:
         stored = {name: torch.cat([p[name] for p in per_seq]) for name in per_seq[0]}
     elif layout == "compact":  # zero sequences: the same tensors with no rows, so every reader stays simple
-        stored = {"aux_hidden_states": torch.zeros(0, A * H, dtype=FP8), "aux_scales": torch.zeros(0, A),
-                  "target_topk_ids": torch.zeros(0, k, dtype=torch.int32),
-                  "target_topk_logprobs": torch.zeros(0, k, dtype=torch.float16)}
+        stored = {
+            "aux_hidden_states": torch.zeros(0, A * H, dtype=FP8),
+            "aux_scales": torch.zeros(0, A),
+            "target_topk_ids": torch.zeros(0, k, dtype=torch.int32),
+            "target_topk_logprobs": torch.zeros(0, k, dtype=torch.float16),
+        }
     else:
         store = getattr(torch, storage_dtype)
-        stored = {"aux_hidden_states": torch.zeros(0, A * H, dtype=store),
-                  "final_hidden_states": torch.zeros(0, H, dtype=store)}
+        stored = {
+            "aux_hidden_states": torch.zeros(0, A * H, dtype=store),
+            "final_hidden_states": torch.zeros(0, H, dtype=store),
+        }
 
     facts: dict[str, Any] = {
         "layout": layout,
@@ -469,14 +559,21 @@ def capture_into(
         **(extra_facts or {}),
     }
     if layout == "compact":
-        facts.update(aux_dtype="float8_e4m3fn", target_topk=k,
-                     target_topk_mass=round(mass_sum / mass_rows, 6) if mass_rows else None)
+        facts.update(
+            aux_dtype="float8_e4m3fn",
+            target_topk=k,
+            target_topk_mass=round(mass_sum / mass_rows, 6) if mass_rows else None,
+        )
     else:
         facts["storage_dtype"] = storage_dtype
     write_hidden_shard(
         out_path,
-        {"input_ids": tensors["input_ids"], "loss_mask": tensors["loss_mask"], "seq_offsets": tensors["seq_offsets"],
-         **stored},
+        {
+            "input_ids": tensors["input_ids"],
+            "loss_mask": tensors["loss_mask"],
+            "seq_offsets": tensors["seq_offsets"],
+            **stored,
+        },
         facts,
     )
     summary = {
@@ -567,12 +664,28 @@ def capture_shards(
         raise ValueError(f"hidden.layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
     set_threads(threads)
     started = time.perf_counter()
-    session = TargetSession(target_path, aux_layer_ids=aux_layer_ids, backend=backend,
-                            backend_options=backend_options, batch_tokens=batch_tokens, device=device, dtype=dtype,
-                            trust_remote_code=trust_remote_code, log=log)
-    settings = capture_settings(aux_layer_ids=session.layer_ids, layout=layout, backend=backend,
-                                backend_options=backend_options, batch_tokens=batch_tokens, device=device,
-                                dtype=dtype, target_topk=target_topk, storage_dtype=storage_dtype)
+    session = TargetSession(
+        target_path,
+        aux_layer_ids=aux_layer_ids,
+        backend=backend,
+        backend_options=backend_options,
+        batch_tokens=batch_tokens,
+        device=device,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        log=log,
+    )
+    settings = capture_settings(
+        aux_layer_ids=session.layer_ids,
+        layout=layout,
+        backend=backend,
+        backend_options=backend_options,
+        batch_tokens=batch_tokens,
+        device=device,
+        dtype=dtype,
+        target_topk=target_topk,
+        storage_dtype=storage_dtype,
+    )
     target = target_identity(target_path)
     captured: list[str] = []
     reused: list[str] = []
@@ -585,32 +698,56 @@ def capture_shards(
                 key = capture_key(file_sha256(task.tokens), target, settings)
                 facts = stored_facts(store, key)
                 if facts is not None:
-                    check_agreement(str(store), float(facts["next_token_agreement"]),
-                                    float(facts["next_token_in_topk"]), int(facts.get("target_topk") or 0),
-                                    min_next_token_agreement, min_next_token_in_topk)
-                    shard_log(f"{task.out} [{n}/{len(shards)}]: reused from the capture store ({store}: same "
-                              f"tokens, target and settings), nothing captured")
+                    check_agreement(
+                        str(store),
+                        float(facts["next_token_agreement"]),
+                        float(facts["next_token_in_topk"]),
+                        int(facts.get("target_topk") or 0),
+                        min_next_token_agreement,
+                        min_next_token_in_topk,
+                    )
+                    shard_log(
+                        f"{task.out} [{n}/{len(shards)}]: reused from the capture store ({store}: same "
+                        f"tokens, target and settings), nothing captured"
+                    )
                     reused.append(str(task.out))
                 else:
                     shard_log(f"{task.out} [{n}/{len(shards)}]: capturing {task.tokens}")
                     store.parent.mkdir(parents=True, exist_ok=True)
-                    summary = capture_into(session, task.tokens, store, layout=layout, target_topk=target_topk,
-                                           storage_dtype=storage_dtype,
-                                           min_next_token_agreement=min_next_token_agreement,
-                                           min_next_token_in_topk=min_next_token_in_topk,
-                                           extra_facts={KEY_FIELD: key}, log=shard_log)
+                    summary = capture_into(
+                        session,
+                        task.tokens,
+                        store,
+                        layout=layout,
+                        target_topk=target_topk,
+                        storage_dtype=storage_dtype,
+                        min_next_token_agreement=min_next_token_agreement,
+                        min_next_token_in_topk=min_next_token_in_topk,
+                        extra_facts={KEY_FIELD: key},
+                        log=shard_log,
+                    )
                     capture_seconds += summary["seconds"]
                     captured.append(str(task.out))
                 publish(store, task.out)
             except Exception as e:
                 shard_log(f"{task.out}: FAILED: {type(e).__name__}: {e}")
-                log(f"capture stopped at {task.out} ({n} of {len(shards)}): {len(captured)} captured and "
-                    f"{len(reused)} reused before it stay in the capture store for the next attempt")
+                log(
+                    f"capture stopped at {task.out} ({n} of {len(shards)}): {len(captured)} captured and "
+                    f"{len(reused)} reused before it stay in the capture store for the next attempt"
+                )
                 raise
-    result = {"shards": len(shards), "captured": len(captured), "reused": len(reused),
-              "target_loads": session.loads, "load_seconds": round(session.load_seconds, 2),
-              "capture_seconds": round(capture_seconds, 2), "seconds": round(time.perf_counter() - started, 2)}
-    log(f"aerie capture: {result['shards']} shards, {result['captured']} captured, {result['reused']} reused from "
+    result = {
+        "shards": len(shards),
+        "captured": len(captured),
+        "reused": len(reused),
+        "target_loads": session.loads,
+        "load_seconds": round(session.load_seconds, 2),
+        "capture_seconds": round(capture_seconds, 2),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log(
+        f"aerie capture: {result['shards']} shards, {result['captured']} captured, {result['reused']} reused from "
         f"the capture store; target loads in this job: {session.loads} ({result['load_seconds']}s loading, "
-        f"{result['capture_seconds']}s capturing)")
+        f"{result['capture_seconds']}s capturing)"
+    )
     return result

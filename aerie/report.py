@@ -62,18 +62,20 @@ def load_responses(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
             cost = r.get("cost")
             if cost is None:
                 cost = usage.get("cost")
-            rows.append({
-                "dataset": r.get("dataset") or _dataset_of(Path(path)),
-                "backend": r.get("backend"),
-                "provider": r.get("provider") or r.get("backend") or "unknown",
-                "cost": float(cost) if cost is not None else None,
-                "completion_tokens": completion,
-                "reasoning_chars": len(r["reasoning"]) if r.get("reasoning") else 0,
-                "reasoning_tokens": details.get("reasoning_tokens"),
-                "finish_reason": r.get("finish_reason"),
-                "flags": list(r.get("flags") or []),
-                "has_content": bool(r.get("content")) or bool(r.get("tool_calls")),
-            })
+            rows.append(
+                {
+                    "dataset": r.get("dataset") or _dataset_of(Path(path)),
+                    "backend": r.get("backend"),
+                    "provider": r.get("provider") or r.get("backend") or "unknown",
+                    "cost": float(cost) if cost is not None else None,
+                    "completion_tokens": completion,
+                    "reasoning_chars": len(r["reasoning"]) if r.get("reasoning") else 0,
+                    "reasoning_tokens": details.get("reasoning_tokens"),
+                    "finish_reason": r.get("finish_reason"),
+                    "flags": list(r.get("flags") or []),
+                    "has_content": bool(r.get("content")) or bool(r.get("tool_calls")),
+                }
+            )
     return rows
 
 
@@ -87,9 +89,16 @@ def load_quotas(paths: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
         rec = read_completion(path)
         if rec is None:
             continue  # in-process shards have none: every prompt was answered
-        d = out.setdefault(_dataset_of(Path(path)), {"prompts": 0, "samples": 0, "not_requested": 0,
-                                                     "max_output_tokens": rec.get("max_output_tokens"),
-                                                     "quota_reached": False})
+        d = out.setdefault(
+            _dataset_of(Path(path)),
+            {
+                "prompts": 0,
+                "samples": 0,
+                "not_requested": 0,
+                "max_output_tokens": rec.get("max_output_tokens"),
+                "quota_reached": False,
+            },
+        )
         d["prompts"] += rec["prompts"]
         d["samples"] += rec["samples"]
         d["not_requested"] += rec["not_requested"]
@@ -97,8 +106,9 @@ def load_quotas(paths: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def figure_spend(records: list[dict[str, Any]], out: Path,
-                 quotas: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def figure_spend(
+    records: list[dict[str, Any]], out: Path, quotas: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """USD per dataset, stacked by provider; responses per dataset and backend beside it, each bar marked
     with the share of its prompts answered when the dataset's output-token quota cut it."""
     plt = _plt()
@@ -125,8 +135,12 @@ def figure_spend(records: list[dict[str, Any]], out: Path,
         ax.set_title(f"API spend per dataset and provider (total ${total:.4g})")
     else:
         api = any(r["backend"] not in ("hf", None) for r in records)
-        _note(ax, "no API spend (in-process generation)" if not api else
-              "no API spend (in-process generation or self-hosted server: cost 0)")
+        _note(
+            ax,
+            "no API spend (in-process generation)"
+            if not api
+            else "no API spend (in-process generation or self-hosted server: cost 0)",
+        )
         ax.set_title("API spend per dataset and provider")
     if datasets:
         backends = sorted({b for c in counts.values() for b in c}, key=str)
@@ -138,8 +152,13 @@ def figure_spend(records: list[dict[str, Any]], out: Path,
         for i, d in enumerate(datasets):
             q = (quotas or {}).get(d)
             if q and q["quota_reached"]:
-                ax2.annotate(f"quota {q['max_output_tokens']:,} tokens:\n{q['samples']:,} of {q['prompts']:,} "
-                             "prompts", (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+                ax2.annotate(
+                    f"quota {q['max_output_tokens']:,} tokens:\n{q['samples']:,} of {q['prompts']:,} prompts",
+                    (i, bottom[i]),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
         ax2.legend(title="backend", fontsize=8)
         ax2.set_ylabel("responses")
     else:
@@ -154,8 +173,10 @@ def figure_lengths(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     plt = _plt()
     datasets = sorted({r["dataset"] for r in records})
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    lengths = {d: [r["completion_tokens"] for r in records if r["dataset"] == d and r["completion_tokens"] is not None]
-               for d in datasets}
+    lengths = {
+        d: [r["completion_tokens"] for r in records if r["dataset"] == d and r["completion_tokens"] is not None]
+        for d in datasets
+    }
     if any(lengths.values()):
         ax.hist([lengths[d] for d in datasets], bins=30, label=datasets, histtype="barstacked")
         ax.legend(fontsize=8)
@@ -208,33 +229,49 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
         rep.setdefault("dataset", _dataset_of(Path(p)))
         reports.append(rep)
         c = sums[_dataset_of(Path(p))]
-        for k in ("samples", "kept", "exact_ids_available", "retokenized_equal", "usage_length_checked",
-                  "usage_length_equal", "prompt_length_checked", "prompt_length_equal", "special_token_text",
-                  "degenerate", "empty_reasoning", "no_reasoning"):
+        for k in (
+            "samples",
+            "kept",
+            "exact_ids_available",
+            "retokenized_equal",
+            "usage_length_checked",
+            "usage_length_equal",
+            "prompt_length_checked",
+            "prompt_length_equal",
+            "special_token_text",
+            "degenerate",
+            "empty_reasoning",
+            "no_reasoning",
+        ):
             c[k] += int(rep.get(k) or 0)
         c["refused"] += int((rep.get("rebuild_paths") or {}).get("refused") or 0)
         c["normalised"] += int((rep.get("mismatch_classes") or {}).get("template_normalised") or 0)
-    fid = {d: {
-        "retokenized equal / exact ids": _rate(sums[d]["retokenized_equal"], sums[d]["exact_ids_available"]),
-        "usage length equal / checked": _rate(sums[d]["usage_length_equal"], sums[d]["usage_length_checked"]),
-        "prompt length equal / checked": _rate(sums[d]["prompt_length_equal"], sums[d]["prompt_length_checked"]),
-        "kept / samples": _rate(sums[d]["kept"], sums[d]["samples"]),
-        # every anomaly the tokens stage decided on, as a share of the samples
-        "template refused": _rate(sums[d]["refused"], sums[d]["samples"]),
-        "text normalised by template": _rate(sums[d]["normalised"], sums[d]["samples"]),
-        "special-token text": _rate(sums[d]["special_token_text"], sums[d]["samples"]),
-        "degenerate (loop)": _rate(sums[d]["degenerate"], sums[d]["samples"]),
-        "empty reasoning": _rate(sums[d]["empty_reasoning"], sums[d]["samples"]),
-        "no reasoning": _rate(sums[d]["no_reasoning"], sums[d]["samples"]),
-    } for d in datasets}
+    fid = {
+        d: {
+            "retokenized equal / exact ids": _rate(sums[d]["retokenized_equal"], sums[d]["exact_ids_available"]),
+            "usage length equal / checked": _rate(sums[d]["usage_length_equal"], sums[d]["usage_length_checked"]),
+            "prompt length equal / checked": _rate(sums[d]["prompt_length_equal"], sums[d]["prompt_length_checked"]),
+            "kept / samples": _rate(sums[d]["kept"], sums[d]["samples"]),
+            # every anomaly the tokens stage decided on, as a share of the samples
+            "template refused": _rate(sums[d]["refused"], sums[d]["samples"]),
+            "text normalised by template": _rate(sums[d]["normalised"], sums[d]["samples"]),
+            "special-token text": _rate(sums[d]["special_token_text"], sums[d]["samples"]),
+            "degenerate (loop)": _rate(sums[d]["degenerate"], sums[d]["samples"]),
+            "empty reasoning": _rate(sums[d]["empty_reasoning"], sums[d]["samples"]),
+            "no reasoning": _rate(sums[d]["no_reasoning"], sums[d]["samples"]),
+        }
+        for d in datasets
+    }
     providers = provider_stats(reports)
     outliers = provider_outliers(providers)
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 8.4))
     (ax, ax2), (ax3, ax4) = axes
     _figure_providers(ax3, ax4, providers, outliers)
-    for axis, table, title in ((ax, resp, "truncation and flag rates (responses)"),
-                               (ax2, fid, "tokenization fidelity and anomalies (tokens reports)")):
+    for axis, table, title in (
+        (ax, resp, "truncation and flag rates (responses)"),
+        (ax2, fid, "tokenization fidelity and anomalies (tokens reports)"),
+    ):
         if not datasets:
             _note(axis, "no data")
             axis.set_title(title)
@@ -246,21 +283,28 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
             vals = [table[d][name] for d in datasets]
             bars = axis.bar(x + (j - (len(names) - 1) / 2) * w, [0 if v != v else v for v in vals], w, label=name)
             for b, v in zip(bars, vals):
-                axis.annotate("n/a" if v != v else f"{v:.0%}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                              ha="center", va="bottom", fontsize=7)
+                axis.annotate(
+                    "n/a" if v != v else f"{v:.0%}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
         axis.set_xticks(x, datasets)
         axis.set_ylim(0, 1.15)
         axis.set_ylabel("fraction of samples")
         axis.legend(fontsize=7, loc="upper left")
         axis.set_title(title)
     _save(fig, out)
-    summary_providers = {f"{d}/{p}": {k: v for k, v in s.items() if k != "generated_tokens"}
-                         for (d, p), s in providers.items()}
+    summary_providers = {
+        f"{d}/{p}": {k: v for k, v in s.items() if k != "generated_tokens"} for (d, p), s in providers.items()
+    }
     return {"responses": resp, "fidelity": fid, "providers": summary_providers, "provider_outliers": outliers}
 
 
-def _figure_providers(ax, ax2, providers: dict[tuple[str, str], dict[str, Any]],
-                      outliers: list[dict[str, Any]]) -> None:
+def _figure_providers(
+    ax, ax2, providers: dict[tuple[str, str], dict[str, Any]], outliers: list[dict[str, Any]]
+) -> None:
     """Per dataset and provider: the tokens reports' rates, and generated-length percentiles (issue 12 item 7)."""
     import numpy as np
 
@@ -279,8 +323,12 @@ def _figure_providers(ax, ax2, providers: dict[tuple[str, str], dict[str, Any]],
     w = 0.8 / len(PROVIDER_RATES)
     for j, k in enumerate(PROVIDER_RATES):
         vals = [providers[key][k] for key in keys]
-        ax.bar(x + (j - (len(PROVIDER_RATES) - 1) / 2) * w, [v or 0 for v in vals], w,
-               label=k.removesuffix("_rate").replace("_", " "))
+        ax.bar(
+            x + (j - (len(PROVIDER_RATES) - 1) / 2) * w,
+            [v or 0 for v in vals],
+            w,
+            label=k.removesuffix("_rate").replace("_", " "),
+        )
     ax.set_xticks(x, labels, rotation=20, fontsize=8)
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("fraction of the provider's samples")
@@ -319,10 +367,10 @@ def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) 
             from aerie.formats.hidden import dequantize_aux
 
             sc_s = f.get_slice("aux_scales")
-            aux = [dequantize_aux(aux_s[s:s + chunk], sc_s[s:s + chunk]) for s in starts]
+            aux = [dequantize_aux(aux_s[s : s + chunk], sc_s[s : s + chunk]) for s in starts]
         else:
-            aux = [aux_s[s:s + chunk] for s in starts]
-        fin = [fin_s[s:s + chunk] for s in starts] if fin_s is not None else []
+            aux = [aux_s[s : s + chunk] for s in starts]
+        fin = [fin_s[s : s + chunk] for s in starts] if fin_s is not None else []
         seqs = f.get_slice("seq_offsets").get_shape()[0] - 1
     layer_ids = list(meta.get("aux_layer_ids") or [])
     norms: dict[str, list[float]] = {}
@@ -333,8 +381,14 @@ def hidden_shard_stats(path: str | Path, sample_rows: int = HIDDEN_SAMPLE_ROWS) 
         if fin:
             norms["final (normed)"] = torch.cat(fin).float().pow(2).mean(-1).sqrt().tolist()
     agreement = meta.get("next_token_agreement")
-    return {"tokens": rows, "sequences": seqs, "hidden_size": hidden, "aux_layer_ids": layer_ids,
-            "next_token_agreement": float(agreement) if agreement is not None else None, "rms": norms}
+    return {
+        "tokens": rows,
+        "sequences": seqs,
+        "hidden_size": hidden,
+        "aux_layer_ids": layer_ids,
+        "next_token_agreement": float(agreement) if agreement is not None else None,
+        "rms": norms,
+    }
 
 
 def figure_hidden(hidden_shards: Sequence[str | Path], out: Path) -> dict[str, Any]:
@@ -351,8 +405,13 @@ def figure_hidden(hidden_shards: Sequence[str | Path], out: Path) -> dict[str, A
     agree = [s["next_token_agreement"] if s["next_token_agreement"] is not None else float("nan") for _, s in stats]
     bars = ax.bar(labels, [0 if a != a else a for a in agree], color="tab:green")
     for b, (_, s), a in zip(bars, stats, agree):
-        ax.annotate(("n/a" if a != a else f"{a:.1%}") + f"\n{s['tokens']} tok", (b.get_x() + b.get_width() / 2,
-                    b.get_height()), ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            ("n/a" if a != a else f"{a:.1%}") + f"\n{s['tokens']} tok",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_ylim(0, 1.2)
     ax.set_ylabel("next-token agreement")
     ax.set_title("lm_head(final state) reproduces the recorded next token")
@@ -394,8 +453,13 @@ def figure_training(drafter_dir: str | Path, out: Path) -> dict[str, Any]:
         if evals:
             # Held-out losses on the same axis, at each epoch's last step (epoch 0: before training).
             per_epoch = max(steps) / max(1, max(int(e.get("epoch", 0)) for e in evals))
-            ax.plot([int(e.get("epoch", 0)) * per_epoch for e in evals], [e["heldout_loss"] for e in evals],
-                     "o--", color="tab:red", label="held-out loss (per epoch; 0 = untrained)")
+            ax.plot(
+                [int(e.get("epoch", 0)) * per_epoch for e in evals],
+                [e["heldout_loss"] for e in evals],
+                "o--",
+                color="tab:red",
+                label="held-out loss (per epoch; 0 = untrained)",
+            )
         ax.legend(fontsize=8)
     else:
         _note(ax, "no train_log.jsonl steps")
@@ -403,10 +467,15 @@ def figure_training(drafter_dir: str | Path, out: Path) -> dict[str, Any]:
     acc = ev.get("acceptance_per_position") or []
     if acc:
         pos = list(range(1, len(acc) + 1))
-        ax2.plot(pos, acc, "o-", label=f"trained (simulated acceptance length {ev.get('simulated_acceptance_length', 0):.2f})")
+        ax2.plot(
+            pos,
+            acc,
+            "o-",
+            label=f"trained (simulated acceptance length {ev.get('simulated_acceptance_length', 0):.2f})",
+        )
         un = (ev.get("untrained") or {}).get("acceptance_per_position")
         if un:
-            ax2.plot(pos[:len(un)], un, "x--", color="gray", label="untrained")
+            ax2.plot(pos[: len(un)], un, "x--", color="gray", label="untrained")
         ax2.set_xticks(pos)
         ax2.set_ylim(0, 1.05)
         ax2.set_xlabel("draft position")
@@ -432,8 +501,10 @@ def figure_benchmark(bench_json: str | Path, out: Path, sglang_json: str | Path 
         label = "1.00x" if name == "baseline" else f"{methods[name]['speedup']:.2f}x"
         ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"in-process benchmark: concurrency 1, batch 1 ({bench.get('prompts')} prompts, "
-                 f"{bench.get('device', '?')})", fontsize=10)
+    ax.set_title(
+        f"in-process benchmark: concurrency 1, batch 1 ({bench.get('prompts')} prompts, {bench.get('device', '?')})",
+        fontsize=10,
+    )
     summary: dict[str, Any] = {"speedup": bench.get("speedup")}
     sg = json.loads(Path(sglang_json).read_text()) if sglang_json and Path(sglang_json).exists() else None
     rows = (sg or {}).get("summary", {}).get("by_concurrency") or []
@@ -443,8 +514,14 @@ def figure_benchmark(bench_json: str | Path, out: Path, sglang_json: str | Path 
         ax2.plot(conc, [r["eagle3_output_tokens_per_s"] or 0 for r in rows], "o-", color="tab:blue", label="EAGLE-3")
         for c, r in zip(conc, rows):
             if r.get("speedup"):
-                ax2.annotate(f"{r['speedup']:.2f}x", (c, r["eagle3_output_tokens_per_s"]), textcoords="offset points",
-                             xytext=(0, 6), ha="center", fontsize=8)
+                ax2.annotate(
+                    f"{r['speedup']:.2f}x",
+                    (c, r["eagle3_output_tokens_per_s"]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=8,
+                )
         ax2.set_xscale("log", base=2)
         ax2.set_xticks(conc, [str(c) for c in conc])
         ax2.set_xlabel("concurrent requests")
@@ -452,16 +529,26 @@ def figure_benchmark(bench_json: str | Path, out: Path, sglang_json: str | Path 
         ax2.legend(fontsize=8)
         summary["sglang_speedup"] = {r["concurrency"]: r.get("speedup") for r in rows}
     else:
-        _note(ax2, "no SGLang serving benchmark\n(results/bench/{run}.sglang.json,\n"
-                   "written by aerie.bench.sglang_harness on a GPU host)")
+        _note(
+            ax2,
+            "no SGLang serving benchmark\n(results/bench/{run}.sglang.json,\n"
+            "written by aerie.bench.sglang_harness on a GPU host)",
+        )
     ax2.set_title("SGLang serving: tok/s and speedup per concurrency", fontsize=10)
     _save(fig, out)
     return summary
 
 
-def write_figures(outputs: dict[str, str | Path], *, responses: Sequence[str | Path], token_reports: Sequence[str | Path],
-                  hidden: Sequence[str | Path], drafter: str | Path, bench: str | Path,
-                  sglang: str | Path | None = None) -> dict[str, Any]:
+def write_figures(
+    outputs: dict[str, str | Path],
+    *,
+    responses: Sequence[str | Path],
+    token_reports: Sequence[str | Path],
+    hidden: Sequence[str | Path],
+    drafter: str | Path,
+    bench: str | Path,
+    sglang: str | Path | None = None,
+) -> dict[str, Any]:
     """Write every figure in :data:`FIGURES` to ``outputs[name]``; return the figures' summaries."""
     missing = set(FIGURES) - set(outputs)
     if missing:

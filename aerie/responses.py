@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.artifacts import write_jsonl
+from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.prompts import read_prompts
 from aerie.target.chat import ChatFormat, read_chat_format, render_prompt_ids
 from aerie.target.model import load_target, set_threads
-
 
 
 def params_hash(model: str, params: dict[str, Any]) -> str:

@@ -73,9 +73,19 @@ MISMATCH_CLASSES = (
     "other",  # none of the above: a bug to look at (aerie's own code must never cause one)
 )
 # Drops that say the data is unfaithful (not ones the config asked for, such as over-long samples).
-FIDELITY_DROPS = ("empty", "no_reasoning", "reasoning_missing", "replacement_characters", "invalid_text",
-                  "prefix_mismatch", "template_drops_reasoning", "no_reasoning_block_opened", "no_turn_end",
-                  "template_raised", "stop_token_in_text")
+FIDELITY_DROPS = (
+    "empty",
+    "no_reasoning",
+    "reasoning_missing",
+    "replacement_characters",
+    "invalid_text",
+    "prefix_mismatch",
+    "template_drops_reasoning",
+    "no_reasoning_block_opened",
+    "no_turn_end",
+    "template_raised",
+    "stop_token_in_text",
+)
 SPECIAL_TOKEN_TEXT_POLICIES = ("keep", "plain", "drop")
 FILTERED_FINISH_REASONS = ("content_filter", "error")
 
@@ -97,8 +107,9 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return TextEncoder(tokenizer).encode(text)
 
 
-def rebuild_output_ids(tokenizer, fmt: ChatFormat, prompt_ids: Sequence[int], reasoning: str | None, content: str,
-                       tool_section: str = "") -> list[int]:
+def rebuild_output_ids(
+    tokenizer, fmt: ChatFormat, prompt_ids: Sequence[int], reasoning: str | None, content: str, tool_section: str = ""
+) -> list[int]:
     """The Kimi-style framing ``[<think>] reasoning </think> content [tool section] <turn end>``.
 
     Not the stage's rebuild (that is the template's own rendering, ``rebuild_generated``): kept for the
@@ -137,8 +148,16 @@ def _token_index(offsets: list[tuple[int, int]], char: int) -> int:
     return lo
 
 
-def rebuild_generated(enc: TextEncoder, turn: TurnText, stops: set[int], *, finished: bool, policy: str,
-                      opener: Callable[[], int | None], api_texts: dict[str, str | None]) -> Rebuilt:
+def rebuild_generated(
+    enc: TextEncoder,
+    turn: TurnText,
+    stops: set[int],
+    *,
+    finished: bool,
+    policy: str,
+    opener: Callable[[], int | None],
+    api_texts: dict[str, str | None],
+) -> Rebuilt:
     """Encode the template's text of the turn and cut it where the model stopped.
 
     ``finished``: the model ended the turn, so the ids run to the first stop token after its text (or get
@@ -186,17 +205,18 @@ def rebuild_generated(enc: TextEncoder, turn: TurnText, stops: set[int], *, fini
         tail = _token_index(offsets, turn.text_end)
     else:
         end_ids = enc.encode(framing[-1])  # the framing after the model's last text
-        if end_ids and ids[len(ids) - len(end_ids):] == end_ids:
+        if end_ids and ids[len(ids) - len(end_ids) :] == end_ids:
             tail = len(ids) - len(end_ids)
         else:  # the last text and the framing merged across their boundary: locate it by offsets
             ids, offsets = enc.encode_offsets(text)
-            tail = (_token_index(offsets, turn.text_end) if offsets is not None
-                    else len(enc.encode(text[:turn.text_end])))
+            tail = (
+                _token_index(offsets, turn.text_end) if offsets is not None else len(enc.encode(text[: turn.text_end]))
+            )
     if not finished:
         return Rebuilt(ids[:tail], special_text, False)
     end = next((i for i in range(tail, len(ids)) if ids[i] in stops), None)
     if end is not None:
-        return Rebuilt(ids[:end + 1], special_text, True)
+        return Rebuilt(ids[: end + 1], special_text, True)
     stop = opener()
     if stop is None:
         raise _Drop("no_turn_end", "the template writes no end of turn and no next-turn opener was found")
@@ -211,8 +231,9 @@ def _decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def classify_mismatch(tokenizer, fmt: ChatFormat, exact: Sequence[int], rebuilt: Sequence[int],
-                      reasoning: str | None, content: str) -> str:
+def classify_mismatch(
+    tokenizer, fmt: ChatFormat, exact: Sequence[int], rebuilt: Sequence[int], reasoning: str | None, content: str
+) -> str:
     """Why the text rebuild differs from the exact sampled ids: one of MISMATCH_CLASSES."""
     exact_text, rebuilt_text = _decode(tokenizer, exact), _decode(tokenizer, rebuilt)
     # First: U+FFFD decodes the same whatever bytes were lost, so equal texts prove nothing here.
@@ -229,7 +250,7 @@ def classify_mismatch(tokenizer, fmt: ChatFormat, exact: Sequence[int], rebuilt:
         ei, ri = e.index(fmt.think_end_id), r.index(fmt.think_end_id)
         # Each side of </think> equal up to the whitespace around it.
         same = lambda a, b: _decode(tokenizer, a).strip() == _decode(tokenizer, b).strip()  # noqa: E731
-        if same(e[:ei], r[:ri]) and same(e[ei + 1:], r[ri + 1:]):
+        if same(e[:ei], r[:ri]) and same(e[ei + 1 :], r[ri + 1 :]):
             return "boundary_whitespace"
     return "other"
 
@@ -283,11 +304,15 @@ class _ProviderStats:
         n, lengths = self.samples, sorted(self.lengths)
         rate = lambda k: round(k / n, 6) if n else None  # noqa: E731
         return {
-            "samples": n, "kept": self.kept, "dropped": self.dropped,
+            "samples": n,
+            "kept": self.kept,
+            "dropped": self.dropped,
             "generated_tokens_mean": round(statistics.fmean(lengths), 2) if lengths else None,
-            "generated_tokens_p50": _percentile(lengths, 0.5), "generated_tokens_p90": _percentile(lengths, 0.9),
+            "generated_tokens_p50": _percentile(lengths, 0.5),
+            "generated_tokens_p90": _percentile(lengths, 0.9),
             "generated_tokens_p99": _percentile(lengths, 0.99),
-            "reasoning_present_rate": rate(self.reasoning_present), "truncation_rate": rate(self.truncated),
+            "reasoning_present_rate": rate(self.reasoning_present),
+            "truncation_rate": rate(self.truncated),
             "loop_rate": round(self.degenerate / self.checked, 6) if self.checked else None,
             "mismatch_rate": round(self.mismatched / self.checked, 6) if self.checked else None,
             "drop_rate": rate(self.dropped),
@@ -351,8 +376,9 @@ def tokenize_shard(
     ``tokenizer`` overrides loading it from the target. The other settings are ``tokens.*`` (docs/formats.md).
     """
     if special_token_text not in SPECIAL_TOKEN_TEXT_POLICIES:
-        raise ValueError(f"tokens.special_token_text must be one of {SPECIAL_TOKEN_TEXT_POLICIES}, "
-                         f"not {special_token_text!r}")
+        raise ValueError(
+            f"tokens.special_token_text must be one of {SPECIAL_TOKEN_TEXT_POLICIES}, not {special_token_text!r}"
+        )
     tok = tokenizer if tokenizer is not None else load_tokenizer(target_path, trust_remote_code)
     fmt = read_chat_format(tok, read_generation_config(target_path))
     enc = TextEncoder(tok)  # private backend copies: no state left by earlier transformers calls
@@ -418,8 +444,16 @@ def tokenize_shard(
         tools = r.get("tools") or None
         kwargs = _template_kwargs(r)
         try:
-            turn = render_turn(tok, r["messages"], reasoning, content, r.get("tool_calls"), tools, kwargs,
-                               think_start_text=think_start_text)
+            turn = render_turn(
+                tok,
+                r["messages"],
+                reasoning,
+                content,
+                r.get("tool_calls"),
+                tools,
+                kwargs,
+                think_start_text=think_start_text,
+            )
         except (TurnRefused, TemplateRaised) as refused:
             rep.paths["refused"] += 1
             reason = getattr(refused, "reason", "template_raised")
@@ -454,15 +488,26 @@ def tokenize_shard(
                 # Learned on a one-question probe: the record's own history may change when a turn follows.
                 key = (bool(calls), repr(sorted(kw.items())), bool(tl))
                 if key not in openers:
-                    layout = {"role": "assistant", "content": "x",
-                              **({"tool_calls": tool_calls_for_template(calls, False)} if calls else {})}
-                    openers[key] = next_turn_opener(tok, [{"role": "user", "content": PROBE_USER}], layout,
-                                                    enc.special_ids, tl, kw)
+                    layout = {
+                        "role": "assistant",
+                        "content": "x",
+                        **({"tool_calls": tool_calls_for_template(calls, False)} if calls else {}),
+                    }
+                    openers[key] = next_turn_opener(
+                        tok, [{"role": "user", "content": PROBE_USER}], layout, enc.special_ids, tl, kw
+                    )
                 return openers[key]
 
             try:
-                rb = rebuild_generated(enc, turn, stop_ids, finished=finished, policy=special_token_text,
-                                       opener=opener, api_texts={"reasoning": reasoning, "content": content})
+                rb = rebuild_generated(
+                    enc,
+                    turn,
+                    stop_ids,
+                    finished=finished,
+                    policy=special_token_text,
+                    opener=opener,
+                    api_texts={"reasoning": reasoning, "content": content},
+                )
             except _Drop as dropped:
                 if exact is None:
                     rep.drop(dropped.reason, sid, provider, str(dropped))
@@ -474,7 +519,8 @@ def tokenize_shard(
                     rep.counts["special_token_text"] += 1
                     if len(rep.special_text_examples) < MAX_EXAMPLES:
                         rep.special_text_examples.append(
-                            {"id": sid, "tokens": [f"{f}: {t}" for f, t in rb.special_text[:5]]})
+                            {"id": sid, "tokens": [f"{f}: {t}" for f, t in rb.special_text[:5]]}
+                        )
                 if rb.ids and rb.ids[-1] not in stop_ids and finished:
                     stop_ids.add(rb.ids[-1])  # the next turn's opener (GLM): it ends the turn in this shard
         if exact is not None:
@@ -490,9 +536,17 @@ def tokenize_shard(
                 cls = classify_mismatch(tok, fmt, exact, rebuilt, reasoning, content)
                 stats.mismatched += 1
                 i = _first_diff(rebuilt, exact)
-                rep.mismatch(cls, {"id": sid, "first_diff": i, "exact": exact[i:i + 8], "rebuilt": rebuilt[i:i + 8],
-                                   "exact_text": _decode(tok, exact[max(0, i - 4):i + 8]),
-                                   "rebuilt_text": _decode(tok, rebuilt[max(0, i - 4):i + 8])})
+                rep.mismatch(
+                    cls,
+                    {
+                        "id": sid,
+                        "first_diff": i,
+                        "exact": exact[i : i + 8],
+                        "rebuilt": rebuilt[i : i + 8],
+                        "exact_text": _decode(tok, exact[max(0, i - 4) : i + 8]),
+                        "rebuilt_text": _decode(tok, rebuilt[max(0, i - 4) : i + 8]),
+                    },
+                )
             output_ids = exact
         else:
             stats.checked += 1
@@ -505,14 +559,17 @@ def tokenize_shard(
                 rep.usage_deltas[delta] += 1
                 rep.counts["usage_length_equal"] += delta == 0
                 if delta and len(rep.usage_mismatches) < MAX_EXAMPLES:
-                    rep.usage_mismatches.append({"id": sid, "server": int(usage["completion_tokens"]),
-                                                 "rebuilt": len(rebuilt)})
+                    rep.usage_mismatches.append(
+                        {"id": sid, "server": int(usage["completion_tokens"]), "rebuilt": len(rebuilt)}
+                    )
             if usage.get("prompt_tokens") is not None:
                 rep.counts["prompt_length_checked"] += 1
                 if int(usage["prompt_tokens"]) == len(prompt_ids):
                     rep.counts["prompt_length_equal"] += 1
                 elif len(rep.prompt_mismatches) < MAX_EXAMPLES:
-                    rep.prompt_mismatches.append({"id": sid, "server": int(usage["prompt_tokens"]), "rendered": len(prompt_ids)})
+                    rep.prompt_mismatches.append(
+                        {"id": sid, "server": int(usage["prompt_tokens"]), "rendered": len(prompt_ids)}
+                    )
         ended = bool(output_ids) and output_ids[-1] in stop_ids
         if not ended and finished:
             raise FormatError(f"{where}: finish_reason is {finish!r} but the output does not end the turn")
@@ -543,7 +600,7 @@ def tokenize_shard(
         lengths.append(n)
         prompt_lengths.append(n_prompt)
         gp = enc.encode(turn.generation_prompt) if turn is not None else []
-        gp = tuple(gp) if prompt_ids[len(prompt_ids) - len(gp):] == gp else ()
+        gp = tuple(gp) if prompt_ids[len(prompt_ids) - len(gp) :] == gp else ()
         gen_prompt_index.append(gen_prompts.setdefault(gp, len(gen_prompts)))
         kept_ids.append(sid)
         stats.kept += 1
@@ -553,21 +610,31 @@ def tokenize_shard(
 
     total_dropped = sum(rep.dropped.values())
     if records and (not lengths or total_dropped > max_dropped_fraction * len(records)):
-        reasons = ", ".join(f"{k}: {v} (e.g. {', '.join(rep.drop_examples[k][:3])})" for k, v in rep.dropped.most_common())
+        reasons = ", ".join(
+            f"{k}: {v} (e.g. {', '.join(rep.drop_examples[k][:3])})" for k, v in rep.dropped.most_common()
+        )
         hint = ""
         if rep.dropped.keys() & {"no_reasoning", "reasoning_missing"}:
-            hint = (" - the server returned no reasoning for a thinking model: the provider drops it or its reasoning "
-                    "parser is off; pick a provider that returns reasoning (responses.provider) or enable it")
+            hint = (
+                " - the server returned no reasoning for a thinking model: the provider drops it or its reasoning "
+                "parser is off; pick a provider that returns reasoning (responses.provider) or enable it"
+            )
         elif rep.dropped.keys() & set(rep.refusal_messages):
             top = next(k for k, _ in rep.dropped.most_common() if k in rep.refusal_messages)
             hint = f" - the chat template cannot express these turns ({top}): {rep.refusal_messages[top]}"
         elif rep.dropped.keys() & {"truncated_response", "over_max_seq_len"}:
             hint = " - raise responses.max_new_tokens / tokens.max_seq_len, or set tokens.drop_truncated: false"
-        err = FidelityError(f"{responses_path}: {total_dropped} of {len(records)} samples dropped (> "
-                            f"tokens.max_dropped_fraction {max_dropped_fraction}): {reasons}{hint}")
-        err.report = {"samples": len(records), "kept": 0, "dropped": dict(rep.dropped),  # type: ignore[attr-defined]
-                      "rebuild_paths": {k: rep.paths[k] for k in ("exact", "fallback", "refused")},
-                      "mismatch_classes": {k: rep.mismatch_classes[k] for k in MISMATCH_CLASSES}}
+        err = FidelityError(
+            f"{responses_path}: {total_dropped} of {len(records)} samples dropped (> "
+            f"tokens.max_dropped_fraction {max_dropped_fraction}): {reasons}{hint}"
+        )
+        err.report = {
+            "samples": len(records),
+            "kept": 0,
+            "dropped": dict(rep.dropped),  # type: ignore[attr-defined]
+            "rebuild_paths": {k: rep.paths[k] for k in ("exact", "fallback", "refused")},
+            "mismatch_classes": {k: rep.mismatch_classes[k] for k in MISMATCH_CLASSES},
+        }
         raise err
     # No records at all is a valid shard: its dataset reached its output-token quota before the shard began
     # (aerie.api: the shard is published empty with its completion record). It yields an empty tokens shard.
@@ -637,23 +704,31 @@ def tokenize_shard(
     atomic_write_json(report_path, report)
     classes = ", ".join(f"{k} {v}" for k, v in report["mismatch_classes"].items() if v) or "none"
     paths = report["rebuild_paths"]
-    log(f"{out_path.name}: kept {len(kept_ids)}/{len(records)}, {c['generated_tokens']} generated tokens; "
+    log(
+        f"{out_path.name}: kept {len(kept_ids)}/{len(records)}, {c['generated_tokens']} generated tokens; "
         f"template rebuild exact {paths['exact']}, fallback {paths['fallback']}, refused {paths['refused']}; "
         f"text rebuild exact for {c['retokenized_equal']}/{c['exact_ids_available']} samples with exact ids "
         f"(mismatches: {classes}); rebuilt length = server's count for {c['usage_length_equal']}/"
-        f"{c['usage_length_checked']}, prompt length for {c['prompt_length_equal']}/{c['prompt_length_checked']}")
+        f"{c['usage_length_checked']}, prompt length for {c['prompt_length_equal']}/{c['prompt_length_checked']}"
+    )
     if rep.dropped:
         log(f"{out_path.name}: dropped " + ", ".join(f"{k} {v}" for k, v in rep.dropped.most_common()))
     for o in provider_outliers(provider_stats([report])):
-        log(f"WARNING {out_path.name}: provider {o['provider']} differs from the others ({'; '.join(o['reasons'])}); "
-            f"to exclude it: {o['ignore']}")
+        log(
+            f"WARNING {out_path.name}: provider {o['provider']} differs from the others ({'; '.join(o['reasons'])}); "
+            f"to exclude it: {o['ignore']}"
+        )
     if rep.mismatch_classes["other"]:
-        log(f"WARNING {out_path.name}: {rep.mismatch_classes['other']} unexplained rebuild mismatches (class 'other'); "
-            f"see {report_path}")
+        log(
+            f"WARNING {out_path.name}: {rep.mismatch_classes['other']} unexplained rebuild mismatches (class 'other'); "
+            f"see {report_path}"
+        )
     if c["prompt_length_checked"] and c["prompt_length_equal"] < c["prompt_length_checked"]:
-        log(f"WARNING {out_path.name}: the server counted a different prompt length for "
+        log(
+            f"WARNING {out_path.name}: the server counted a different prompt length for "
             f"{c['prompt_length_checked'] - c['prompt_length_equal']} samples: its system prompt or chat template "
-            f"differs from the target's (examples in {report_path})")
+            f"differs from the target's (examples in {report_path})"
+        )
     return report
 
 
@@ -676,8 +751,10 @@ def provider_stats(reports: Sequence[dict[str, Any]]) -> dict[tuple[str, str], d
     pooled: dict[tuple[str, str], dict[str, Any]] = {}
     for rep in reports:
         for provider, s in (rep.get("providers") or {}).items():
-            p = pooled.setdefault((str(rep.get("dataset") or ""), provider), {
-                "samples": 0, "kept": 0, "dropped": 0, "lengths": [], "weighted": Counter(), "checked": 0})
+            p = pooled.setdefault(
+                (str(rep.get("dataset") or ""), provider),
+                {"samples": 0, "kept": 0, "dropped": 0, "lengths": [], "weighted": Counter(), "checked": 0},
+            )
             n = int(s.get("samples") or 0)
             p["samples"] += n
             p["kept"] += int(s.get("kept") or 0)
@@ -691,12 +768,18 @@ def provider_stats(reports: Sequence[dict[str, Any]]) -> dict[tuple[str, str], d
     for key, p in pooled.items():
         lengths = sorted(p["lengths"])
         out[key] = {
-            "samples": p["samples"], "kept": p["kept"], "dropped": p["dropped"],
+            "samples": p["samples"],
+            "kept": p["kept"],
+            "dropped": p["dropped"],
             "generated_tokens_mean": round(statistics.fmean(lengths), 2) if lengths else None,
-            "generated_tokens_p50": _percentile(lengths, 0.5), "generated_tokens_p90": _percentile(lengths, 0.9),
-            "generated_tokens_p99": _percentile(lengths, 0.99), "generated_tokens": lengths,
-            **{k: (round(p["weighted"][k] / p["weighted"][k + "_n"], 6) if p["weighted"][k + "_n"] else None)
-               for k in PROVIDER_RATES},
+            "generated_tokens_p50": _percentile(lengths, 0.5),
+            "generated_tokens_p90": _percentile(lengths, 0.9),
+            "generated_tokens_p99": _percentile(lengths, 0.99),
+            "generated_tokens": lengths,
+            **{
+                k: (round(p["weighted"][k] / p["weighted"][k + "_n"], 6) if p["weighted"][k + "_n"] else None)
+                for k in PROVIDER_RATES
+            },
         }
     return out
 
@@ -726,6 +809,7 @@ def provider_outliers(stats: dict[tuple[str, str], dict[str, Any]]) -> list[dict
                 if m * OUTLIER_LENGTH_FACTOR < ref or m > ref * OUTLIER_LENGTH_FACTOR:
                     why.append(f"mean length {m:.0f} vs {ref:.0f} tokens")
             if why:
-                out.append({"dataset": d, "provider": p, "reasons": why,
-                            "ignore": f'responses.provider: {{ignore: ["{p}"]}}'})
+                out.append(
+                    {"dataset": d, "provider": p, "reasons": why, "ignore": f'responses.provider: {{ignore: ["{p}"]}}'}
+                )
     return out

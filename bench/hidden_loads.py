@@ -79,17 +79,33 @@ def write_tokens(path: Path, seed: int, seqs: int, seq_len: int, vocab: int) -> 
 
     ids = torch.randint(0, vocab, (seqs, seq_len), generator=torch.Generator().manual_seed(seed))
     mask = torch.zeros(seq_len, dtype=torch.uint8)
-    mask[seq_len // 2:] = 1
-    save_packed(path, {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask.repeat(seqs),
-                       "seq_offsets": torch.arange(seqs + 1, dtype=torch.int64) * seq_len},
-                {"format": TOKENS_FORMAT, "sample_ids": [f"b/{seed}-{i}" for i in range(seqs)],
-                 "generation_prompt_ids": [], "stop_ids": [], "cut_sequences": list(range(seqs))})
+    mask[seq_len // 2 :] = 1
+    save_packed(
+        path,
+        {
+            "input_ids": ids.flatten().to(torch.int32),
+            "loss_mask": mask.repeat(seqs),
+            "seq_offsets": torch.arange(seqs + 1, dtype=torch.int64) * seq_len,
+        },
+        {
+            "format": TOKENS_FORMAT,
+            "sample_ids": [f"b/{seed}-{i}" for i in range(seqs)],
+            "generation_prompt_ids": [],
+            "stop_ids": [],
+            "cut_sequences": list(range(seqs)),
+        },
+    )
 
 
 def run_worker(args: dict) -> dict:
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(args)], capture_output=True, text=True,
-                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -140,11 +156,14 @@ def main() -> None:
                 results = [run_worker({**common, "shards": [[str(t), str(o)] for t, o in zip(tokens, outs)]})]
             else:
                 results = [run_worker({**common, "shards": [[str(t), str(o)]]}) for t, o in zip(tokens, outs)]
-            row[mode] = {k: round(sum(r[k] for r in results), 2) for k in ("loads", "wall_s", "import_s", "load_s",
-                                                                            "capture_s")}
+            row[mode] = {
+                k: round(sum(r[k] for r in results), 2) for k in ("loads", "wall_s", "import_s", "load_s", "capture_s")
+            }
             print(f"N={n} {mode}: {row[mode]}", flush=True)
-        row["bit_identical"] = all(same_files(a.workdir / f"per-shard-{n}" / "hidden" / p.name,
-                                              a.workdir / f"per-run-{n}" / "hidden" / p.name) for p in tokens[:n])
+        row["bit_identical"] = all(
+            same_files(a.workdir / f"per-shard-{n}" / "hidden" / p.name, a.workdir / f"per-run-{n}" / "hidden" / p.name)
+            for p in tokens[:n]
+        )
         rows.append(row)
     print(json.dumps({"target": facts, "rows": rows}, indent=1))
     if a.out:

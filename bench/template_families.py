@@ -34,17 +34,27 @@ def main() -> None:
         records = family_records(fam)
         write_jsonl(folder / "r.jsonl", records)
         try:
-            report = tokenize_shard(folder / "r.jsonl", folder / "t.safetensors", folder / "t.json",
-                                    str(folder / "target"), max_seq_len=1 << 20, max_dropped_fraction=1.0,
-                                    log=lambda m: None)
+            report = tokenize_shard(
+                folder / "r.jsonl",
+                folder / "t.safetensors",
+                folder / "t.json",
+                str(folder / "target"),
+                max_seq_len=1 << 20,
+                max_dropped_fraction=1.0,
+                log=lambda m: None,
+            )
         except FidelityError as err:  # every record refused: the shard is refused
             report = err.report
         paths = report["rebuild_paths"]
         refused = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items())) or "-"
-        rows.append(f"| {fam.name} | {len(records)} | {paths['exact']} | {paths['fallback']} | {paths['refused']} "
-                    f"| {refused} | {report['mismatch_classes']['template_normalised']} | {report['kept']} |")
-    print("| family | records | exact | fallback | refused | refused / dropped because | text normalised by the "
-          "template | kept |")
+        rows.append(
+            f"| {fam.name} | {len(records)} | {paths['exact']} | {paths['fallback']} | {paths['refused']} "
+            f"| {refused} | {report['mismatch_classes']['template_normalised']} | {report['kept']} |"
+        )
+    print(
+        "| family | records | exact | fallback | refused | refused / dropped because | text normalised by the "
+        "template | kept |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

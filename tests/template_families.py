@@ -41,39 +41,131 @@ class Family:
 DEEPSEEK = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
 
 FAMILIES = [
-    Family("Kimi K2-Thinking", "moonshotai-Kimi-K2-Thinking.jinja", tuple(KIMI_SPECIAL_TOKENS), "[BOS]", "[EOS]",
-           basic="<think>Let me think.</think>Paris.<|im_end|>"),
-    Family("Kimi K3", "Kimi-K3.jinja", ("[BOS]", "[EOS]", "[UNK]", "<|open|>", "<|close|>", "<|sep|>",
-                                         "<|end_of_msg|>", "<|kimi_image_placeholder|>"), "[BOS]", "[EOS]",
-           basic="Let me think.<|close|>think<|sep|><|open|>response<|sep|>Paris.<|close|>response<|sep|>"
-                 "<|close|>message<|sep|><|end_of_msg|>"),
-    Family("DeepSeek V3.1 (non-thinking)", "deepseek-ai-DeepSeek-V3.1.jinja", (), *DEEPSEEK, stops=(DEEPSEEK[1],),
-           kwargs={"thinking": False}, basic=None),  # reasoning is never rendered: refused
-    Family("DeepSeek V3.1 (thinking)", "deepseek-ai-DeepSeek-V3.1.jinja", (), *DEEPSEEK, stops=(DEEPSEEK[1],),
-           kwargs={"thinking": True}, basic=None),
+    Family(
+        "Kimi K2-Thinking",
+        "moonshotai-Kimi-K2-Thinking.jinja",
+        tuple(KIMI_SPECIAL_TOKENS),
+        "[BOS]",
+        "[EOS]",
+        basic="<think>Let me think.</think>Paris.<|im_end|>",
+    ),
+    Family(
+        "Kimi K3",
+        "Kimi-K3.jinja",
+        ("[BOS]", "[EOS]", "[UNK]", "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|kimi_image_placeholder|>"),
+        "[BOS]",
+        "[EOS]",
+        basic="Let me think.<|close|>think<|sep|><|open|>response<|sep|>Paris.<|close|>response<|sep|>"
+        "<|close|>message<|sep|><|end_of_msg|>",
+    ),
+    Family(
+        "DeepSeek V3.1 (non-thinking)",
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        (),
+        *DEEPSEEK,
+        stops=(DEEPSEEK[1],),
+        kwargs={"thinking": False},
+        basic=None,
+    ),  # reasoning is never rendered: refused
+    Family(
+        "DeepSeek V3.1 (thinking)",
+        "deepseek-ai-DeepSeek-V3.1.jinja",
+        (),
+        *DEEPSEEK,
+        stops=(DEEPSEEK[1],),
+        kwargs={"thinking": True},
+        basic=None,
+    ),
     Family("DeepSeek V3.2", "DeepSeek-V3.2.jinja", (), *DEEPSEEK, stops=(DEEPSEEK[1],), basic=None),
-    Family("Qwen3", "Qwen-Qwen3-0.6B.jinja", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>",
-                                               "</tool_call>", "<tool_response>", "</tool_response>"),
-           None, "<|im_end|>", stops=("<|im_end|>", "<|endoftext|>"),
-           basic="<think>\nLet me think.\n</think>\n\nParis.<|im_end|>"),
-    Family("GLM 4.6", "GLM-4.6.jinja", ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                                         "<|observation|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
-                                         "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
-                                         "<tool_response>", "</tool_response>"),
-           None, "<|endoftext|>", stops=("<|endoftext|>", "<|user|>", "<|observation|>"),
-           basic="\n<think>Let me think.</think>\nParis.<|user|>"),
-    Family("MiniMax M2", "MiniMax-M2.jinja", ("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>"),
-           None, "[e~[", stops=("[e~[",), basic="Let me think.\n</think>\n\nParis.[e~["),
-    Family("gpt-oss", "openai-gpt-oss-120b.jinja", ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>",
-                                                     "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>",
-                                                     "<|call|>"),
-           "<|startoftext|>", "<|return|>", stops=("<|return|>", "<|endoftext|>", "<|call|>"),
-           basic="<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>"
-                 "Paris.<|return|>"),
-    Family("Llama 3.1 (no reasoning)", "meta-llama-Llama-3.1-8B-Instruct.jinja",
-           ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<|eom_id|>", "<|python_tag|>"), "<|begin_of_text|>", "<|eot_id|>",
-           stops=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"), reasoning=False, basic="Paris.<|eot_id|>"),
+    Family(
+        "Qwen3",
+        "Qwen-Qwen3-0.6B.jinja",
+        (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
+        None,
+        "<|im_end|>",
+        stops=("<|im_end|>", "<|endoftext|>"),
+        basic="<think>\nLet me think.\n</think>\n\nParis.<|im_end|>",
+    ),
+    Family(
+        "GLM 4.6",
+        "GLM-4.6.jinja",
+        (
+            "[gMASK]",
+            "<sop>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+            "<|endoftext|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "<tool_response>",
+            "</tool_response>",
+        ),
+        None,
+        "<|endoftext|>",
+        stops=("<|endoftext|>", "<|user|>", "<|observation|>"),
+        basic="\n<think>Let me think.</think>\nParis.<|user|>",
+    ),
+    Family(
+        "MiniMax M2",
+        "MiniMax-M2.jinja",
+        ("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>"),
+        None,
+        "[e~[",
+        stops=("[e~[",),
+        basic="Let me think.\n</think>\n\nParis.[e~[",
+    ),
+    Family(
+        "gpt-oss",
+        "openai-gpt-oss-120b.jinja",
+        (
+            "<|startoftext|>",
+            "<|endoftext|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|constrain|>",
+            "<|return|>",
+            "<|call|>",
+        ),
+        "<|startoftext|>",
+        "<|return|>",
+        stops=("<|return|>", "<|endoftext|>", "<|call|>"),
+        basic="<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>"
+        "Paris.<|return|>",
+    ),
+    Family(
+        "Llama 3.1 (no reasoning)",
+        "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        (
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ),
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        stops=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        reasoning=False,
+        basic="Paris.<|eot_id|>",
+    ),
 ]
 
 
@@ -96,23 +188,45 @@ def family_tokenizer(family: Family, out_dir: Path):
     return tok
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "city name"},
-                                                    "days": {"type": "integer"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "city name"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 CALL_ID = "call_0a1b2c3d4e"  # Mistral-style ids need >= 9 characters
 
 
 def call(city: str, days: int = 1) -> dict[str, Any]:
     # As APIs return them: arguments as a JSON string.
-    return {"id": CALL_ID, "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "days": days})}}
+    return {
+        "id": CALL_ID,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "days": days})},
+    }
 
 
 def record(rid: str, messages: list[dict[str, Any]], reasoning: str | None, content: str, **extra: Any) -> dict:
-    return {"format": RESPONSES_FORMAT, "id": rid, "dataset": "families", "messages": messages,
-            "backend": "openrouter", "provider": extra.pop("provider", "P"), "reasoning": reasoning,
-            "content": content, "finish_reason": extra.pop("finish_reason", "stop"), **extra}
+    return {
+        "format": RESPONSES_FORMAT,
+        "id": rid,
+        "dataset": "families",
+        "messages": messages,
+        "backend": "openrouter",
+        "provider": extra.pop("provider", "P"),
+        "reasoning": reasoning,
+        "content": content,
+        "finish_reason": extra.pop("finish_reason", "stop"),
+        **extra,
+    }
 
 
 def family_records(family: Family) -> list[dict[str, Any]]:
@@ -121,31 +235,55 @@ def family_records(family: Family) -> list[dict[str, Any]]:
     params = {"chat_template_kwargs": family.kwargs} if family.kwargs else {}
     q = [{"role": "user", "content": "What is the capital of France?"}]
     sys_q = [{"role": "system", "content": "You answer briefly."}] + q
-    earlier = {"role": "assistant", "content": "Paris.",
-               **({"reasoning_content": "Easy one."} if family.reasoning else {})}
+    earlier = {
+        "role": "assistant",
+        "content": "Paris.",
+        **({"reasoning_content": "Easy one."} if family.reasoning else {}),
+    }
     history = q + [earlier, {"role": "user", "content": "And of Japan?"}]
     tool_q = [{"role": "user", "content": "Weather in Paris for 2 days?"}]
-    after_tool = tool_q + [{"role": "assistant", "content": "", "tool_calls": [call("Paris", 2)],
-                            **({"reasoning_content": "I need the tool."} if family.reasoning else {})},
-                           {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather",
-                            "content": '{"temp_c": 21, "sky": "clear"}'}]
-    gsm = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-           "How many clips did Natalia sell altogether in April and May?")
-    gsm_answer = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
-                  "altogether in April and May.\n#### 72")
+    after_tool = tool_q + [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call("Paris", 2)],
+            **({"reasoning_content": "I need the tool."} if family.reasoning else {}),
+        },
+        {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather", "content": '{"temp_c": 21, "sky": "clear"}'},
+    ]
+    gsm = (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?"
+    )
+    gsm_answer = (
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+        "altogether in April and May.\n#### 72"
+    )
     recs = [
         record("basic", q, r("Let me think."), "Paris."),
         record("system", sys_q, r("Short answer wanted."), "Paris."),
         record("multi_turn", history, r("Japan's capital is Tokyo."), "Tokyo."),
-        record("tool_call", tool_q, r("I should call get_weather."), "", tool_calls=[call("Paris", 2)], tools=TOOLS,
-               finish_reason="tool_calls"),
-        record("after_tool", after_tool, r("The tool says 21 C and clear."), "It is 21 °C and clear in Paris.",
-               tools=TOOLS),
+        record(
+            "tool_call",
+            tool_q,
+            r("I should call get_weather."),
+            "",
+            tool_calls=[call("Paris", 2)],
+            tools=TOOLS,
+            finish_reason="tool_calls",
+        ),
+        record(
+            "after_tool", after_tool, r("The tool says 21 C and clear."), "It is 21 °C and clear in Paris.", tools=TOOLS
+        ),
         record("empty_reasoning", q, "" if family.reasoning else None, "Paris."),
         record("missing_reasoning", q, None, "Paris."),
         record("edge_whitespace", q, r("\n  Leading and trailing space.  \n"), "\n\nParis.\n"),
-        record("unicode", [{"role": "user", "content": "日本の首都は？ 🇯🇵"}], r("東京です。 Emoji 👍🏽 e\u0301"),
-               "東京 (Tōkyō) 🗼"),
+        record(
+            "unicode",
+            [{"role": "user", "content": "日本の首都は？ 🇯🇵"}],
+            r("東京です。 Emoji 👍🏽 e\u0301"),
+            "東京 (Tōkyō) 🗼",
+        ),
         record("gsm8k", [{"role": "user", "content": gsm}], r("April 48, May half: 24. Total 72."), gsm_answer),
     ]
     if not family.reasoning:  # reasoning a template never renders: refused, never trained without it
@@ -159,23 +297,52 @@ def family_records(family: Family) -> list[dict[str, Any]]:
 # What each family's template can express, record by record (checked by tests/test_templates.py): the path
 # of every record not listed under "fallback" or "refused" is "exact".
 EXPECTED: dict[str, dict[str, Any]] = {
-    "Kimi K2-Thinking": {"fallback": ["basic", "system", "multi_turn", "after_tool", "edge_whitespace", "unicode",
-                                      "gsm8k"]},
+    "Kimi K2-Thinking": {
+        "fallback": ["basic", "system", "multi_turn", "after_tool", "edge_whitespace", "unicode", "gsm8k"]
+    },
     "Kimi K3": {},
-    "DeepSeek V3.1 (non-thinking)": {"refused": {"template_drops_reasoning": [
-        "basic", "system", "multi_turn", "tool_call", "after_tool", "edge_whitespace", "unicode", "gsm8k"]}},
-    "DeepSeek V3.1 (thinking)": {"refused": {
-        "prefix_mismatch": ["basic", "system", "multi_turn", "tool_call", "edge_whitespace", "unicode", "gsm8k"],
-        "no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"],
-        "template_drops_reasoning": ["after_tool"]}},
-    "DeepSeek V3.2": {"refused": {
-        "prefix_mismatch": ["basic", "system", "multi_turn", "tool_call", "after_tool", "edge_whitespace", "unicode",
-                            "gsm8k"],
-        "no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"]}},
+    "DeepSeek V3.1 (non-thinking)": {
+        "refused": {
+            "template_drops_reasoning": [
+                "basic",
+                "system",
+                "multi_turn",
+                "tool_call",
+                "after_tool",
+                "edge_whitespace",
+                "unicode",
+                "gsm8k",
+            ]
+        }
+    },
+    "DeepSeek V3.1 (thinking)": {
+        "refused": {
+            "prefix_mismatch": ["basic", "system", "multi_turn", "tool_call", "edge_whitespace", "unicode", "gsm8k"],
+            "no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"],
+            "template_drops_reasoning": ["after_tool"],
+        }
+    },
+    "DeepSeek V3.2": {
+        "refused": {
+            "prefix_mismatch": [
+                "basic",
+                "system",
+                "multi_turn",
+                "tool_call",
+                "after_tool",
+                "edge_whitespace",
+                "unicode",
+                "gsm8k",
+            ],
+            "no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"],
+        }
+    },
     "Qwen3": {"normalised": ["edge_whitespace"]},
     "GLM 4.6": {"normalised": ["edge_whitespace"]},
     "MiniMax M2": {"refused": {"no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"]}},
     "gpt-oss": {"refused": {"prefix_mismatch": ["after_tool"]}},
-    "Llama 3.1 (no reasoning)": {"refused": {"template_drops_reasoning": ["reasoning_given"]},
-                                 "normalised": ["edge_whitespace"]},
+    "Llama 3.1 (no reasoning)": {
+        "refused": {"template_drops_reasoning": ["reasoning_given"]},
+        "normalised": ["edge_whitespace"],
+    },
 }

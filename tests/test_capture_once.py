@@ -58,20 +58,39 @@ def tokens_paths(root: Path) -> list[Path]:
 def write_tokens(path: Path, seed: int) -> None:
     ids = torch.randint(3, 200, (SEQS, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
     mask = torch.zeros(SEQ_LEN, dtype=torch.uint8)
-    mask[SEQ_LEN // 2:] = 1
-    save_packed(path, {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask.repeat(SEQS),
-                       "seq_offsets": torch.arange(SEQS + 1, dtype=torch.int64) * SEQ_LEN},
-                {"format": TOKENS_FORMAT, "sample_ids": [f"tasks/{seed}-{i}" for i in range(SEQS)],
-                 "generation_prompt_ids": [], "stop_ids": [], "cut_sequences": list(range(SEQS))})
+    mask[SEQ_LEN // 2 :] = 1
+    save_packed(
+        path,
+        {
+            "input_ids": ids.flatten().to(torch.int32),
+            "loss_mask": mask.repeat(SEQS),
+            "seq_offsets": torch.arange(SEQS + 1, dtype=torch.int64) * SEQ_LEN,
+        },
+        {
+            "format": TOKENS_FORMAT,
+            "sample_ids": [f"tasks/{seed}-{i}" for i in range(SEQS)],
+            "generation_prompt_ids": [],
+            "stop_ids": [],
+            "cut_sequences": list(range(SEQS)),
+        },
+    )
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("capture_once") / "target"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                 num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=128)).save_pretrained(path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=200,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(path)
     return path
 
 
@@ -82,8 +101,13 @@ def make_workdir(root: Path, target: Path) -> Path:
         write_tokens(path, seed=s)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"] = {"path": str(target), "device": "cpu", "dtype": "float32"}
-    config["datasets"] = {"tasks": {"source": {"kind": "synthetic", "families": ["arith"], "count": 2 * SHARDS + 1,
-                                               "seed": 7}, "shard_size": 2, "bench_prompts": 1}}
+    config["datasets"] = {
+        "tasks": {
+            "source": {"kind": "synthetic", "families": ["arith"], "count": 2 * SHARDS + 1, "seed": 7},
+            "shard_size": 2,
+            "bench_prompts": 1,
+        }
+    }
     config["hidden"].update(aux_layer_ids=AUX, batch_tokens=SEQ_LEN, min_next_token_agreement=0.0)
     config["resources"] = {k: 0 for k in config["resources"]}
     (root / "config.yaml").write_text(yaml.safe_dump(config))
@@ -91,8 +115,13 @@ def make_workdir(root: Path, target: Path) -> Path:
 
 
 def hidden_args(root: Path) -> list[str]:
-    return [*(str(p.relative_to(root)) for p in hidden_paths(root)), "--cores", "1", "--configfile",
-            str(root / "config.yaml")]
+    return [
+        *(str(p.relative_to(root)) for p in hidden_paths(root)),
+        "--cores",
+        "1",
+        "--configfile",
+        str(root / "config.yaml"),
+    ]
 
 
 def run_hidden(root: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -127,8 +156,10 @@ def same_shards(a: Path, b: Path) -> None:
 @pytest.fixture(scope="module")
 def full_run(target, tmp_path_factory) -> Path:
     root = make_workdir(tmp_path_factory.mktemp("full") / "work", target)
-    assert plan_line(root) == (f"aerie capture plan: rule hidden (one job for all {SHARDS} shards) publishes "
-                               f"{SHARDS} pending: 1 target load when it runs (one job per shard: {SHARDS})")
+    assert plan_line(root) == (
+        f"aerie capture plan: rule hidden (one job for all {SHARDS} shards) publishes "
+        f"{SHARDS} pending: 1 target load when it runs (one job per shard: {SHARDS})"
+    )
     proc = run_hidden(root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return root
@@ -142,7 +173,7 @@ def test_one_job_one_load_for_every_shard(full_run) -> None:
     for out in hidden_paths(root):
         # Each shard has its own file (a hard link to the store entry), its own checks and its own log.
         assert out.exists() and os.path.samefile(out, store_path(out))
-        shard_log = (root / "results" / "logs" / "tasks" / "hidden" / out.name.replace(".safetensors", ".log"))
+        shard_log = root / "results" / "logs" / "tasks" / "hidden" / out.name.replace(".safetensors", ".log")
         text = shard_log.read_text()
         assert f"{out.relative_to(root)} [" in text and "'next_token_agreement'" in text
     assert plan_line(root) == f"aerie capture plan: all {SHARDS} hidden shards are published: 0 target loads"
@@ -151,8 +182,17 @@ def test_one_job_one_load_for_every_shard(full_run) -> None:
 def test_shards_are_bit_identical_to_one_load_per_shard(full_run, target, tmp_path) -> None:
     for tokens, out in list(zip(tokens_paths(full_run), hidden_paths(full_run)))[:2]:
         alone = tmp_path / out.name
-        capture_shard(tokens, alone, str(target), aux_layer_ids=AUX, batch_tokens=SEQ_LEN, device="cpu",
-                      dtype="float32", threads=1, log=lambda _: None)
+        capture_shard(
+            tokens,
+            alone,
+            str(target),
+            aux_layer_ids=AUX,
+            batch_tokens=SEQ_LEN,
+            device="cpu",
+            dtype="float32",
+            threads=1,
+            log=lambda _: None,
+        )
         same_shards(out, alone)
 
 
@@ -163,8 +203,10 @@ def test_a_changed_tokens_shard_is_recaptured_alone_and_a_forced_rerun_loads_not
     shutil.copytree(full_run, root, symlinks=True)  # separate files: the original run stays untouched
     changed = tokens_paths(root)[2]
     write_tokens(changed, seed=100)  # e.g. the tokens job redone after its responses changed
-    assert plan_line(root) == (f"aerie capture plan: rule hidden (one job for all {SHARDS} shards) publishes 1 "
-                               "pending: 1 target load when it runs (one job per shard: 1)")
+    assert plan_line(root) == (
+        f"aerie capture plan: rule hidden (one job for all {SHARDS} shards) publishes 1 "
+        "pending: 1 target load when it runs (one job per shard: 1)"
+    )
     proc = run_hidden(root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = attempt_log(root, 2)
@@ -184,8 +226,16 @@ def test_a_changed_tokens_shard_is_recaptured_alone_and_a_forced_rerun_loads_not
 def test_killed_run_resumes_with_one_load_and_only_the_missing_shards(full_run, target, tmp_path) -> None:
     root = make_workdir(tmp_path / "work", target)
     store = store_path(hidden_paths(root)[0]).parent
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(root),
-           *hidden_args(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(root),
+        *hidden_args(root),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 600

@@ -13,8 +13,14 @@ from aerie.demo_target.build import REPORT_FILE, build_demo_target
 from aerie.demo_target.pretrain import DemoTargetConfig, repeated_ngram_rate, split_output
 from aerie.demo_target.tasks import FAMILIES, describe_code_instruction, generate_prompts, make_example
 from aerie.demo_target.tokenizer import (
-    DEFAULT_SYSTEM_PROMPT, SPECIAL_TOKENS, completion_text, encode_examples, example_messages,
-    special_token_ids, tokenizer_corpus, train_tokenizer,
+    DEFAULT_SYSTEM_PROMPT,
+    SPECIAL_TOKENS,
+    completion_text,
+    encode_examples,
+    example_messages,
+    special_token_ids,
+    tokenizer_corpus,
+    train_tokenizer,
 )
 
 
@@ -24,9 +30,22 @@ def tokenizer():
 
 
 TINY = DemoTargetConfig(
-    vocab_size=600, tokenizer_examples=600, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024, train_steps=20, batch_size=4,
-    warmup=5, log_every=10, eval_prompts=6, eval_max_new_tokens=16, eval_batch_size=6, humaneval_prompts=2,
+    vocab_size=600,
+    tokenizer_examples=600,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=1024,
+    train_steps=20,
+    batch_size=4,
+    warmup=5,
+    log_every=10,
+    eval_prompts=6,
+    eval_max_new_tokens=16,
+    eval_batch_size=6,
+    humaneval_prompts=2,
     latency_steps=4,
 )
 
@@ -104,7 +123,8 @@ def test_chat_template_kimi_structure(tokenizer):
     # own system message: no default injected; name overrides the role in the header
     text = tokenizer.apply_chat_template(
         [{"role": "system", "content": "S"}, {"role": "user", "name": "bob", "content": "q"}],
-        tokenize=False, add_generation_prompt=False,
+        tokenize=False,
+        add_generation_prompt=False,
     )
     assert text == "<|im_system|>system<|im_middle|>S<|im_end|><|im_user|>bob<|im_middle|>q<|im_end|>"
     instant = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, thinking=False)
@@ -114,17 +134,27 @@ def test_chat_template_kimi_structure(tokenizer):
 def test_chat_template_tool_turns(tokenizer):
     messages = [
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "reasoning_content": "need a tool",
-         "tool_calls": [{"id": "functions.get:0", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "need a tool",
+            "tool_calls": [
+                {"id": "functions.get:0", "type": "function", "function": {"name": "get", "arguments": '{"a": 1}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "functions.get:0", "content": "42"},
     ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # the current tool-call loop keeps its reasoning
-    assert ("<|im_assistant|>assistant<|im_middle|><think>need a tool</think><|tool_calls_section_begin|>"
-            '<|tool_call_begin|>functions.get:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>'
-            "<|tool_calls_section_end|><|im_end|>") in text
-    assert text.endswith("<|im_system|>tool<|im_middle|>## Return of functions.get:0\n42<|im_end|>"
-                         "<|im_assistant|>assistant<|im_middle|><think>")
+    assert (
+        "<|im_assistant|>assistant<|im_middle|><think>need a tool</think><|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+    ) in text
+    assert text.endswith(
+        "<|im_system|>tool<|im_middle|>## Return of functions.get:0\n42<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
+    )
 
 
 def test_training_sequence_is_prompt_plus_completion(tokenizer):
@@ -155,8 +185,14 @@ def test_tiny_build_loads_and_generates(tmp_path):
     assert not (tmp_path / "target.tmp").exists()
     on_disk = json.loads((out / REPORT_FILE).read_text())
     assert on_disk["format"] == report["format"] == "aerie.demo-target/1"
-    for key in ("heldout_loss", "accuracy", "end_of_turn_rate", "repeated_4gram_rate", "mean_generated_tokens",
-                "decode_latency_ms"):
+    for key in (
+        "heldout_loss",
+        "accuracy",
+        "end_of_turn_rate",
+        "repeated_4gram_rate",
+        "mean_generated_tokens",
+        "decode_latency_ms",
+    ):
         assert key in report["metrics"]
     assert report["config"] == dataclasses.asdict(TINY) and report["train"]["steps"] == 20
 
@@ -166,8 +202,11 @@ def test_tiny_build_loads_and_generates(tmp_path):
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.eos_token_id == im_end == tok.eos_token_id
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
-    text = tok.apply_chat_template([{"role": "user", "content": generate_prompts(["arith"], 1, 0)[0]["user"]}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": generate_prompts(["arith"], 1, 0)[0]["user"]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     gen = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] > ids.shape[1]

@@ -32,19 +32,44 @@ from aerie.hidden import HFCapture, capture_shard
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TARGET = dict(
-    vocab_size=300, hidden_size=256, intermediate_size=256, num_hidden_layers=5, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, max_position_embeddings=128, initializer_range=0.05,
+    vocab_size=300,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=128,
+    initializer_range=0.05,
 )
 AUX = [1, 2, 3]
 NUM_SEQS, PROMPT_LEN, NEW_TOKENS = 48, 8, 24
 TOPK = 16
-TRAIN = dict(ttt_steps=2, epochs=8, learning_rate=3e-3, warmup_ratio=0.1, batch_size=8, max_seq_len=64,
-             eval_fraction=0.2, seed=0, threads=1, log_every=100, checkpoint_every=0)
+TRAIN = dict(
+    ttt_steps=2,
+    epochs=8,
+    learning_rate=3e-3,
+    warmup_ratio=0.1,
+    batch_size=8,
+    max_seq_len=64,
+    eval_fraction=0.2,
+    seed=0,
+    threads=1,
+    log_every=100,
+    checkpoint_every=0,
+)
 
 
 def _capture(world: dict, out: Path, **kw) -> dict:
-    args = dict(aux_layer_ids=AUX, layout="compact", target_topk=TOPK, batch_tokens=512, threads=1,
-                min_next_token_agreement=0.99, log=lambda _: None)
+    args = dict(
+        aux_layer_ids=AUX,
+        layout="compact",
+        target_topk=TOPK,
+        batch_tokens=512,
+        threads=1,
+        min_next_token_agreement=0.99,
+        log=lambda _: None,
+    )
     return capture_shard(world["tokens"], out, str(world["target_dir"]), **{**args, **kw})
 
 
@@ -65,13 +90,28 @@ def world(tmp_path_factory) -> dict:
     mask = torch.zeros(n, dtype=torch.uint8)
     mask[PROMPT_LEN:] = 1
     tokens = root / "tokens.safetensors"
-    save_packed(tokens, {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask.repeat(NUM_SEQS),
-                         "seq_offsets": torch.arange(NUM_SEQS + 1, dtype=torch.int64) * n},
-                {"format": TOKENS_FORMAT, "sample_ids": [f"toy/{i}" for i in range(NUM_SEQS)],
-                 # no chat template here: no generation prompt, and every sequence is cut at NEW_TOKENS
-                 "generation_prompt_ids": [], "stop_ids": [], "cut_sequences": list(range(NUM_SEQS))})
+    save_packed(
+        tokens,
+        {
+            "input_ids": ids.flatten().to(torch.int32),
+            "loss_mask": mask.repeat(NUM_SEQS),
+            "seq_offsets": torch.arange(NUM_SEQS + 1, dtype=torch.int64) * n,
+        },
+        {
+            "format": TOKENS_FORMAT,
+            "sample_ids": [f"toy/{i}" for i in range(NUM_SEQS)],
+            # no chat template here: no generation prompt, and every sequence is cut at NEW_TOKENS
+            "generation_prompt_ids": [],
+            "stop_ids": [],
+            "cut_sequences": list(range(NUM_SEQS)),
+        },
+    )
     world = {"root": root, "target": target, "target_dir": target_dir, "tokens": tokens, "ids": ids}
-    world["compact"], world["full"], world["full32"] = root / "compact.safetensors", root / "full.safetensors", root / "full32.safetensors"
+    world["compact"], world["full"], world["full32"] = (
+        root / "compact.safetensors",
+        root / "full.safetensors",
+        root / "full32.safetensors",
+    )
     world["compact_summary"] = _capture(world, world["compact"])
     _capture(world, world["full"], layout="full")
     _capture(world, world["full32"], layout="full", storage_dtype="float32")
@@ -81,8 +121,11 @@ def world(tmp_path_factory) -> dict:
     t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
     t2d[draft_ids] = True
     world["vocab"] = root / "draft_vocab.safetensors"
-    save_file({"d2t": draft_ids - torch.arange(len(draft_ids)), "t2d": t2d}, str(world["vocab"]),
-              metadata={"format": "aerie.draft-vocab/1"})
+    save_file(
+        {"d2t": draft_ids - torch.arange(len(draft_ids)), "t2d": t2d},
+        str(world["vocab"]),
+        metadata={"format": "aerie.draft-vocab/1"},
+    )
     return world
 
 
@@ -116,7 +159,9 @@ def test_compact_round_trip(world):
     rel = ((deq - aux).norm(dim=-1) / aux.norm(dim=-1)).mean()
     assert rel < 0.04, rel
     q, s = quantize_aux(aux, len(AUX))  # deterministic: the stored bytes are exactly the codec's output
-    assert torch.equal(q.view(torch.uint8), c["aux_hidden_states"].view(torch.uint8)) and torch.equal(s, c["aux_scales"])
+    assert torch.equal(q.view(torch.uint8), c["aux_hidden_states"].view(torch.uint8)) and torch.equal(
+        s, c["aux_scales"]
+    )
 
     # top-k = a direct lm_head computation on the full-precision final states
     logits = f["final_hidden_states"] @ world["target"].lm_head.weight.detach().T
@@ -133,7 +178,11 @@ def test_compact_bytes_per_token_at_most_half_of_specforge(world):
     specforge = specforge_bytes_per_token(H)  # 3 aux layers + final in bf16 = 8H
     assert full >= specforge and compact <= 0.5 * specforge, (compact, full, specforge)
     # the disk preview's formula is what the files hold (plus the safetensors header)
-    assert bytes_per_token(H, 3, "bfloat16", "compact", TOPK) <= compact < bytes_per_token(H, 3, "bfloat16", "compact", TOPK) + 8
+    assert (
+        bytes_per_token(H, 3, "bfloat16", "compact", TOPK)
+        <= compact
+        < bytes_per_token(H, 3, "bfloat16", "compact", TOPK) + 8
+    )
     assert bytes_per_token(H, 3, "bfloat16", "full") <= full < bytes_per_token(H, 3, "bfloat16", "full") + 8
     assert world["compact_summary"]["bytes"] == world["compact"].stat().st_size
     # Kimi K2.5 (hidden 7168): 0.38x
@@ -170,8 +219,15 @@ def test_batches_of_both_layouts_give_the_same_targets(world):
 def test_training_reads_both_layouts(world, tmp_path):
     results = {}
     for name in ("compact", "full"):
-        results[name] = train_drafter([world[name]], world["vocab"], world["target_dir"], tmp_path / name,
-                                      TrainConfig(**TRAIN), log=lambda _: None, aux_layer_ids=AUX)
+        results[name] = train_drafter(
+            [world[name]],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / name,
+            TrainConfig(**TRAIN),
+            log=lambda _: None,
+            aux_layer_ids=AUX,
+        )
     for r in results.values():
         assert r["simulated_acceptance_length"] > r["untrained"]["simulated_acceptance_length"]
     gap = abs(results["compact"]["simulated_acceptance_length"] / results["full"]["simulated_acceptance_length"] - 1)
@@ -182,29 +238,66 @@ def test_training_reads_both_layouts(world, tmp_path):
 
 def test_compact_training_resumes_exactly(world, tmp_path):
     cfg = TrainConfig(**{**TRAIN, "epochs": 2, "checkpoint_every": 2})
-    straight = train_drafter([world["compact"]], world["vocab"], world["target_dir"], tmp_path / "a", cfg,
-                             log=lambda _: None, aux_layer_ids=AUX)
+    straight = train_drafter(
+        [world["compact"]],
+        world["vocab"],
+        world["target_dir"],
+        tmp_path / "a",
+        cfg,
+        log=lambda _: None,
+        aux_layer_ids=AUX,
+    )
 
     def kill(step: int) -> None:
         if step == 3:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_drafter([world["compact"]], world["vocab"], world["target_dir"], tmp_path / "b", cfg, log=lambda _: None,
-                      on_step=kill, aux_layer_ids=AUX)
+        train_drafter(
+            [world["compact"]],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / "b",
+            cfg,
+            log=lambda _: None,
+            on_step=kill,
+            aux_layer_ids=AUX,
+        )
     lines: list[str] = []
-    resumed = train_drafter([world["compact"]], world["vocab"], world["target_dir"], tmp_path / "b", cfg,
-                            log=lines.append, aux_layer_ids=AUX)
+    resumed = train_drafter(
+        [world["compact"]],
+        world["vocab"],
+        world["target_dir"],
+        tmp_path / "b",
+        cfg,
+        log=lines.append,
+        aux_layer_ids=AUX,
+    )
     assert any("resuming from" in x for x in lines)
     assert resumed["acceptance_per_position"] == straight["acceptance_per_position"]
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     # the same data in the other layout is other data: its state is refused
     with pytest.raises(KeyboardInterrupt):
-        train_drafter([world["compact"]], world["vocab"], world["target_dir"], tmp_path / "c", cfg, log=lambda _: None,
-                      on_step=kill, aux_layer_ids=AUX)
+        train_drafter(
+            [world["compact"]],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / "c",
+            cfg,
+            log=lambda _: None,
+            on_step=kill,
+            aux_layer_ids=AUX,
+        )
     with pytest.raises(ValueError, match="hidden_shards differ"):
-        train_drafter([world["full"]], world["vocab"], world["target_dir"], tmp_path / "c", cfg, log=lambda _: None,
-                      aux_layer_ids=AUX)
+        train_drafter(
+            [world["full"]],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / "c",
+            cfg,
+            log=lambda _: None,
+            aux_layer_ids=AUX,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,15 +305,35 @@ def test_compact_training_resumes_exactly(world, tmp_path):
 
 
 def test_shards_of_other_layers_or_depth_are_refused(world, tmp_path):
-    with pytest.raises(ValueError, match=r"compact\.safetensors was captured at aux layers \[1, 2, 3\].*configured for "
-                                         r"aux layers \[0, 2, 3\].*recapture"):
-        train_drafter([world["compact"]], world["vocab"], world["target_dir"], tmp_path / "a", TrainConfig(**TRAIN),
-                      log=lambda _: None, aux_layer_ids=[0, 2, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"compact\.safetensors was captured at aux layers \[1, 2, 3\].*configured for "
+        r"aux layers \[0, 2, 3\].*recapture",
+    ):
+        train_drafter(
+            [world["compact"]],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / "a",
+            TrainConfig(**TRAIN),
+            log=lambda _: None,
+            aux_layer_ids=[0, 2, 3],
+        )
     deeper = _rewrite_meta(world["compact"], tmp_path / "deeper.safetensors", num_hidden_layers=61)
-    with pytest.raises(ValueError, match=r"deeper\.safetensors was captured at aux layers \[1, 2, 3\] of a 61-layer "
-                                         r"target.*\[1, 2, 3\] of the 5-layer target"):
-        train_drafter([deeper], world["vocab"], world["target_dir"], tmp_path / "b", TrainConfig(**TRAIN),
-                      log=lambda _: None, aux_layer_ids=AUX)
+    with pytest.raises(
+        ValueError,
+        match=r"deeper\.safetensors was captured at aux layers \[1, 2, 3\] of a 61-layer "
+        r"target.*\[1, 2, 3\] of the 5-layer target",
+    ):
+        train_drafter(
+            [deeper],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / "b",
+            TrainConfig(**TRAIN),
+            log=lambda _: None,
+            aux_layer_ids=AUX,
+        )
 
 
 def test_export_naming_other_layers_is_refused(world, tmp_path, monkeypatch):
@@ -235,8 +348,15 @@ def test_export_naming_other_layers_is_refused(world, tmp_path, monkeypatch):
 
     monkeypatch.setattr(model.DrafterConfig, "to_hf_config", wrong_ids)
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is \[0, 1, 2\].*aux layers \[1, 2, 3\]"):
-        train_drafter([world["compact"]], world["vocab"], world["target_dir"], tmp_path / "out",
-                      TrainConfig(**{**TRAIN, "epochs": 1}), log=lambda _: None, aux_layer_ids=AUX)
+        train_drafter(
+            [world["compact"]],
+            world["vocab"],
+            world["target_dir"],
+            tmp_path / "out",
+            TrainConfig(**{**TRAIN, "epochs": 1}),
+            log=lambda _: None,
+            aux_layer_ids=AUX,
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -264,14 +384,21 @@ def test_sglang_backend_dispatch(world, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "aerie.sglang_capture", types.SimpleNamespace(SGLangCapture=FakeSGLangCapture))
     out = tmp_path / "sglang.safetensors"
     _capture(world, out, backend="sglang", backend_options={"tp_size": 1}, dtype="float32", device="cpu")
-    assert made == {"target_path": str(world["target_dir"]), "layer_ids": AUX, "dtype": "float32",
-                    "kwargs": {"tp_size": 1}, "closed": True}
+    assert made == {
+        "target_path": str(world["target_dir"]),
+        "layer_ids": AUX,
+        "dtype": "float32",
+        "kwargs": {"tp_size": 1},
+        "closed": True,
+    }
     a, meta = load_packed(out, HIDDEN_FORMAT)
     b, _ = load_packed(world["compact"], HIDDEN_FORMAT)
     assert meta["backend"] == "sglang" and a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
-                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k]), k
+        assert torch.equal(
+            a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+            b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k],
+        ), k
 
 
 def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code(tmp_path):
@@ -287,10 +414,21 @@ def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code
     from aerie.rehearsal_target.build import REMOTE_MODEL_FILES, build_model
     from aerie.rehearsal_target.config import RehearsalTargetConfig
 
-    cfg = RehearsalTargetConfig(hidden_size=32, num_hidden_layers=5, intermediate_size=64, moe_intermediate_size=16,
-                                n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=2, q_lora_rank=16,
-                                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                                vision_hidden_size=8)
+    cfg = RehearsalTargetConfig(
+        hidden_size=32,
+        num_hidden_layers=5,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        vision_hidden_size=8,
+    )
     model = build_model(cfg, live_ids=range(600)).eval()
     assert decoder_layers(model) is model.language_model.model.layers
     target = tmp_path / "kimi-shaped"
@@ -300,16 +438,48 @@ def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code
     ids = torch.randint(0, 600, (3, 12), generator=torch.Generator().manual_seed(0))
     tokens = tmp_path / "tokens.safetensors"
     mask = torch.tensor([0] * 6 + [1] * 6, dtype=torch.uint8).repeat(3)
-    save_packed(tokens, {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask,
-                         "seq_offsets": torch.arange(4, dtype=torch.int64) * 12},
-                {"format": TOKENS_FORMAT, "sample_ids": ["k/0", "k/1", "k/2"], "generation_prompt_ids": [],
-                 "stop_ids": [], "cut_sequences": [0, 1, 2]})
+    save_packed(
+        tokens,
+        {
+            "input_ids": ids.flatten().to(torch.int32),
+            "loss_mask": mask,
+            "seq_offsets": torch.arange(4, dtype=torch.int64) * 12,
+        },
+        {
+            "format": TOKENS_FORMAT,
+            "sample_ids": ["k/0", "k/1", "k/2"],
+            "generation_prompt_ids": [],
+            "stop_ids": [],
+            "cut_sequences": [0, 1, 2],
+        },
+    )
     with pytest.raises(ValueError, match="trust_remote_code"):  # custom code is never run unless asked for
-        capture_shard(tokens, tmp_path / "no.safetensors", str(target), aux_layer_ids=[1, 2, 3], layout="full",
-                      storage_dtype="float32", device="cpu", dtype="float32", threads=1, log=lambda _: None)
+        capture_shard(
+            tokens,
+            tmp_path / "no.safetensors",
+            str(target),
+            aux_layer_ids=[1, 2, 3],
+            layout="full",
+            storage_dtype="float32",
+            device="cpu",
+            dtype="float32",
+            threads=1,
+            log=lambda _: None,
+        )
     out = tmp_path / "hidden.safetensors"
-    capture_shard(tokens, out, str(target), aux_layer_ids=[1, 2, 3], layout="full", storage_dtype="float32",
-                  device="cpu", dtype="float32", trust_remote_code=True, threads=1, log=lambda _: None)
+    capture_shard(
+        tokens,
+        out,
+        str(target),
+        aux_layer_ids=[1, 2, 3],
+        layout="full",
+        storage_dtype="float32",
+        device="cpu",
+        dtype="float32",
+        trust_remote_code=True,
+        threads=1,
+        log=lambda _: None,
+    )
     t, meta = load_packed(out, HIDDEN_FORMAT)
     assert meta["num_hidden_layers"] == 5 and meta["aux_layer_ids"] == [1, 2, 3]
     loaded = AutoModelForCausalLM.from_pretrained(str(target), trust_remote_code=True).eval()
@@ -329,8 +499,13 @@ def test_disk_preview_reflects_layout(world, tmp_path):
     plan = types.SimpleNamespace(shard_names=["00000"], shard_range=lambda i: (0, 100))
     lines = {}
     for layout in ("compact", "full"):
-        config = {"target": {"path": str(world["target_dir"])},
-                  "hidden": {"aux_layer_ids": AUX, "layout": layout, "target_topk": 32, "storage_dtype": "bfloat16"}}
+        config = {
+            "target": {"path": str(world["target_dir"])},
+            "hidden": {"aux_layer_ids": AUX, "layout": layout, "target_topk": 32, "storage_dtype": "bfloat16"},
+        }
         lines[layout] = disk_preview(config, {"d": plan}, tmp_path, {"d": 10.0})
-    assert "x 977 bytes/token (compact: 3 aux layers x 256 x float8 + top-32 target tokens, 0.48x SpecForge's 8H)" in lines["compact"]
+    assert (
+        "x 977 bytes/token (compact: 3 aux layers x 256 x float8 + top-32 target tokens, 0.48x SpecForge's 8H)"
+        in lines["compact"]
+    )
     assert "x 2,053 bytes/token (full: 3 aux + final layer x 256 x bfloat16)" in lines["full"]

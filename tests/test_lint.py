@@ -62,9 +62,10 @@ def _ruff() -> str:
 
 
 def test_python_code_passes_ruff_check() -> None:
-    """The rules in pyproject.toml [tool.ruff.lint] (pyflakes, pycodestyle at 120 columns, isort, bugbear, pyupgrade)."""
-    proc = subprocess.run([_ruff(), "check", "--output-format", "concise", "."], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+    """The rules in pyproject.toml [tool.ruff.lint]: pyflakes, pycodestyle at 120 columns, isort, bugbear, pyupgrade."""
+    proc = subprocess.run(
+        [_ruff(), "check", "--output-format", "concise", "."], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     assert proc.returncode == 0, f"ruff check (fix with: ruff check --fix .):\n{proc.stdout[-4000:]}{proc.stderr}"
 
 

@@ -14,17 +14,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, snakemake
 
 from aerie.artifacts import read_jsonl, write_jsonl
-from conftest import REPO, snakemake
 
 pytestmark = pytest.mark.slow
 
 
 def small_demo_config() -> dict:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["target"]["demo"] = {**(config["target"].get("demo") or {}), "train_steps": 40, "tokenizer_examples": 1500,
-                                "eval_prompts": 8}
+    config["target"]["demo"] = {
+        **(config["target"].get("demo") or {}),
+        "train_steps": 40,
+        "tokenizer_examples": 1500,
+        "eval_prompts": 8,
+    }
     config["datasets"]["tasks"]["source"]["count"] = 16
     config["datasets"]["tasks"]["shard_size"] = 9
     config["datasets"]["tasks"]["bench_prompts"] = 2
@@ -34,12 +38,19 @@ def small_demo_config() -> dict:
     # A dataset read with HF `datasets` from a ShareGPT-layout file, one prompt per assistant turn (4 prompts:
     # an empty conversation is skipped, a duplicate dropped); `tasks` gave up 4 prompts so the run takes as long.
     config["datasets"]["chat"] = {
-        "source": {"kind": "hf", "data_files": str(REPO / "tests/fixtures/prompt_sources/sharegpt_tasks.json"),
-                   "shape": "sharegpt", "id_field": "id", "turns": "every_assistant"},
-        "shard_size": 3, "bench_prompts": 1,
+        "source": {
+            "kind": "hf",
+            "data_files": str(REPO / "tests/fixtures/prompt_sources/sharegpt_tasks.json"),
+            "shape": "sharegpt",
+            "id_field": "id",
+            "turns": "every_assistant",
+        },
+        "shard_size": 3,
+        "bench_prompts": 1,
     }
     config["responses"]["max_new_tokens"] = 48
     config["tokens"]["drop_truncated"] = False  # a barely trained target often runs to the token cap
+    config["tokens"]["drop_degenerate"] = False  # ... and loops (the full demo target does not: it keeps the default)
     config["tokens"]["max_dropped_fraction"] = 0.75  # ... or answers nothing (flagged empty): few samples here
     config["hidden"]["min_next_token_agreement"] = 0.9
     config["drafter"] = {**(config.get("drafter") or {}), "epochs": 1}
@@ -72,8 +83,13 @@ def test_every_stage_wrote_its_artifacts(demo_run) -> None:
     assert (results / "demo-target" / "config.json").exists()
     assert json.loads((results / "demo-target" / "aerie_demo_target.json").read_text())
     for dataset, shards in (("tasks", 2), ("humaneval", 2)):
-        for stage, ext in (("prompts", "jsonl"), ("responses", "jsonl"), ("tokens", "safetensors"),
-                           ("tokens", "report.json"), ("hidden", "safetensors")):
+        for stage, ext in (
+            ("prompts", "jsonl"),
+            ("responses", "jsonl"),
+            ("tokens", "safetensors"),
+            ("tokens", "report.json"),
+            ("hidden", "safetensors"),
+        ):
             files = sorted((results / dataset / stage).glob(f"shard-?????.{ext}"))
             assert len(files) == shards, (dataset, stage, files)
         assert (results / dataset / "prompts" / "bench.jsonl").exists()
@@ -210,7 +226,7 @@ def test_planted_shifted_loss_mask_stops_the_hidden_job(demo_run, tmp_path) -> N
     shifted = tensors["loss_mask"].clone()
     offsets = tensors["seq_offsets"].tolist()
     for a, b in zip(offsets[:-1], offsets[1:]):  # an off-by-one mask: it starts on the last prompt token
-        shifted[a:b] = torch.cat([tensors["loss_mask"][a + 1:b], tensors["loss_mask"][b - 1:b]])
+        shifted[a:b] = torch.cat([tensors["loss_mask"][a + 1 : b], tensors["loss_mask"][b - 1 : b]])
     save_packed(tokens, {**tensors, "loss_mask": shifted}, meta)
     run_for(copy, configfile, "results/tasks/hidden/shard-00000.safetensors")
     log = (copy / "results" / "logs" / "tasks" / "hidden" / "shard-00000.log").read_text()

@@ -24,8 +24,17 @@ AUX = [1, 3, 4]
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("planted")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=200,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    )
     model.save_pretrained(root / "target")
     ids = torch.randint(3, 200, (6, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -33,17 +42,35 @@ def world(tmp_path_factory) -> dict:
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
     mask = torch.zeros(ids.shape[1], dtype=torch.uint8)
     mask[8:] = 1
-    save_packed(root / "tokens.safetensors",
-                {"input_ids": ids.flatten().to(torch.int32), "loss_mask": mask.repeat(len(ids)),
-                 "seq_offsets": torch.arange(len(ids) + 1, dtype=torch.int64) * ids.shape[1]},
-                {"format": TOKENS_FORMAT, "sample_ids": [f"p/{i}" for i in range(len(ids))],
-                 "generation_prompt_ids": [], "stop_ids": [], "cut_sequences": list(range(len(ids)))})
+    save_packed(
+        root / "tokens.safetensors",
+        {
+            "input_ids": ids.flatten().to(torch.int32),
+            "loss_mask": mask.repeat(len(ids)),
+            "seq_offsets": torch.arange(len(ids) + 1, dtype=torch.int64) * ids.shape[1],
+        },
+        {
+            "format": TOKENS_FORMAT,
+            "sample_ids": [f"p/{i}" for i in range(len(ids))],
+            "generation_prompt_ids": [],
+            "stop_ids": [],
+            "cut_sequences": list(range(len(ids))),
+        },
+    )
     return {"root": root, "target": str(root / "target"), "tokens": root / "tokens.safetensors"}
 
 
 def capture(world: dict, name: str) -> dict:
-    return capture_shard(world["tokens"], world["root"] / f"{name}.safetensors", world["target"], aux_layer_ids=AUX,
-                         batch_tokens=256, threads=1, min_next_token_agreement=0.995, log=lambda _: None)
+    return capture_shard(
+        world["tokens"],
+        world["root"] / f"{name}.safetensors",
+        world["target"],
+        aux_layer_ids=AUX,
+        batch_tokens=256,
+        threads=1,
+        min_next_token_agreement=0.995,
+        log=lambda _: None,
+    )
 
 
 def test_healthy_capture_passes(world) -> None:
@@ -59,7 +86,11 @@ def test_capture_silently_off_fails(world, monkeypatch) -> None:
 
         def __init__(self, inner):
             self.inner = inner
-            self.num_hidden_layers, self.hidden_size, self.vocab_size = inner.num_hidden_layers, inner.hidden_size, inner.vocab_size
+            self.num_hidden_layers, self.hidden_size, self.vocab_size = (
+                inner.num_hidden_layers,
+                inner.hidden_size,
+                inner.vocab_size,
+            )
 
         def capture(self, seqs):
             return [(torch.zeros_like(aux), final) for aux, final in self.inner.capture(seqs)]
@@ -110,12 +141,13 @@ def _minus_inf_at_one_position(aux: torch.Tensor) -> torch.Tensor:
 def _whole_layer_nan(aux: torch.Tensor) -> torch.Tensor:
     # A layer that is NaN everywhere: with comparisons alone it would pass as non-zero, varying and unlike the
     # others (every comparison with NaN is false).
-    aux[:, 2 * 64:] = float("nan")
+    aux[:, 2 * 64 :] = float("nan")
     return aux
 
 
-@pytest.mark.parametrize("plant", [_nan_at_one_position, _inf_at_one_position, _minus_inf_at_one_position,
-                                   _whole_layer_nan])
+@pytest.mark.parametrize(
+    "plant", [_nan_at_one_position, _inf_at_one_position, _minus_inf_at_one_position, _whole_layer_nan]
+)
 def test_nan_or_inf_in_an_aux_layer_fails(world, monkeypatch, plant) -> None:
     real = hidden.open_backend
 
@@ -150,8 +182,11 @@ def test_off_by_one_hooks_fail_the_convention_check(world, monkeypatch) -> None:
             return self
 
     monkeypatch.setattr(hidden, "AuxHiddenCapture", OneLate)
-    with pytest.raises(HiddenStateError, match=r"aux id 1 is not the output of decoder layer 1 .*equals the output "
-                                               r"of layer 2.*off by one"):
+    with pytest.raises(
+        HiddenStateError,
+        match=r"aux id 1 is not the output of decoder layer 1 .*equals the output "
+        r"of layer 2.*off by one",
+    ):
         capture(world, "late")
 
 
@@ -165,14 +200,26 @@ def test_a_layer_that_does_nothing_shows_as_identical_layers(world, tmp_path) ->
             model.model.layers[i].mlp.down_proj.weight.zero_()
     model.save_pretrained(tmp_path / "dead")
     with pytest.raises(HiddenStateError, match="aux layers 1 and 3 are identical"):
-        capture_shard(world["tokens"], tmp_path / "x.safetensors", str(tmp_path / "dead"), aux_layer_ids=AUX,
-                      threads=1, log=lambda _: None)
+        capture_shard(
+            world["tokens"],
+            tmp_path / "x.safetensors",
+            str(tmp_path / "dead"),
+            aux_layer_ids=AUX,
+            threads=1,
+            log=lambda _: None,
+        )
 
 
 def test_unservable_layer_ids_are_refused_before_any_work(world, tmp_path) -> None:
     with pytest.raises(ValueError, match="last decoder layer's output"):
-        capture_shard(world["tokens"], tmp_path / "x.safetensors", world["target"], aux_layer_ids=[1, 3, 5],
-                      threads=1, log=lambda _: None)
+        capture_shard(
+            world["tokens"],
+            tmp_path / "x.safetensors",
+            world["target"],
+            aux_layer_ids=[1, 3, 5],
+            threads=1,
+            log=lambda _: None,
+        )
 
 
 def test_deepseek_family_ids_must_start_with_one() -> None:

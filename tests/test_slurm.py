@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, snakemake
 from slurm_cluster import local_slurm, read_jobcomp
 from test_pipeline_e2e import small_demo_config
@@ -52,12 +51,21 @@ def slurm_overrides() -> list[str]:
     """
     rules = ("responses", "tokens", "draft_vocab", "hidden", "drafter", "bench")
     return [
-        "--cores", str(CORES), "--jobs", "2",
+        "--cores",
+        str(CORES),
+        "--jobs",
+        "2",
         "--slurm-no-account",
-        "--slurm-init-seconds-before-status-checks", "5",
-        "--latency-wait", "10",
-        "--default-resources", "slurm_partition=debug", "mem_mb=500", "runtime=30",
-        "--set-resources", *[f"{r}:{k}" for r in rules for k in ("slurm_partition=debug", "mem_mb=500", "gpu=0")],
+        "--slurm-init-seconds-before-status-checks",
+        "5",
+        "--latency-wait",
+        "10",
+        "--default-resources",
+        "slurm_partition=debug",
+        "mem_mb=500",
+        "runtime=30",
+        "--set-resources",
+        *[f"{r}:{k}" for r in rules for k in ("slurm_partition=debug", "mem_mb=500", "gpu=0")],
     ]
 
 
@@ -72,7 +80,8 @@ def same_tensors(a: Path, b: Path) -> bool:
 
     ta, tb = load_tensors(a), load_tensors(b)
     return ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k]) for k in ta)
+        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and torch.equal(ta[k], tb[k]) for k in ta
+    )
 
 
 def same_bytes(a: Path, b: Path) -> bool:
@@ -126,8 +135,15 @@ def test_demo_pipeline_through_slurm_matches_local_run(tmp_path: Path) -> None:
 
     with local_slurm(tmp_path / "cluster", cpus=CORES) as cluster:
         jobs = expected_jobs(slurm, slurm / "config.yaml")
-        proc = snakemake(slurm, "--workflow-profile", str(REPO / "profiles" / "slurm"), *slurm_overrides(),
-                         "--configfile", str(slurm / "config.yaml"), timeout=1800)
+        proc = snakemake(
+            slurm,
+            "--workflow-profile",
+            str(REPO / "profiles" / "slurm"),
+            *slurm_overrides(),
+            "--configfile",
+            str(slurm / "config.yaml"),
+            timeout=1800,
+        )
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-8000:] + cluster.logs()
         assert not cluster.queued_job_ids()

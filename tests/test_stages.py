@@ -10,16 +10,15 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from aerie.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
-from aerie.target.config import default_aux_layer_ids
-from aerie.demo_target.tokenizer import train_tokenizer, tokenizer_corpus
+from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
 from aerie.formats.hidden import HIDDEN_FORMAT
+from aerie.formats.vocab import load_draft_vocab
 from aerie.hidden import HiddenStateError, capture_shard, check_captured
-from aerie.target.config import resolve_aux_layer_ids
 from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
 from aerie.responses import generate_hf, split_generated
 from aerie.target.chat import read_chat_format, special_token_id
+from aerie.target.config import default_aux_layer_ids, resolve_aux_layer_ids
 from aerie.tokens import TOKENS_FORMAT, rebuild_output_ids, tokenize_shard
-from aerie.formats.vocab import load_draft_vocab
 from aerie.vocab import build_draft_vocab, select_draft_vocab
 
 
@@ -31,9 +30,15 @@ def tiny_target(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(
         LlamaConfig(
-            vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         )
     )
     model.generation_config.eos_token_id = tok.eos_token_id
@@ -49,7 +54,11 @@ def tok(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
 
 
-SYNTH = {"source": {"kind": "synthetic", "families": ["arith", "lists"], "count": 9, "seed": 3}, "shard_size": 4, "bench_prompts": 2}
+SYNTH = {
+    "source": {"kind": "synthetic", "families": ["arith", "lists"], "count": 9, "seed": 3},
+    "shard_size": 4,
+    "bench_prompts": 2,
+}
 
 
 def test_plan_and_write_prompts(tmp_path: Path) -> None:
@@ -71,8 +80,12 @@ def test_plan_and_write_prompts(tmp_path: Path) -> None:
 def test_jsonl_source_system_prompt_and_duplicates(tmp_path: Path) -> None:
     src = tmp_path / "p.jsonl"
     src.write_text('{"id": 1, "turns": ["first", "second"]}\n\n{"id": 2, "turns": ["again"]}\n')
-    ds = {"source": {"kind": "jsonl", "path": str(src), "text_field": "turns", "id_field": "id"},
-          "shard_size": 10, "bench_prompts": 0, "system_prompt": "Be brief."}
+    ds = {
+        "source": {"kind": "jsonl", "path": str(src), "text_field": "turns", "id_field": "id"},
+        "shard_size": 10,
+        "bench_prompts": 0,
+        "system_prompt": "Be brief.",
+    }
     write_prompts("mt", ds, 0, 2, tmp_path / "out.jsonl")
     recs = read_prompts(tmp_path / "out.jsonl")
     assert recs[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"}]
@@ -107,7 +120,10 @@ def test_rebuild_turns_tool_markers_into_special_ids(tok) -> None:
     fmt = read_chat_format(tok)
     think_end = special_token_id(tok, "</think>")
     eot = special_token_id(tok, "<|im_end|>")
-    content = "ok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"
+    content = (
+        "ok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
     prompt = [special_token_id(tok, "<think>")]  # the demo template's generation prompt opens the think block
     ids = rebuild_output_ids(tok, fmt, prompt, "think", content)
     for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_end|>"):
@@ -120,16 +136,51 @@ def test_rebuild_turns_tool_markers_into_special_ids(tok) -> None:
 def pipeline_dir(tiny_target, tmp_path_factory) -> dict[str, Path]:
     """Prompts -> responses -> tokens -> hidden on the tiny target (shared by the tests below)."""
     d = tmp_path_factory.mktemp("pipe")
-    paths = {k: d / f"{k}.{ext}" for k, ext in
-             [("prompts", "jsonl"), ("responses", "jsonl"), ("tokens", "safetensors"), ("report", "json"), ("hidden", "safetensors")]}
+    paths = {
+        k: d / f"{k}.{ext}"
+        for k, ext in [
+            ("prompts", "jsonl"),
+            ("responses", "jsonl"),
+            ("tokens", "safetensors"),
+            ("report", "json"),
+            ("hidden", "safetensors"),
+        ]
+    }
     write_prompts("tasks", SYNTH, 0, 4, paths["prompts"])
-    summary = generate_hf(paths["prompts"], paths["responses"], str(tiny_target), temperature=0.0, top_p=1.0,
-                          max_new_tokens=12, batch_size=3, seed=0, threads=1, log=lambda m: None)
+    summary = generate_hf(
+        paths["prompts"],
+        paths["responses"],
+        str(tiny_target),
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=12,
+        batch_size=3,
+        seed=0,
+        threads=1,
+        log=lambda m: None,
+    )
     assert summary["samples"] == 4
-    tokenize_shard(paths["responses"], paths["tokens"], paths["report"], str(tiny_target), max_seq_len=4096,
-                   drop_truncated=False, log=lambda m: None)
-    capture_shard(paths["tokens"], paths["hidden"], str(tiny_target), aux_layer_ids=[1, 3, 4], batch_tokens=64,
-                  layout="full", storage_dtype="float32", threads=1, min_next_token_agreement=0.99, log=lambda m: None)
+    tokenize_shard(
+        paths["responses"],
+        paths["tokens"],
+        paths["report"],
+        str(tiny_target),
+        max_seq_len=4096,
+        drop_truncated=False,
+        log=lambda m: None,
+    )
+    capture_shard(
+        paths["tokens"],
+        paths["hidden"],
+        str(tiny_target),
+        aux_layer_ids=[1, 3, 4],
+        batch_tokens=64,
+        layout="full",
+        storage_dtype="float32",
+        threads=1,
+        min_next_token_agreement=0.99,
+        log=lambda m: None,
+    )
     return paths
 
 
@@ -138,8 +189,9 @@ def test_responses_keep_exact_ids_matching_unbatched_greedy(pipeline_dir, tiny_t
     for r in read_jsonl(pipeline_dir["responses"]):
         prompt = torch.tensor([r["prompt_token_ids"]])
         with torch.no_grad():
-            ref = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)[0, prompt.shape[1]:].tolist()
+            ref = model.generate(
+                prompt, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+            )[0, prompt.shape[1] :].tolist()
         # Left-padded batched greedy decoding reproduces the unbatched sequence.
         assert r["output_token_ids"] == ref[: len(r["output_token_ids"])]
         assert r["params_hash"] and r["usage"]["completion_tokens"] == len(r["output_token_ids"])
@@ -166,14 +218,28 @@ def test_tokens_refuse_changed_template_and_missing_fields(pipeline_dir, tiny_ta
     recs[1]["prompt_token_ids"] = recs[1]["prompt_token_ids"][1:]
     write_jsonl(tmp_path / "r.jsonl", recs)
     with pytest.raises(FormatError, match=r"r.jsonl:2: prompt ids recorded"):
-        tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(tiny_target),
-                       max_seq_len=4096, drop_truncated=False, log=lambda m: None)
+        tokenize_shard(
+            tmp_path / "r.jsonl",
+            tmp_path / "t.safetensors",
+            tmp_path / "t.json",
+            str(tiny_target),
+            max_seq_len=4096,
+            drop_truncated=False,
+            log=lambda m: None,
+        )
     recs = read_jsonl(pipeline_dir["responses"])
     del recs[2]["content"]
     write_jsonl(tmp_path / "r.jsonl", recs)
     with pytest.raises(FormatError, match=r"r.jsonl:3: missing field 'content'"):
-        tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(tiny_target),
-                       max_seq_len=4096, drop_truncated=False, log=lambda m: None)
+        tokenize_shard(
+            tmp_path / "r.jsonl",
+            tmp_path / "t.safetensors",
+            tmp_path / "t.json",
+            str(tiny_target),
+            max_seq_len=4096,
+            drop_truncated=False,
+            log=lambda m: None,
+        )
     assert not (tmp_path / "t.safetensors").exists()
 
 
@@ -188,9 +254,17 @@ def test_tokens_drop_truncated_and_overlong(pipeline_dir, tiny_target, tok, tmp_
             r["finish_reason"] = "length"
     write_jsonl(tmp_path / "r.jsonl", recs)
     shortest = min(len(r["prompt_token_ids"]) + len(r["output_token_ids"]) for r in recs[1:])
-    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(tiny_target),
-                            max_seq_len=shortest, overlong="drop", drop_truncated=True, max_dropped_fraction=1.0,
-                            log=lambda m: None)
+    report = tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(tiny_target),
+        max_seq_len=shortest,
+        overlong="drop",
+        drop_truncated=True,
+        max_dropped_fraction=1.0,
+        log=lambda m: None,
+    )
     assert report["dropped"]["truncated_response"] == 1
     assert report["dropped"]["over_max_seq_len"] == 2 and report["kept"] == 1
 
@@ -199,9 +273,11 @@ def test_hidden_states_follow_sglang_layer_convention(pipeline_dir, tiny_target)
     t, meta = load_packed(pipeline_dir["hidden"], HIDDEN_FORMAT)
     assert meta["aux_layer_ids"] == [1, 3, 4]
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
-    for ids, aux, final in zip(split_packed(t["input_ids"], t["seq_offsets"]),
-                               split_packed(t["aux_hidden_states"], t["seq_offsets"]),
-                               split_packed(t["final_hidden_states"], t["seq_offsets"])):
+    for ids, aux, final in zip(
+        split_packed(t["input_ids"], t["seq_offsets"]),
+        split_packed(t["aux_hidden_states"], t["seq_offsets"]),
+        split_packed(t["final_hidden_states"], t["seq_offsets"]),
+    ):
         with torch.no_grad():
             out = model(ids[None].long(), output_hidden_states=True)
         ref = torch.cat([out.hidden_states[i + 1][0] for i in meta["aux_layer_ids"]], dim=-1)
@@ -254,8 +330,15 @@ def test_states_from_another_target_fail_the_agreement_check(pipeline_dir, tiny_
     model.save_pretrained(other)
     tok.save_pretrained(other)
     with pytest.raises(HiddenStateError, match="reproduces only"):
-        capture_shard(pipeline_dir["tokens"], tmp_path / "h.safetensors", str(other), aux_layer_ids=[1, 3, 4],
-                      threads=1, min_next_token_agreement=0.9, log=lambda m: None)
+        capture_shard(
+            pipeline_dir["tokens"],
+            tmp_path / "h.safetensors",
+            str(other),
+            aux_layer_ids=[1, 3, 4],
+            threads=1,
+            min_next_token_agreement=0.9,
+            log=lambda m: None,
+        )
     assert not (tmp_path / "h.safetensors").exists()
 
 
@@ -267,8 +350,13 @@ def test_draft_vocab_semantics(pipeline_dir, tmp_path) -> None:
     assert t2d.nonzero().flatten().tolist() == chosen.tolist()
     chosen, d2t, t2d = select_draft_vocab(counts, 100)  # capped at the target vocabulary
     assert chosen.numel() == 8 and bool(t2d.all())
-    meta = build_draft_vocab([pipeline_dir["tokens"]], tmp_path / "v.safetensors", target_vocab_size=400,
-                             draft_vocab_size=50, log=lambda m: None)
+    meta = build_draft_vocab(
+        [pipeline_dir["tokens"]],
+        tmp_path / "v.safetensors",
+        target_vocab_size=400,
+        draft_vocab_size=50,
+        log=lambda m: None,
+    )
     vocab = load_draft_vocab(tmp_path / "v.safetensors")
     d2t, t2d = vocab.d2t, vocab.t2d
     assert vocab.meta["draft_vocab_size"] == d2t.numel() == 50 and int(t2d.sum()) == 50

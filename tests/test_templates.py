@@ -23,9 +23,15 @@ from aerie.tokens import tokenize_shard
 
 # The token that ends each family's answer turn (its documented format); GLM writes none: the model stops
 # on the next turn's opener, <|user|> (or <|observation|> after tool calls).
-TURN_END = {"Kimi K2-Thinking": "<|im_end|>", "Kimi K3": "<|end_of_msg|>", "Qwen3": "<|im_end|>",
-            "GLM 4.6": "<|user|>", "MiniMax M2": "[e~[", "gpt-oss": "<|return|>",
-            "Llama 3.1 (no reasoning)": "<|eot_id|>"}
+TURN_END = {
+    "Kimi K2-Thinking": "<|im_end|>",
+    "Kimi K3": "<|end_of_msg|>",
+    "Qwen3": "<|im_end|>",
+    "GLM 4.6": "<|user|>",
+    "MiniMax M2": "[e~[",
+    "gpt-oss": "<|return|>",
+    "Llama 3.1 (no reasoning)": "<|eot_id|>",
+}
 TOOL_CALL_END = {"gpt-oss": "<|call|>", "GLM 4.6": "<|observation|>"}
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
 
@@ -58,11 +64,11 @@ def expected_generated(tok, fam: Family, rec: dict) -> list[int]:
     assert full.startswith(prompt), "the template's render of the turn does not begin with its prompt"
     # Encoded apart from the prompt, as a server does: MiniMax's prompt ends '<think>\n', and a reasoning that
     # starts with '\n' would merge with it into one '\n\n' token in a single encode of the whole text.
-    gen = tok.encode(full[len(prompt):], add_special_tokens=False)
+    gen = tok.encode(full[len(prompt) :], add_special_tokens=False)
     end = TOOL_CALL_END.get(fam.name) if rec.get("tool_calls") else None
     end_id = tok.convert_tokens_to_ids(end or TURN_END.get(fam.name, DEEPSEEK_EOS))
     if end_id in gen:
-        return gen[:len(gen) - gen[::-1].index(end_id)]
+        return gen[: len(gen) - gen[::-1].index(end_id)]
     assert fam.name == "GLM 4.6", f"{fam.name} renders no turn end"
     return gen + [end_id]
 
@@ -80,28 +86,41 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp
     for rec in records:
         kwargs = (rec.get("params") or {}).get("chat_template_kwargs") or {}
         try:
-            turn = render_turn(tok, rec["messages"], rec["reasoning"], rec["content"], rec.get("tool_calls"),
-                               rec.get("tools"), kwargs)
+            turn = render_turn(
+                tok, rec["messages"], rec["reasoning"], rec["content"], rec.get("tool_calls"), rec.get("tools"), kwargs
+            )
             path = turn.path
         except TurnRefused as refused:
             path = f"refused:{refused.reason}"
             assert len(str(refused)) > 60  # the message names the template behaviour
-        want = f"refused:{refused_as[rec['id']]}" if rec["id"] in refused_as else (
-            "fallback" if rec["id"] in fallback else "exact")
+        want = (
+            f"refused:{refused_as[rec['id']]}"
+            if rec["id"] in refused_as
+            else ("fallback" if rec["id"] in fallback else "exact")
+        )
         assert path == want, rec["id"]
 
     write_jsonl(tmp_path / "r.jsonl", records)
     try:
-        report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json",
-                                str(targets[fam.name]), max_seq_len=1 << 20, max_dropped_fraction=1.0,
-                                log=lambda m: None)
+        report = tokenize_shard(
+            tmp_path / "r.jsonl",
+            tmp_path / "t.safetensors",
+            tmp_path / "t.json",
+            str(targets[fam.name]),
+            max_seq_len=1 << 20,
+            max_dropped_fraction=1.0,
+            log=lambda m: None,
+        )
     except FidelityError as err:  # every record refused: the shard is refused, with the counts
         assert not set(r["id"] for r in records) - set(refused_as), "a record the template expresses was lost"
         report = err.report
         assert "the chat template cannot express these turns" in str(err)
     n_refused = len(refused_as)
-    assert report["rebuild_paths"] == {"exact": len(records) - n_refused - len(fallback), "fallback": len(fallback),
-                                       "refused": n_refused}
+    assert report["rebuild_paths"] == {
+        "exact": len(records) - n_refused - len(fallback),
+        "fallback": len(fallback),
+        "refused": n_refused,
+    }
     assert report["dropped"] == {r: len(ids) for r, ids in expected.get("refused", {}).items()}
     if n_refused == len(records):
         return
@@ -109,8 +128,9 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp
     assert [m["id"] for m in report["mismatches"]] == expected.get("normalised", [])
     tensors, meta = read_tokens_shard(tmp_path / "t.safetensors")  # the per-record mask facts check out
     by_id = {rec["id"]: rec for rec in records}
-    for sid, ids, prompt_len in zip(meta["sample_ids"], split_packed(tensors["input_ids"], tensors["seq_offsets"]),
-                                    meta["prompt_lengths"]):
+    for sid, ids, prompt_len in zip(
+        meta["sample_ids"], split_packed(tensors["input_ids"], tensors["seq_offsets"]), meta["prompt_lengths"]
+    ):
         generated = ids.tolist()[prompt_len:]
         if sid not in fallback:
             assert generated == expected_generated(tok, fam, by_id[sid]), sid
@@ -125,8 +145,14 @@ def test_each_record_has_its_own_generation_prompt(targets, tmp_path) -> None:
     recs = {r["id"]: r for r in family_records(fam)}
     after_tool = {**recs["after_tool"], "reasoning": None}
     write_jsonl(tmp_path / "r.jsonl", [recs["missing_reasoning"], after_tool])
-    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json",
-                            str(targets[fam.name]), max_seq_len=1 << 20, log=lambda m: None)
+    report = tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(targets[fam.name]),
+        max_seq_len=1 << 20,
+        log=lambda m: None,
+    )
     _, meta = read_tokens_shard(tmp_path / "t.safetensors")
     assert meta["format"] == TOKENS_FORMAT and report["kept"] == 2
     prompts = [meta["generation_prompts"][k] for k in meta["generation_prompt_index"]]

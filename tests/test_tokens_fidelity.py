@@ -58,8 +58,17 @@ def sid(tok, text: str) -> int:
 
 
 def record(rid: str, messages, reasoning, content, **extra) -> dict:
-    return {"format": RESPONSES_FORMAT, "id": rid, "dataset": "t", "messages": messages, "backend": "openai",
-            "reasoning": reasoning, "content": content, "finish_reason": extra.pop("finish_reason", "stop"), **extra}
+    return {
+        "format": RESPONSES_FORMAT,
+        "id": rid,
+        "dataset": "t",
+        "messages": messages,
+        "backend": "openai",
+        "reasoning": reasoning,
+        "content": content,
+        "finish_reason": extra.pop("finish_reason", "stop"),
+        **extra,
+    }
 
 
 def sampled(tok, fmt, text: str) -> list[int]:
@@ -70,8 +79,15 @@ def sampled(tok, fmt, text: str) -> list[int]:
 
 def run_stage(tmp_path: Path, target: Path, records: list[dict], **kw) -> tuple[dict, dict, dict]:
     write_jsonl(tmp_path / "r.jsonl", records)
-    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(target),
-                            max_seq_len=kw.pop("max_seq_len", 1 << 20), log=lambda m: None, **kw)
+    report = tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(target),
+        max_seq_len=kw.pop("max_seq_len", 1 << 20),
+        log=lambda m: None,
+        **kw,
+    )
     tensors, meta = load_packed(tmp_path / "t.safetensors", TOKENS_FORMAT)
     return report, tensors, meta
 
@@ -90,8 +106,9 @@ def test_chat_format_is_read_from_the_template(tok, fmt) -> None:
 
 def test_the_trap_rendering_a_finished_conversation_drops_reasoning(tok, fmt, kimi_target, tmp_path) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    finished = tok.apply_chat_template(messages + [{"role": "assistant", "content": "yo", "reasoning_content": "hmm"}],
-                                       tokenize=False)
+    finished = tok.apply_chat_template(
+        messages + [{"role": "assistant", "content": "yo", "reasoning_content": "hmm"}], tokenize=False
+    )
     assert finished.endswith("<think></think>yo<|im_end|>")  # the template treats it as history
     report, t, _ = run_stage(tmp_path, kimi_target, [record("a", messages, "hmm", "yo")])
     text = tok.decode(t["input_ids"].tolist(), skip_special_tokens=False)
@@ -112,8 +129,10 @@ def test_system_prompt_is_the_requests(tok, kimi_target, tmp_path) -> None:
     # The server's prompt count checks it: a server that rendered another system prompt shows up.
     n_prompt = len(render_prompt_ids(tok, none))
     n_out = len(tok.encode("<think>r</think>hi<|im_end|>", add_special_tokens=False))
-    recs = [record("a", none, "r", "hi", usage={"prompt_tokens": n_prompt, "completion_tokens": n_out}),
-            record("b", none, "r", "hi", usage={"prompt_tokens": n_prompt + 9, "completion_tokens": n_out + 1})]
+    recs = [
+        record("a", none, "r", "hi", usage={"prompt_tokens": n_prompt, "completion_tokens": n_out}),
+        record("b", none, "r", "hi", usage={"prompt_tokens": n_prompt + 9, "completion_tokens": n_out + 1}),
+    ]
     report, _, _ = run_stage(tmp_path, kimi_target, recs)
     assert (report["prompt_length_checked"], report["prompt_length_equal"]) == (2, 1)
     assert report["prompt_length_mismatches"] == [{"id": "b", "server": n_prompt + 9, "rendered": n_prompt}]
@@ -133,30 +152,54 @@ def test_multi_turn_masks_only_the_generated_turn(tok, kimi_target, tmp_path) ->
     prompt = render_prompt_ids(tok, messages)
     assert ids[: len(prompt)] == prompt and mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
     # History as the template renders it (earlier reasoning dropped), the new turn as sampled.
-    assert "<|im_assistant|>assistant<|im_middle|><think></think>4<|im_end|>" in tok.decode(prompt, skip_special_tokens=False)
-    assert tok.decode(ids[len(prompt):], skip_special_tokens=False) == "<think>add</think>6<|im_end|>"
+    assert "<|im_assistant|>assistant<|im_middle|><think></think>4<|im_end|>" in tok.decode(
+        prompt, skip_special_tokens=False
+    )
+    assert tok.decode(ids[len(prompt) :], skip_special_tokens=False) == "<think>add</think>6<|im_end|>"
     assert report["multi_turn"] == 1
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-CALL = {"id": "functions.get_weather:0", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-SECTION = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-           '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = {
+    "id": "functions.get_weather:0",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+SECTION = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+)
 
 
 def test_tool_call_turn_with_structured_calls(tok, kimi_target, tmp_path) -> None:
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    rec = record("a", messages, "I should call the tool.", "", tool_calls=[CALL], tools=TOOLS, finish_reason="tool_calls")
+    rec = record(
+        "a", messages, "I should call the tool.", "", tool_calls=[CALL], tools=TOOLS, finish_reason="tool_calls"
+    )
     report, t, _ = run_stage(tmp_path, kimi_target, [rec])
     ids, mask = t["input_ids"], t["loss_mask"].bool()
     prompt_text = tok.decode(ids[~mask].tolist(), skip_special_tokens=False)
     assert prompt_text.startswith("<|im_system|>tool_declare<|im_middle|>")  # the request's tools are in the prompt
     generated = ids[mask].tolist()
-    assert tok.decode(generated, skip_special_tokens=False) == f"<think>I should call the tool.</think>{SECTION}<|im_end|>"
-    for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-                   "<|tool_call_end|>", "<|tool_calls_section_end|>"):
+    assert (
+        tok.decode(generated, skip_special_tokens=False) == f"<think>I should call the tool.</think>{SECTION}<|im_end|>"
+    )
+    for marker in (
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    ):
         assert sid(tok, marker) in generated  # single special ids, as the model samples them
     assert report["tool_calls"] == 1
 
@@ -176,7 +219,7 @@ def test_tool_call_loop_continuation_and_raw_markers_in_content(tok, kimi_target
     text = tok.decode(prompt, skip_special_tokens=False)
     assert f"<think>call it</think>{SECTION}<|im_end|>" in text and "## Return of functions.get_weather:0" in text
     structured = rebuild_output_ids(tok, read_chat_format(tok), [], "call", "", SECTION)
-    assert second.tolist()[-len(structured):] == structured  # raw marker text -> the same special ids
+    assert second.tolist()[-len(structured) :] == structured  # raw marker text -> the same special ids
     assert report["kept"] == 2
 
 
@@ -188,8 +231,13 @@ def exact_record(tok, fmt, rid, messages, generated_text: str, ids: list[int] | 
     """A record as the hf / sglang backends write it: exact ids, text decoded from them."""
     prompt = render_prompt_ids(tok, messages)
     out = ids if ids is not None else sampled(tok, fmt, generated_text)
-    return {**record(rid, messages, None, ""), "backend": "hf", "prompt_token_ids": prompt, "output_token_ids": out,
-            **split_generated(tok, out, fmt)}
+    return {
+        **record(rid, messages, None, ""),
+        "backend": "hf",
+        "prompt_token_ids": prompt,
+        "output_token_ids": out,
+        **split_generated(tok, out, fmt),
+    }
 
 
 def test_mismatch_classes(tok, fmt, kimi_target, tmp_path) -> None:
@@ -211,14 +259,19 @@ def test_mismatch_classes(tok, fmt, kimi_target, tmp_path) -> None:
     gone = exact_record(tok, fmt, "gone", msgs, "<think>Hidden steps.</think>Answer.<|im_end|>")
     gone["reasoning"] = None
     # Cut inside a multi-byte character: the text holds U+FFFD.
-    emoji = enc("<think>x</think>Go \U0001F600")
+    emoji = enc("<think>x</think>Go \U0001f600")
     cut = exact_record(tok, fmt, "cut", msgs, "", emoji[:-1] + [end])
     assert "\ufffd" in cut["content"]
     recs = [canonical, non_canonical, special_text, ws, gone, cut]
     report, t, _ = run_stage(tmp_path, kimi_target, recs)
     by_id = {m["id"]: m["class"] for m in report["mismatches"]}
-    assert by_id == {"split": "non_canonical", "spelled": "special_token_text", "ws": "boundary_whitespace",
-                     "gone": "reasoning_missing", "cut": "replacement_characters"}
+    assert by_id == {
+        "split": "non_canonical",
+        "spelled": "special_token_text",
+        "ws": "boundary_whitespace",
+        "gone": "reasoning_missing",
+        "cut": "replacement_characters",
+    }
     assert report["retokenized_equal"] == 1 and report["mismatch_classes"]["other"] == 0
     # The exact ids are what is trained on, whatever the text says.
     seqs = split_packed(t["input_ids"], t["seq_offsets"])
@@ -230,16 +283,28 @@ def test_mismatch_classes(tok, fmt, kimi_target, tmp_path) -> None:
 def test_text_only_records_that_lost_information_are_dropped_and_counted(tok, kimi_target, tmp_path) -> None:
     msgs = [{"role": "user", "content": "Q"}]
     good = [record(f"g{i}", msgs, "think", f"answer {i}") for i in range(9)]
-    no_reasoning = record("nr", msgs, None, "answer", usage={"completion_tokens": 50,
-                                                              "completion_tokens_details": {"reasoning_tokens": 40}})
+    no_reasoning = record(
+        "nr",
+        msgs,
+        None,
+        "answer",
+        usage={"completion_tokens": 50, "completion_tokens_details": {"reasoning_tokens": 40}},
+    )
     replaced = record("rc", msgs, "think", "broken \ufffd char")
     # JSON from an API can carry a lone surrogate ("\ud800"): valid JSON, text no tokenizer can encode.
     surrogate = json.dumps(record("ls", msgs, "think", "bad \ud800 text"), ensure_ascii=True)
     write_jsonl(tmp_path / "r.jsonl", good + [no_reasoning, replaced])
     with open(tmp_path / "r.jsonl", "a") as f:
         f.write(surrogate + "\n")
-    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(kimi_target),
-                            max_seq_len=4096, max_dropped_fraction=0.3, log=lambda m: None)
+    report = tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(kimi_target),
+        max_seq_len=4096,
+        max_dropped_fraction=0.3,
+        log=lambda m: None,
+    )
     _, meta = load_packed(tmp_path / "t.safetensors", TOKENS_FORMAT)
     assert report["dropped"] == {"reasoning_missing": 1, "replacement_characters": 1, "invalid_text": 1}
     assert report["drop_examples"]["invalid_text"] == ["ls"] and meta["num_dropped"] == 3
@@ -258,10 +323,18 @@ def test_provider_that_drops_reasoning_stops_the_shard(tok, kimi_target, tmp_pat
 def test_check_loss_mask_refuses_shifted_masks(tok, fmt, kimi_target, tmp_path) -> None:
     msgs = [{"role": "user", "content": "Q"}]
     _, t, meta = run_stage(tmp_path, kimi_target, [record("a", msgs, "r", "x"), record("b", msgs, "r", "yy")])
-    facts = (meta["prompt_lengths"], meta["generation_prompts"], meta["generation_prompt_index"], meta["stop_ids"],
-             "shard")
+    facts = (
+        meta["prompt_lengths"],
+        meta["generation_prompts"],
+        meta["generation_prompt_index"],
+        meta["stop_ids"],
+        "shard",
+    )
     check_loss_mask(t["input_ids"], t["loss_mask"], t["seq_offsets"], *facts)
-    for shift in (1, -1):  # the mask one token early (covers the last prompt token) or late (loses the first generated one)
+    for shift in (
+        1,
+        -1,
+    ):  # the mask one token early (covers the last prompt token) or late (loses the first generated one)
         shifted = t["loss_mask"].clone()
         for a, b in zip(t["seq_offsets"][:-1].tolist(), t["seq_offsets"][1:].tolist()):
             seg = t["loss_mask"][a:b]
@@ -321,8 +394,15 @@ def test_decode_then_rebuild_reproduces_canonical_ids_for_every_real_text(tok, f
     recs = []
     for i, (reasoning, content) in enumerate(pairs):
         out = sampled(tok, fmt, f"<think>{reasoning}</think>{content}<|im_end|>")  # one encode, as if sampled
-        recs.append({**record(f"x{i}", msgs, None, ""), "backend": "sglang", "prompt_token_ids": prompt,
-                     "output_token_ids": out, **split_generated(tok, out, fmt)})  # text decoded, as servers do
+        recs.append(
+            {
+                **record(f"x{i}", msgs, None, ""),
+                "backend": "sglang",
+                "prompt_token_ids": prompt,
+                "output_token_ids": out,
+                **split_generated(tok, out, fmt),
+            }
+        )  # text decoded, as servers do
     # drop_degenerate off: one edge case ("🙂🙃" * 20) is a loop by the benchmark's definition, on purpose.
     report, t, _ = run_stage(tmp_path, kimi_target, recs, drop_degenerate=False)
     assert report["exact_ids_available"] == len(pairs)
@@ -352,7 +432,10 @@ def test_tool_conversation_from_a_jsonl_dataset_reaches_the_tokens_stage(tok, ki
     prompt_text = tok.decode(t["input_ids"][~mask].tolist(), skip_special_tokens=False)
     assert prompt_text == tok.apply_chat_template(conversation, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "tool_declare" in prompt_text and "<think>call it</think>" in prompt_text
-    assert tok.decode(t["input_ids"][mask].tolist(), skip_special_tokens=False) == "<think>It is warm.</think>21 degrees in Paris.<|im_end|>"
+    assert (
+        tok.decode(t["input_ids"][mask].tolist(), skip_special_tokens=False)
+        == "<think>It is warm.</think>21 degrees in Paris.<|im_end|>"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -410,10 +493,12 @@ def test_a_turn_end_inside_exact_ids_is_never_trained(tok, fmt, kimi_target, tmp
 def test_truncated_and_filtered_answers_get_no_turn_end(tok, fmt, kimi_target, tmp_path) -> None:
     msgs = [{"role": "user", "content": "Q"}]
     recs = [record(f"g{i}", msgs, "plan", f"answer {i}") for i in range(6)]
-    recs += [record("cut_r", msgs, "half a thou", "", finish_reason="length"),
-             record("cut_c", msgs, "plan", "half an ans", finish_reason="length"),
-             record("filtered", msgs, "plan", "partial", finish_reason="content_filter"),
-             record("failed", msgs, "plan", "partial", finish_reason="error")]
+    recs += [
+        record("cut_r", msgs, "half a thou", "", finish_reason="length"),
+        record("cut_c", msgs, "plan", "half an ans", finish_reason="length"),
+        record("filtered", msgs, "plan", "partial", finish_reason="content_filter"),
+        record("failed", msgs, "plan", "partial", finish_reason="error"),
+    ]
     report, t, meta = run_stage(tmp_path, kimi_target, recs, drop_truncated=False, max_dropped_fraction=0.5)
     assert report["dropped"] == {"finish_content_filter": 1, "finish_error": 1}  # dropped by default
     assert report["finish_reasons"] == {"stop": 6, "length": 2, "content_filter": 1, "error": 1}
@@ -428,8 +513,12 @@ def test_truncated_and_filtered_answers_get_no_turn_end(tok, fmt, kimi_target, t
 
 def test_empty_and_missing_reasoning_are_counted_apart(tok, kimi_target, tmp_path) -> None:
     msgs = [{"role": "user", "content": "Q"}]
-    recs = [record("p", msgs, "plan", "a"), record("e", msgs, "", "b"), record("w", msgs, " \n", "c"),
-            record("n", msgs, None, "d")]
+    recs = [
+        record("p", msgs, "plan", "a"),
+        record("e", msgs, "", "b"),
+        record("w", msgs, " \n", "c"),
+        record("n", msgs, None, "d"),
+    ]
     report, t, _ = run_stage(tmp_path, kimi_target, recs)
     assert (report["reasoning_present"], report["empty_reasoning"], report["no_reasoning"]) == (1, 2, 1)
     # Kimi-K2-Thinking's prompt does not open the block: each is rendered as the template renders it.
@@ -456,9 +545,11 @@ def test_the_rebuild_ignores_tokenizer_state_left_by_earlier_calls(tok, kimi_tar
 def test_looping_answers_are_dropped_and_counted_per_provider(tok, kimi_target, tmp_path) -> None:
     msgs = [{"role": "user", "content": "Q"}]
     recs = [{**record(f"a{i}", msgs, "plan it", f"answer number {i} is fine."), "provider": "A"} for i in range(6)]
-    recs += [{**record("loop", msgs, "plan", "the cat " * 40), "provider": "B"},
-             {**record("b1", msgs, None, "short"), "provider": "B"},
-             {**record("b2", msgs, "r", "x", finish_reason="length"), "provider": "B"}]
+    recs += [
+        {**record("loop", msgs, "plan", "the cat " * 40), "provider": "B"},
+        {**record("b1", msgs, None, "short"), "provider": "B"},
+        {**record("b2", msgs, "r", "x", finish_reason="length"), "provider": "B"},
+    ]
     report, _, _ = run_stage(tmp_path, kimi_target, recs, max_dropped_fraction=0.5)
     assert report["dropped"] == {"degenerate_output": 1, "truncated_response": 1} and report["degenerate"] == 1
     a, b = report["providers"]["A"], report["providers"]["B"]
@@ -475,15 +566,27 @@ def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_t
     from aerie.report import figure_quality
 
     msgs = [{"role": "user", "content": "Q"}]
-    recs = [{**record(f"{p}{i}", msgs, "plan it", f"a full answer number {i}, like the others."), "provider": p}
-            for p in ("A", "C") for i in range(20)]
+    recs = [
+        {**record(f"{p}{i}", msgs, "plan it", f"a full answer number {i}, like the others."), "provider": p}
+        for p in ("A", "C")
+        for i in range(20)
+    ]
     # Provider B: most answers cut by the token limit (kept: drop_truncated false) and much shorter.
-    recs += [{**record(f"B{i}", msgs, "plan", "cut", finish_reason="length" if i % 2 else "stop"), "provider": "B"}
-             for i in range(20)]
+    recs += [
+        {**record(f"B{i}", msgs, "plan", "cut", finish_reason="length" if i % 2 else "stop"), "provider": "B"}
+        for i in range(20)
+    ]
     lines: list[str] = []
     write_jsonl(tmp_path / "r.jsonl", recs)
-    report = tokenize_shard(tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(kimi_target),
-                            max_seq_len=4096, drop_truncated=False, log=lines.append)
+    report = tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(kimi_target),
+        max_seq_len=4096,
+        drop_truncated=False,
+        log=lines.append,
+    )
     assert report["providers"]["B"]["truncation_rate"] == 0.5 and report["providers"]["A"]["truncation_rate"] == 0
     warning = [line for line in lines if "provider B differs" in line]
     assert len(warning) == 1 and 'to exclude it: responses.provider: {ignore: ["B"]}' in warning[0]
@@ -492,5 +595,6 @@ def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_t
     (tmp_path / "ds" / "tokens" / "shard-00000.report.json").write_text((tmp_path / "t.json").read_text())
     summary = figure_quality([], [tmp_path / "ds" / "tokens" / "shard-00000.report.json"], tmp_path / "q.png")
     assert [(o["provider"], o["ignore"]) for o in summary["provider_outliers"]] == [
-        ("B", 'responses.provider: {ignore: ["B"]}')]
+        ("B", 'responses.provider: {ignore: ["B"]}')
+    ]
     assert summary["providers"]["t/B"]["truncation_rate"] == 0.5 and (tmp_path / "q.png").stat().st_size > 0

@@ -55,14 +55,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from aiohttp import web
 
-FAULT_KINDS = ("429", "429-retry-after", "500", "502", "503", "200-error", "torn", "reset", "slow",
-               "402-in-flight")
+FAULT_KINDS = ("429", "429-retry-after", "500", "502", "503", "200-error", "torn", "reset", "slow", "402-in-flight")
 LATENCY_DISTS = ("fixed", "exponential", "lognormal", "uniform")
 OUTPUT_DISTS = ("fixed", "exponential", "lognormal")
 PREFIXES = ("/api/v1", "/v1")
@@ -98,10 +98,10 @@ class UpstreamAnswer:
     reasoning: str | None
     content: str
     tool_calls: list[dict[str, Any]] | None
-    finish: str                  # stop | length | tool_calls
-    prompt_tokens: int           # the upstream's own counts
+    finish: str  # stop | length | tool_calls
+    prompt_tokens: int  # the upstream's own counts
     completion_tokens: int
-    reasoning_tokens: int        # counted with upstream_tokenizer, else the reasoning's share of the characters
+    reasoning_tokens: int  # counted with upstream_tokenizer, else the reasoning's share of the characters
 
 
 DEFAULT_PROVIDERS = (
@@ -115,22 +115,22 @@ DEFAULT_PROVIDERS = (
 @dataclass
 class EmulatorSettings:
     models: list[str] = field(default_factory=lambda: ["moonshotai/kimi-k2.5"])
-    strict_models: bool = False          # False: any model name is answered
+    strict_models: bool = False  # False: any model name is answered
     providers: list[FakeProvider] = field(default_factory=lambda: list(DEFAULT_PROVIDERS))
-    api_key: str | None = None           # None: any (or no) key is accepted
-    output_tokens_mean: float = 200.0    # reasoning + content, before the max_tokens cap
+    api_key: str | None = None  # None: any (or no) key is accepted
+    output_tokens_mean: float = 200.0  # reasoning + content, before the max_tokens cap
     output_tokens_dist: str = "lognormal"
     reasoning_fraction: float = 0.5
-    empty_rate: float = 0.0              # probability of an empty (still billed) content
-    latency_mean: float = 0.0            # seconds
+    empty_rate: float = 0.0  # probability of an empty (still billed) content
+    latency_mean: float = 0.0  # seconds
     latency_dist: str = "fixed"
-    token_time: float = 0.0              # extra seconds per output token
-    credits: float | None = None         # USD; None = unlimited
-    key_limit: float | None = None       # USD; None = no limit
+    token_time: float = 0.0  # extra seconds per output token
+    credits: float | None = None  # USD; None = unlimited
+    key_limit: float | None = None  # USD; None = no limit
     in_flight_budget: float | None = None  # USD reserved at input + max_tokens per request
     faults: dict[str, float] = field(default_factory=dict)
     fault_seed: int = 0
-    retry_after: float = 0.2             # seconds, for 429-retry-after
+    retry_after: float = 0.2  # seconds, for 429-retry-after
     slow_seconds: float = 30.0
     request_log: str | Path | None = None
     log_flush_interval: float = 0.5
@@ -139,10 +139,10 @@ class EmulatorSettings:
     default_max_tokens: int = 1024
     # Upstream mode: answers come from a real OpenAI-compatible server (e.g. `transformers serve` with the
     # target), wrapped in OpenRouter's envelope; None = made-up words.
-    upstream_url: str | None = None       # e.g. http://127.0.0.1:8000/v1
-    upstream_model: str | None = None     # model name the upstream expects (default: the request's)
+    upstream_url: str | None = None  # e.g. http://127.0.0.1:8000/v1
+    upstream_model: str | None = None  # model name the upstream expects (default: the request's)
     upstream_tokenizer: str | None = None  # folder whose tokenizer counts reasoning tokens (else by characters)
-    upstream_timeout: float = 1800.0      # seconds; a CPU server answers one request at a time
+    upstream_timeout: float = 1800.0  # seconds; a CPU server answers one request at a time
 
 
 def _make_words(n: int = 2048) -> tuple[str, ...]:
@@ -212,13 +212,13 @@ class Emulator:
         # Arrival-order RNGs: the fault/latency sequence is fixed for a fixed request order.
         self._fault_rng = random.Random(s.fault_seed)
         self._latency_rng = random.Random(s.fault_seed + 1)
-        self._boot = f"{int(time.time()):x}{os.getpid() & 0xffff:04x}"
+        self._boot = f"{int(time.time()):x}{os.getpid() & 0xFFFF:04x}"
         self._n = 0
         self._error200 = 0
-        self.usage = 0.0            # USD charged so far
-        self._pending_cost = 0.0    # cost of admitted, unfinished requests (keeps usage <= credits)
-        self._reserved = 0.0        # in-flight budget reservations
-        self._n_reserved = 0        # how many requests hold one (reset the float sum to 0 when none do)
+        self.usage = 0.0  # USD charged so far
+        self._pending_cost = 0.0  # cost of admitted, unfinished requests (keeps usage <= credits)
+        self._reserved = 0.0  # in-flight budget reservations
+        self._n_reserved = 0  # how many requests hold one (reset the float sum to 0 when none do)
         self.in_flight = 0
         self.max_in_flight = 0
         self.outcomes: Counter[str] = Counter()
@@ -298,9 +298,14 @@ class Emulator:
             self._log_file.flush()
 
     def stats(self) -> dict[str, Any]:
-        return {"requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
-                "charged_usd": self.usage, "in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
-                "reserved_usd": self._reserved}
+        return {
+            "requests": sum(self.outcomes.values()),
+            "outcomes": dict(self.outcomes),
+            "charged_usd": self.usage,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "reserved_usd": self._reserved,
+        }
 
     # ---- helpers ---------------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> bool:
@@ -311,13 +316,33 @@ class Emulator:
         token = got[7:].strip() if got[:7].lower() == "bearer " else ""
         return hmac.compare_digest(token.encode(), want.encode())
 
-    def _record(self, sha: str | None, model: Any, max_tokens: Any, outcome: str, status: int,
-                cost: float = 0.0, provider: str | None = None) -> None:
+    def _record(
+        self,
+        sha: str | None,
+        model: Any,
+        max_tokens: Any,
+        outcome: str,
+        status: int,
+        cost: float = 0.0,
+        provider: str | None = None,
+    ) -> None:
         self.outcomes[outcome] += 1
         if self._log_file is not None:  # never the headers: no key can reach the log
-            self._log_buf.append(json.dumps({
-                "t": round(time.time(), 3), "messages_sha256": sha, "model": model, "max_tokens": max_tokens,
-                "outcome": outcome, "status": status, "cost": cost, "provider": provider}) + "\n")
+            self._log_buf.append(
+                json.dumps(
+                    {
+                        "t": round(time.time(), 3),
+                        "messages_sha256": sha,
+                        "model": model,
+                        "max_tokens": max_tokens,
+                        "outcome": outcome,
+                        "status": status,
+                        "cost": cost,
+                        "provider": provider,
+                    }
+                )
+                + "\n"
+            )
 
     def _route(self, prefs: Any, rng: random.Random) -> FakeProvider | None:
         """The provider this request goes to, after the request's ``provider`` preferences."""
@@ -397,18 +422,28 @@ class Emulator:
             body = None
         body_ok = isinstance(body, dict)
         model = body.get("model") if body_ok else None
-        max_tokens = (body.get("max_tokens", body.get("max_completion_tokens")) if body_ok else None)
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens")) if body_ok else None
         messages = body.get("messages") if body_ok else None
         sha = None
         if isinstance(messages, list):
             canon = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
             sha = hashlib.sha256(canon.encode()).hexdigest()
 
-        def reject(outcome: str, status: int, message: str, metadata: dict[str, Any] | None = None,
-                   headers: dict[str, str] | None = None, provider: str | None = None) -> web.Response:
+        def reject(
+            outcome: str,
+            status: int,
+            message: str,
+            metadata: dict[str, Any] | None = None,
+            headers: dict[str, str] | None = None,
+            provider: str | None = None,
+        ) -> web.Response:
             self._record(sha, model, max_tokens, outcome, status, 0.0, provider)
-            return web.Response(status=status, body=_error_body(status, message, metadata),
-                                content_type="application/json", headers=headers)
+            return web.Response(
+                status=status,
+                body=_error_body(status, message, metadata),
+                content_type="application/json",
+                headers=headers,
+            )
 
         if not self._authorized(request):
             return reject("401", 401, "Missing or invalid API key (emulator)")
@@ -432,8 +467,9 @@ class Emulator:
         rng = random.Random(int.from_bytes(hashlib.sha256(seed_src).digest()[:8], "big"))
         provider = self._route(body.get("provider"), rng)
         if provider is None:
-            return reject("no-endpoints", 503, "No endpoints found matching the requested provider "
-                                               "preferences (emulated routing)")
+            return reject(
+                "no-endpoints", 503, "No endpoints found matching the requested provider preferences (emulated routing)"
+            )
 
         fault = self._draw_fault()
         pname = provider.name
@@ -445,11 +481,18 @@ class Emulator:
                 msg += f"; retry after {s.retry_after:g} s"
             return reject(fault, 429, msg, {"provider_name": pname}, headers, pname)
         if fault in ("500", "502", "503"):
-            return reject(fault, int(fault), f"Upstream error {fault} (emulated)", {"provider_name": pname},
-                          provider=pname)
+            return reject(
+                fault, int(fault), f"Upstream error {fault} (emulated)", {"provider_name": pname}, provider=pname
+            )
         if fault == "402-in-flight":
-            return reject(fault, 402, "Insufficient credits for requests in flight (emulated)",
-                          {"limit_source": "openrouter_in_flight_budget"}, {"Retry-After": "1"}, pname)
+            return reject(
+                fault,
+                402,
+                "Insufficient credits for requests in flight (emulated)",
+                {"limit_source": "openrouter_in_flight_budget"},
+                {"Retry-After": "1"},
+                pname,
+            )
         if fault == "reset":
             self._record(sha, model, max_tokens, fault, 0, 0.0, pname)
             self._reset(request)
@@ -461,8 +504,9 @@ class Emulator:
             try:
                 answer = await self._ask_upstream(body, model, max_tokens)
             except UpstreamError as exc:
-                return reject("upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname},
-                              provider=pname)
+                return reject(
+                    "upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname}, provider=pname
+                )
             prompt_tokens, completion_tokens, finish = answer.prompt_tokens, answer.completion_tokens, answer.finish
             reasoning_tokens = answer.reasoning_tokens
         else:
@@ -476,16 +520,27 @@ class Emulator:
         # Money: final limits first, then the transient in-flight reservation.
         committed = self.usage + self._pending_cost + cost
         if s.credits is not None and committed > s.credits + 1e-12:
-            return reject("402-credits", 402, "Insufficient credits (emulated)",
-                          {"limit_source": "openrouter_credits"}, provider=pname)
+            return reject(
+                "402-credits",
+                402,
+                "Insufficient credits (emulated)",
+                {"limit_source": "openrouter_credits"},
+                provider=pname,
+            )
         if s.key_limit is not None and committed > s.key_limit + 1e-12:
-            return reject("402-key-limit", 402, "Key limit exceeded (emulated)",
-                          {"limit_source": "key_limit"}, provider=pname)
+            return reject(
+                "402-key-limit", 402, "Key limit exceeded (emulated)", {"limit_source": "key_limit"}, provider=pname
+            )
         reserve = prompt_tokens * provider.prompt_price + max_tokens * provider.completion_price
         if s.in_flight_budget is not None and self._reserved + reserve > s.in_flight_budget + 1e-12:
-            return reject("402-in-flight", 402, "In-flight budget exceeded: reserve input + max_tokens "
-                          "against the balance (emulated)", {"limit_source": "openrouter_in_flight_budget"},
-                          {"Retry-After": "1"}, pname)
+            return reject(
+                "402-in-flight",
+                402,
+                "In-flight budget exceeded: reserve input + max_tokens against the balance (emulated)",
+                {"limit_source": "openrouter_in_flight_budget"},
+                {"Retry-After": "1"},
+                pname,
+            )
 
         charged = fault in (None, "slow")
         self._reserved += reserve
@@ -526,30 +581,61 @@ class Emulator:
         if fault == "200-error":
             self._error200 += 1
             if self._error200 % 2:  # alternate the two ways a started generation fails
-                out = {"id": gen_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                       "provider": pname, "error": {"code": 502, "message": "Provider returned error "
-                                                    "mid-generation (emulated)", "metadata": {"provider_name": pname}}}
+                out = {
+                    "id": gen_id,
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "provider": pname,
+                    "error": {
+                        "code": 502,
+                        "message": "Provider returned error mid-generation (emulated)",
+                        "metadata": {"provider_name": pname},
+                    },
+                }
                 return self._finish(sha, model, max_tokens, fault, out, gen_id, 0.0, pname)
             content = " ".join(content.split()[: content_tokens // 2])
             finish = native = "error"
         usage_cost = cost if charged else 0.0
         out = {
-            "id": gen_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "id": gen_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
             "provider": pname,
-            "choices": [{"index": 0, "logprobs": None, "finish_reason": finish, "native_finish_reason": native,
-                         "message": {"role": "assistant", "content": content, "refusal": None,
-                                     "reasoning": reasoning_text,
-                                     "reasoning_details": ([{"type": "reasoning.text", "text": reasoning_text,
-                                                             "format": "unknown", "index": 0}]
-                                                           if reasoning_text else [])}}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens,
-                      "prompt_tokens_details": {"cached_tokens": 0},
-                      "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                      "cost": usage_cost, "is_byok": False,
-                      "cost_details": {"upstream_inference_cost": None,
-                                       "upstream_inference_prompt_cost": prompt_cost if charged else 0.0,
-                                       "upstream_inference_completions_cost": completion_cost if charged else 0.0}},
+            "choices": [
+                {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "native_finish_reason": native,
+                    "message": {
+                        "role": "assistant",
+                        "content": content,
+                        "refusal": None,
+                        "reasoning": reasoning_text,
+                        "reasoning_details": (
+                            [{"type": "reasoning.text", "text": reasoning_text, "format": "unknown", "index": 0}]
+                            if reasoning_text
+                            else []
+                        ),
+                    },
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": 0},
+                "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "cost": usage_cost,
+                "is_byok": False,
+                "cost_details": {
+                    "upstream_inference_cost": None,
+                    "upstream_inference_prompt_cost": prompt_cost if charged else 0.0,
+                    "upstream_inference_completions_cost": completion_cost if charged else 0.0,
+                },
+            },
         }
         if answer is not None and answer.tool_calls:
             out["choices"][0]["message"]["tool_calls"] = answer.tool_calls
@@ -600,16 +686,24 @@ class Emulator:
             if self._reasoning_tokenizer is None:
                 from transformers import AutoTokenizer  # only in upstream mode with a tokenizer folder
 
-                self._reasoning_tokenizer = AutoTokenizer.from_pretrained(str(s.upstream_tokenizer),
-                                                                          trust_remote_code=True)
+                self._reasoning_tokenizer = AutoTokenizer.from_pretrained(
+                    str(s.upstream_tokenizer), trust_remote_code=True
+                )
             counted = len(self._reasoning_tokenizer.encode(reasoning, add_special_tokens=False))
             reasoning_tokens = min(completion_tokens, counted)
         elif reasoning:
             reasoning_tokens = round(completion_tokens * len(reasoning) / (len(reasoning) + len(content)))
         else:
             reasoning_tokens = 0
-        return UpstreamAnswer(reasoning, content, message.get("tool_calls") or None, finish, prompt_tokens,
-                              completion_tokens, reasoning_tokens)
+        return UpstreamAnswer(
+            reasoning,
+            content,
+            message.get("tool_calls") or None,
+            finish,
+            prompt_tokens,
+            completion_tokens,
+            reasoning_tokens,
+        )
 
     def _plan(self, reasoning: Any, body: dict[str, Any], rng: random.Random, max_tokens: int) -> tuple[int, int, str]:
         """(reasoning tokens, content tokens, finish_reason) for this request."""
@@ -637,11 +731,21 @@ class Emulator:
             c = max_tokens - r
         return r, c, finish
 
-    def _finish(self, sha: str | None, model: Any, max_tokens: Any, outcome: str, out: dict[str, Any],
-                gen_id: str, cost: float, provider: str) -> web.Response:
+    def _finish(
+        self,
+        sha: str | None,
+        model: Any,
+        max_tokens: Any,
+        outcome: str,
+        out: dict[str, Any],
+        gen_id: str,
+        cost: float,
+        provider: str,
+    ) -> web.Response:
         self._record(sha, model, max_tokens, outcome, 200, cost, provider)
-        return web.Response(body=json.dumps(out).encode(), content_type="application/json",
-                            headers={"X-Generation-Id": gen_id})
+        return web.Response(
+            body=json.dumps(out).encode(), content_type="application/json", headers={"X-Generation-Id": gen_id}
+        )
 
     @staticmethod
     def _reset(request: web.Request) -> None:
@@ -658,8 +762,7 @@ class Emulator:
     @staticmethod
     async def _torn(request: web.Request, data: bytes, gen_id: str) -> web.StreamResponse:
         """Headers promise the whole body, half of it is sent, then the connection is closed."""
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
-                                                       "X-Generation-Id": gen_id})
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json", "X-Generation-Id": gen_id})
         resp.content_length = len(data)
         await resp.prepare(request)
         await resp.write(data[: len(data) // 2])
@@ -676,9 +779,17 @@ class Emulator:
         if not self._authorized(request):
             return self._json({"error": {"code": 401, "message": "Missing or invalid API key (emulator)"}}, 401)
         limit = self.settings.key_limit
-        return self._json({"data": {"label": "aerie-emulator", "limit": limit,
-                                    "limit_remaining": None if limit is None else limit - self.usage,
-                                    "usage": self.usage, "is_free_tier": False}})
+        return self._json(
+            {
+                "data": {
+                    "label": "aerie-emulator",
+                    "limit": limit,
+                    "limit_remaining": None if limit is None else limit - self.usage,
+                    "usage": self.usage,
+                    "is_free_tier": False,
+                }
+            }
+        )
 
     async def _credits(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -691,13 +802,34 @@ class Emulator:
     async def _models(self, request: web.Request) -> web.Response:
         s = self.settings
         cheapest = min(s.providers, key=lambda p: (p.completion_price, p.prompt_price))
-        data = [{"id": m, "name": m, "created": 0, "context_length": s.context_length,
-                 "pricing": {"prompt": _usd(cheapest.prompt_price), "completion": _usd(cheapest.completion_price),
-                             "request": "0", "image": "0"},
-                 "top_provider": {"context_length": s.context_length,
-                                  "max_completion_tokens": s.max_completion_tokens, "is_moderated": False},
-                 "supported_parameters": ["max_tokens", "temperature", "top_p", "seed", "reasoning",
-                                          "include_reasoning"]} for m in s.models]
+        data = [
+            {
+                "id": m,
+                "name": m,
+                "created": 0,
+                "context_length": s.context_length,
+                "pricing": {
+                    "prompt": _usd(cheapest.prompt_price),
+                    "completion": _usd(cheapest.completion_price),
+                    "request": "0",
+                    "image": "0",
+                },
+                "top_provider": {
+                    "context_length": s.context_length,
+                    "max_completion_tokens": s.max_completion_tokens,
+                    "is_moderated": False,
+                },
+                "supported_parameters": [
+                    "max_tokens",
+                    "temperature",
+                    "top_p",
+                    "seed",
+                    "reasoning",
+                    "include_reasoning",
+                ],
+            }
+            for m in s.models
+        ]
         return self._json({"data": data})
 
     async def _endpoints(self, request: web.Request) -> web.Response:
@@ -705,11 +837,19 @@ class Emulator:
         model = f"{request.match_info['author']}/{request.match_info['slug']}"
         if not self._model_known(model):
             return self._json({"error": {"code": 404, "message": f"No model {model} (emulator)"}}, 404)
-        endpoints = [{"name": f"{p.name} | {model}", "provider_name": p.name, "tag": p.tag,
-                      "quantization": p.quantization,
-                      "pricing": {"prompt": _usd(p.prompt_price), "completion": _usd(p.completion_price)},
-                      "context_length": s.context_length, "max_completion_tokens": s.max_completion_tokens,
-                      "status": 0} for p in s.providers]
+        endpoints = [
+            {
+                "name": f"{p.name} | {model}",
+                "provider_name": p.name,
+                "tag": p.tag,
+                "quantization": p.quantization,
+                "pricing": {"prompt": _usd(p.prompt_price), "completion": _usd(p.completion_price)},
+                "context_length": s.context_length,
+                "max_completion_tokens": s.max_completion_tokens,
+                "status": 0,
+            }
+            for p in s.providers
+        ]
         return self._json({"data": {"id": model, "name": model, "endpoints": endpoints}})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -720,8 +860,13 @@ class Emulator:
 
 
 # ---- running it in a thread (tests) ----------------------------------------------------------
-def run_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0.1", port: int = 0,
-                  timeout: float = 10.0, ssl_context: ssl.SSLContext | None = None) -> tuple[str, Callable[[], None]]:
+def run_in_thread(
+    settings: EmulatorSettings | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout: float = 10.0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> tuple[str, Callable[[], None]]:
     """Start an emulator on its own event loop in a daemon thread (HTTPS with ``ssl_context``); returns
     (base_url, stop)."""
     emu = Emulator(settings)
@@ -759,8 +904,12 @@ def run_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0
 
 
 @contextlib.contextmanager
-def serve_in_thread(settings: EmulatorSettings | None = None, host: str = "127.0.0.1",
-                    port: int = 0, ssl_context: ssl.SSLContext | None = None) -> Iterator[str]:
+def serve_in_thread(
+    settings: EmulatorSettings | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> Iterator[str]:
     """``with serve_in_thread(settings) as base_url: ...``"""
     url, stop = run_in_thread(settings, host, port, ssl_context=ssl_context)
     try:
@@ -817,8 +966,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--retry-after", type=float, default=d.retry_after, help="seconds, for 429-retry-after")
     a("--slow-seconds", type=float, default=d.slow_seconds)
     a("--request-log", help="JSONL of every chat request (buffered, appended)")
-    a("--upstream", help="answer with this OpenAI-compatible server (API root, e.g. http://127.0.0.1:8000/v1) "
-                         "instead of made-up words: its text, token counts and finish reason, OpenRouter's envelope")
+    a(
+        "--upstream",
+        help="answer with this OpenAI-compatible server (API root, e.g. http://127.0.0.1:8000/v1) "
+        "instead of made-up words: its text, token counts and finish reason, OpenRouter's envelope",
+    )
     a("--upstream-model", help="model name sent upstream (default: the request's model)")
     a("--upstream-tokenizer", help="tokenizer folder that counts reasoning tokens (default: by character share)")
     a("--upstream-timeout", type=float, default=d.upstream_timeout, help="seconds per upstream request")
@@ -842,20 +994,35 @@ def settings_from_args(args: argparse.Namespace) -> EmulatorSettings:
         if not api_key:
             raise SystemExit(f"--api-key-env {args.api_key_env}: that environment variable is not set")
     return EmulatorSettings(
-        models=args.models or d.models, strict_models=args.strict_models,
+        models=args.models or d.models,
+        strict_models=args.strict_models,
         providers=[parse_provider(x) for x in args.providers] if args.providers else d.providers,
-        api_key=api_key, output_tokens_mean=args.output_tokens_mean, output_tokens_dist=args.output_tokens_dist,
-        reasoning_fraction=args.reasoning_fraction, empty_rate=args.empty_rate, latency_mean=args.latency_mean,
-        latency_dist=args.latency_dist, token_time=args.token_time, credits=args.credits,
-        key_limit=args.key_limit, in_flight_budget=args.in_flight_budget,
-        faults=parse_faults(args.faults + args.fault), fault_seed=args.fault_seed,
-        retry_after=args.retry_after, slow_seconds=args.slow_seconds, request_log=args.request_log,
-        upstream_url=args.upstream, upstream_model=args.upstream_model, upstream_tokenizer=args.upstream_tokenizer,
-        upstream_timeout=args.upstream_timeout)
+        api_key=api_key,
+        output_tokens_mean=args.output_tokens_mean,
+        output_tokens_dist=args.output_tokens_dist,
+        reasoning_fraction=args.reasoning_fraction,
+        empty_rate=args.empty_rate,
+        latency_mean=args.latency_mean,
+        latency_dist=args.latency_dist,
+        token_time=args.token_time,
+        credits=args.credits,
+        key_limit=args.key_limit,
+        in_flight_budget=args.in_flight_budget,
+        faults=parse_faults(args.faults + args.fault),
+        fault_seed=args.fault_seed,
+        retry_after=args.retry_after,
+        slow_seconds=args.slow_seconds,
+        request_log=args.request_log,
+        upstream_url=args.upstream,
+        upstream_model=args.upstream_model,
+        upstream_tokenizer=args.upstream_tokenizer,
+        upstream_timeout=args.upstream_timeout,
+    )
 
 
-async def _serve(settings: EmulatorSettings, host: str, port: int, port_file: str | None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+async def _serve(
+    settings: EmulatorSettings, host: str, port: int, port_file: str | None, ssl_context: ssl.SSLContext | None = None
+) -> None:
     emu = Emulator(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """Build the demo target folder: tokenizer + pre-trained LlamaForCausalLM + build report, published atomically.
 
-    python -m aerie.demo_target.build OUT_DIR [--steps N]
+python -m aerie.demo_target.build OUT_DIR [--steps N]
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ import torch
 from transformers import GenerationConfig
 
 from aerie.demo_target.pretrain import (
-    TOKENIZER_SEED_OFFSET, DemoTargetConfig, build_model, evaluate, pretrain,
+    TOKENIZER_SEED_OFFSET,
+    DemoTargetConfig,
+    build_model,
+    evaluate,
+    pretrain,
 )
 from aerie.demo_target.tokenizer import END_OF_TURN, special_token_ids, tokenizer_corpus, train_tokenizer
 from aerie.target.model import set_threads
@@ -56,7 +60,9 @@ def build_demo_target(out_dir: str | Path, cfg: DemoTargetConfig, log: Callable[
     metrics = evaluate(model, tokenizer, cfg, log)
 
     model.generation_config = GenerationConfig(
-        bos_token_id=ids["[BOS]"], eos_token_id=ids[END_OF_TURN], pad_token_id=ids["[PAD]"],
+        bos_token_id=ids["[BOS]"],
+        eos_token_id=ids[END_OF_TURN],
+        pad_token_id=ids["[PAD]"],
     )
     model.save_pretrained(tmp)  # fp32: autocast never changed the stored weights
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json (docs/formats.md).
@@ -101,8 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in {"train_steps": args.steps, "seed": args.seed, "threads": args.threads}.items()
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in {"train_steps": args.steps, "seed": args.seed, "threads": args.threads}.items()
+        if v is not None
+    }
     report = build_demo_target(args.out_dir, dataclasses.replace(DemoTargetConfig(), **overrides))
     m = {k: v for k, v in report["metrics"].items() if k != "samples"}
     print(json.dumps(m, indent=2))

@@ -128,8 +128,10 @@ def _lists(rng: random.Random) -> tuple[str, str, str]:
         desc = op == "sort_desc"
         out = sorted(xs, reverse=desc)
         user = rng.choice(
-            (f"Sort {L} in {'descending' if desc else 'ascending'} order.",
-             f"Sort the list {L} from {'largest to smallest' if desc else 'smallest to largest'}.")
+            (
+                f"Sort {L} in {'descending' if desc else 'ascending'} order.",
+                f"Sort the list {L} from {'largest to smallest' if desc else 'smallest to largest'}.",
+            )
         )
         first = "The largest is" if desc else "The smallest is"
         reasoning = " ".join([f"{first} {out[0]}."] + [f"Next is {x}." for x in out[1:]])
@@ -176,27 +178,143 @@ def _lists(rng: random.Random) -> tuple[str, str, str]:
 # docstring with a sentence and examples). Word lists written for this project.
 
 _VERBS = (
-    "count", "find", "sum", "filter", "sort", "check", "get", "make", "remove", "split", "merge", "parse",
-    "encode", "decode", "compute", "select", "rotate", "flip", "reverse", "collect", "order", "match",
-    "shift", "group", "join", "strip", "scale", "round", "pick", "rank", "search", "validate", "convert",
+    "count",
+    "find",
+    "sum",
+    "filter",
+    "sort",
+    "check",
+    "get",
+    "make",
+    "remove",
+    "split",
+    "merge",
+    "parse",
+    "encode",
+    "decode",
+    "compute",
+    "select",
+    "rotate",
+    "flip",
+    "reverse",
+    "collect",
+    "order",
+    "match",
+    "shift",
+    "group",
+    "join",
+    "strip",
+    "scale",
+    "round",
+    "pick",
+    "rank",
+    "search",
+    "validate",
+    "convert",
 )
 _ADJS = (
-    "max", "min", "longest", "shortest", "even", "odd", "prime", "unique", "common", "sorted", "nested",
-    "positive", "negative", "closest", "first", "last", "total", "special", "balanced", "digit", "upper",
+    "max",
+    "min",
+    "longest",
+    "shortest",
+    "even",
+    "odd",
+    "prime",
+    "unique",
+    "common",
+    "sorted",
+    "nested",
+    "positive",
+    "negative",
+    "closest",
+    "first",
+    "last",
+    "total",
+    "special",
+    "balanced",
+    "digit",
+    "upper",
 )
 _NOUNS = (
-    "numbers", "words", "vowels", "digits", "elements", "pairs", "string", "list", "values", "sum",
-    "product", "average", "palindrome", "prefix", "suffix", "index", "count", "groups", "letters",
-    "parens", "intervals", "primes", "divisors", "squares", "chars", "tokens", "keys", "items", "score",
+    "numbers",
+    "words",
+    "vowels",
+    "digits",
+    "elements",
+    "pairs",
+    "string",
+    "list",
+    "values",
+    "sum",
+    "product",
+    "average",
+    "palindrome",
+    "prefix",
+    "suffix",
+    "index",
+    "count",
+    "groups",
+    "letters",
+    "parens",
+    "intervals",
+    "primes",
+    "divisors",
+    "squares",
+    "chars",
+    "tokens",
+    "keys",
+    "items",
+    "score",
 )
 _PARAMS = (
-    "numbers", "values", "text", "string", "words", "n", "k", "m", "x", "y", "threshold", "items", "lst",
-    "arr", "s", "delimiter", "grid", "key", "prefix", "substring", "limit", "base", "a", "b", "nums",
-    "strings", "factor", "start", "end", "capacity", "word", "interval",
+    "numbers",
+    "values",
+    "text",
+    "string",
+    "words",
+    "n",
+    "k",
+    "m",
+    "x",
+    "y",
+    "threshold",
+    "items",
+    "lst",
+    "arr",
+    "s",
+    "delimiter",
+    "grid",
+    "key",
+    "prefix",
+    "substring",
+    "limit",
+    "base",
+    "a",
+    "b",
+    "nums",
+    "strings",
+    "factor",
+    "start",
+    "end",
+    "capacity",
+    "word",
+    "interval",
 )
 _TYPES = (
-    "int", "int", "float", "str", "str", "bool", "List[int]", "List[int]", "List[str]", "List[float]",
-    "Tuple[int, int]", "Dict[str, int]", "Optional[int]", "list",
+    "int",
+    "int",
+    "float",
+    "str",
+    "str",
+    "bool",
+    "List[int]",
+    "List[int]",
+    "List[str]",
+    "List[float]",
+    "Tuple[int, int]",
+    "Dict[str, int]",
+    "Optional[int]",
+    "list",
 )
 _RETURNS = _TYPES + ("Tuple[int, int]", "Optional[str]", "List[Tuple[int, int]]")
 _DOC_GIVEN = ("Given", "For", "You are given", "Input to this function is", "Take")
@@ -267,7 +385,7 @@ def _code(rng: random.Random) -> tuple[str, str, str]:
         helper, hp = _func_name(rng), rng.choice(_PARAMS)
         lines += [
             f"def {helper}({hp}{': ' + rng.choice(_TYPES) if typed else ''}):",
-            f'    """ {rng.choice(_DOC_GIVEN)} {hp}, {rng.choice(_DOC_WHAT).format(adj=rng.choice(_ADJS), noun=rng.choice(_NOUNS))}. """',
+            f'    """ {rng.choice(_DOC_GIVEN)} {hp}, {rng.choice(_DOC_WHAT).format(adj=rng.choice(_ADJS), noun=rng.choice(_NOUNS))}. """',  # noqa: E501 - one f-string keeps the RNG draw order
             f"    return {rng.choice(('len', 'sorted', 'sum', 'set', 'list'))}({hp})",
             "",
             "",
@@ -291,8 +409,13 @@ def _code(rng: random.Random) -> tuple[str, str, str]:
         for _ in range(n_ex):
             lines += [f"    >>> {name}({example_args()})", f"    {_sample_value(ret_type, rng)}"]
     else:
-        lines += ['    """', f"    {sentence}", f"    {extra}" if extra else "    ",
-                  "", f"    {rng.choice(('Examples:', 'For example:', 'Example:'))}"]
+        lines += [
+            '    """',
+            f"    {sentence}",
+            f"    {extra}" if extra else "    ",
+            "",
+            f"    {rng.choice(('Examples:', 'For example:', 'Example:'))}",
+        ]
         for _ in range(n_ex):
             lines.append(f"    {name}({example_args()}) == {_sample_value(ret_type, rng)}")
     lines.append('    """')
@@ -310,9 +433,8 @@ def _code(rng: random.Random) -> tuple[str, str, str]:
     # works the same on real HumanEval prompts), then restates name, parameter count and return type.
     signature = f"{name}({sig})" + (f" -> {ret}" if typed else "")
     plural = "parameter" if len(params) == 1 else "parameters"
-    reasoning = (
-        f"The signature is {signature}. The name is {name}. It takes {len(params)} {plural}. "
-        + (f"It returns {ret}." if typed else "The return type is not annotated.")
+    reasoning = f"The signature is {signature}. The name is {name}. It takes {len(params)} {plural}. " + (
+        f"It returns {ret}." if typed else "The return type is not annotated."
     )
     answer = f"In short: {name}({', '.join(params)}) returns {ret if typed else 'an unannotated value'}."
     return describe_code_instruction(code), reasoning, answer

@@ -20,10 +20,23 @@ from aerie.demo_target.tasks import FAMILIES, TaskExample, make_example
 
 # Kimi K2.5's chat and control tokens (same spelling; our ids are whatever the trainer assigns).
 SPECIAL_TOKENS: tuple[str, ...] = (
-    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "[EOT]", "<|im_system|>",
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_middle|>", "<think>", "</think>",
-    "[UNK]", "[PAD]",
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "[EOT]",
+    "<|im_system|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_middle|>",
+    "<think>",
+    "</think>",
+    "[UNK]",
+    "[PAD]",
 )
 END_OF_TURN = "<|im_end|>"
 THINK_END = "</think>"
@@ -97,22 +110,30 @@ RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},
     "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
     "fields": {
-        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text",
-                              "content_args": {"strip": False}},
+        "reasoning_content": {
+            "open": "<think>",
+            "close": "</think>",
+            "content": "text",
+            "content_args": {"strip": False},
+        },
         "content": {"close_pattern": r"<\|im_end\|>", "content": "text", "content_args": {"strip": False}},
     },
 }
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, model_max_length: int = 2048) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, model_max_length: int = 2048
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts`` and wrap it with Kimi's special tokens and chat template."""
     tok = Tokenizer(models.BPE())
     # Split like cl100k/Kimi (a word keeps one leading non-letter: " close", "_close"), then byte level, so
     # any text (HumanEval prompts, unicode) encodes without an unknown token.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -175,8 +196,9 @@ SYSTEM_PROMPTS: tuple[str, ...] = (
 )
 
 
-def example_messages(ex: TaskExample, rng: random.Random | None = None, *, system_prob: float = 0.0,
-                     history: Sequence[TaskExample] = ()) -> list[dict]:
+def example_messages(
+    ex: TaskExample, rng: random.Random | None = None, *, system_prob: float = 0.0, history: Sequence[TaskExample] = ()
+) -> list[dict]:
     """Chat messages that prompt ``ex``: optional system message, optional finished turns, the user turn."""
     messages: list[dict] = []
     if rng is not None and rng.random() < system_prob:
@@ -193,8 +215,11 @@ def completion_text(ex: TaskExample) -> str:
     return f"{ex.reasoning}{THINK_END}{ex.answer}{END_OF_TURN}"
 
 
-def encode_examples(tokenizer, examples: Sequence[TaskExample], messages: Sequence[list[dict]]) -> list[tuple[list[int], int]]:
-    """(ids, prompt_len) per example: rendered prompt with generation prompt + reasoning + </think> + answer + <|im_end|>.
+def encode_examples(
+    tokenizer, examples: Sequence[TaskExample], messages: Sequence[list[dict]]
+) -> list[tuple[list[int], int]]:
+    """(ids, prompt_len) per example: rendered prompt with generation prompt, then
+    reasoning + </think> + answer + <|im_end|>.
 
     Prompt and completion are encoded separately and concatenated; the prompt ends with the special
     `<think>`, and special tokens split pre-tokenization, so this equals encoding the whole text.

@@ -23,8 +23,14 @@ READABLE_TOKENS_FORMATS = (TOKENS_FORMAT, "aerie.tokens/2")
 REPORT_FORMAT = "aerie.tokens-report/3"
 # Metadata a hidden shard copies from its tokens shard so the mask can be checked again there (the keys a
 # shard has: /3 writes all, /2 only generation_prompt_ids, stop_ids, cut_sequences).
-MASK_FACT_KEYS = ("prompt_lengths", "generation_prompts", "generation_prompt_index", "generation_prompt_ids",
-                  "stop_ids", "cut_sequences")
+MASK_FACT_KEYS = (
+    "prompt_lengths",
+    "generation_prompts",
+    "generation_prompt_index",
+    "generation_prompt_ids",
+    "stop_ids",
+    "cut_sequences",
+)
 
 
 class FidelityError(FormatError):
@@ -43,15 +49,24 @@ def _mask_block(mask: torch.Tensor, s: int, where: str) -> int:
         raise FidelityError(f"{where}: sequence {s} has no generated (loss-masked) token")
     start = int(ones[0])
     if int(ones[-1]) != len(mask) - 1 or len(ones) != len(mask) - start:
-        raise FidelityError(f"{where}: sequence {s}: the loss mask is not one block running to the end of "
-                            f"the sequence (masked positions {start}..{int(ones[-1])} of {len(mask)})")
+        raise FidelityError(
+            f"{where}: sequence {s}: the loss mask is not one block running to the end of "
+            f"the sequence (masked positions {start}..{int(ones[-1])} of {len(mask)})"
+        )
     return start
 
 
-def check_loss_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_offsets: torch.Tensor,
-                    prompt_lengths: Sequence[int], generation_prompts: Sequence[Sequence[int]],
-                    generation_prompt_index: Sequence[int], stop_ids: Sequence[int], where: str,
-                    cut: Sequence[int] = ()) -> None:
+def check_loss_mask(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    prompt_lengths: Sequence[int],
+    generation_prompts: Sequence[Sequence[int]],
+    generation_prompt_index: Sequence[int],
+    stop_ids: Sequence[int],
+    where: str,
+    cut: Sequence[int] = (),
+) -> None:
     """Refuse a mask that is not exactly the generated tokens of every sequence (``aerie.tokens/3`` facts).
 
     Sequence s must be ``prompt + generated``: one block of ones that starts at ``prompt_lengths[s]``, right
@@ -63,8 +78,10 @@ def check_loss_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_offset
     """
     n = len(seq_offsets) - 1
     if len(prompt_lengths) != n or len(generation_prompt_index) != n:
-        raise FidelityError(f"{where}: {n} sequences but {len(prompt_lengths)} prompt lengths and "
-                            f"{len(generation_prompt_index)} generation prompt indices")
+        raise FidelityError(
+            f"{where}: {n} sequences but {len(prompt_lengths)} prompt lengths and "
+            f"{len(generation_prompt_index)} generation prompt indices"
+        )
     stops = set(int(i) for i in stop_ids)
     cut_set = set(int(i) for i in cut)
     if not torch.all((loss_mask == 0) | (loss_mask == 1)):
@@ -76,25 +93,36 @@ def check_loss_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_offset
         ids, mask = input_ids[a:b].long(), loss_mask[a:b]
         start = _mask_block(mask, s, where)
         if start != int(prompt_lengths[s]):
-            raise FidelityError(f"{where}: sequence {s}: the loss mask starts at position {start}, not at the "
-                                f"end of its prompt ({int(prompt_lengths[s])} tokens): the mask is shifted")
+            raise FidelityError(
+                f"{where}: sequence {s}: the loss mask starts at position {start}, not at the "
+                f"end of its prompt ({int(prompt_lengths[s])} tokens): the mask is shifted"
+            )
         k = int(generation_prompt_index[s])
         if not 0 <= k < len(prompts):
             raise FidelityError(f"{where}: sequence {s}: generation prompt index {k} out of range")
         gp = prompts[k]
-        if start < len(gp) or not torch.equal(ids[start - len(gp):start], gp):
+        if start < len(gp) or not torch.equal(ids[start - len(gp) : start], gp):
             raise FidelityError(
                 f"{where}: sequence {s}: the loss mask starts at position {start}, which does not follow its "
-                f"generation prompt {gp.tolist()} (tokens before it: {ids[max(0, start - len(gp)):start].tolist()}): "
-                f"the mask is shifted or covers prompt tokens")
+                f"generation prompt {gp.tolist()} (tokens before it: {ids[max(0, start - len(gp)) : start].tolist()}): "
+                f"the mask is shifted or covers prompt tokens"
+            )
         if s not in cut_set and int(ids[-1]) not in stops:
-            raise FidelityError(f"{where}: sequence {s} is complete but its last masked token {int(ids[-1])} does "
-                                f"not end the turn (end-of-turn ids {sorted(stops)})")
+            raise FidelityError(
+                f"{where}: sequence {s} is complete but its last masked token {int(ids[-1])} does "
+                f"not end the turn (end-of-turn ids {sorted(stops)})"
+            )
 
 
-def check_loss_mask_v2(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_offsets: torch.Tensor,
-                       generation_prompt_ids: Sequence[int], stop_ids: Sequence[int], where: str,
-                       cut: Sequence[int] = ()) -> None:
+def check_loss_mask_v2(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    generation_prompt_ids: Sequence[int],
+    stop_ids: Sequence[int],
+    where: str,
+    cut: Sequence[int] = (),
+) -> None:
     """The ``aerie.tokens/2`` check: one generation prompt shared by every sequence of the shard."""
     gp = torch.tensor(list(generation_prompt_ids), dtype=torch.long)
     stops = set(int(i) for i in stop_ids)
@@ -105,14 +133,17 @@ def check_loss_mask_v2(input_ids: torch.Tensor, loss_mask: torch.Tensor, seq_off
         a, b = int(seq_offsets[s]), int(seq_offsets[s + 1])
         ids, mask = input_ids[a:b].long(), loss_mask[a:b]
         start = _mask_block(mask, s, where)
-        if start < len(gp) or not torch.equal(ids[start - len(gp):start], gp):
+        if start < len(gp) or not torch.equal(ids[start - len(gp) : start], gp):
             raise FidelityError(
                 f"{where}: sequence {s}: the loss mask starts at position {start}, which does not follow the "
-                f"generation prompt {gp.tolist()} (tokens before it: {ids[max(0, start - len(gp)):start].tolist()}): "
-                f"the mask is shifted or covers prompt tokens")
+                f"generation prompt {gp.tolist()} (tokens before it: {ids[max(0, start - len(gp)) : start].tolist()}): "
+                f"the mask is shifted or covers prompt tokens"
+            )
         if s not in cut_set and int(ids[-1]) not in stops:
-            raise FidelityError(f"{where}: sequence {s} is complete but its last masked token {int(ids[-1])} does "
-                                f"not end the turn (end-of-turn ids {sorted(stops)})")
+            raise FidelityError(
+                f"{where}: sequence {s} is complete but its last masked token {int(ids[-1])} does "
+                f"not end the turn (end-of-turn ids {sorted(stops)})"
+            )
 
 
 def check_tokens_shard(tensors: dict[str, torch.Tensor], meta: dict[str, Any], where: str) -> None:
@@ -124,13 +155,22 @@ def check_tokens_shard(tensors: dict[str, torch.Tensor], meta: dict[str, Any], w
     cut = meta.get("cut_sequences", [])
     try:
         if "prompt_lengths" in meta:
-            check_loss_mask(*t, meta["prompt_lengths"], meta["generation_prompts"], meta["generation_prompt_index"],
-                            meta["stop_ids"], where, cut)
+            check_loss_mask(
+                *t,
+                meta["prompt_lengths"],
+                meta["generation_prompts"],
+                meta["generation_prompt_index"],
+                meta["stop_ids"],
+                where,
+                cut,
+            )
         else:
             check_loss_mask_v2(*t, meta["generation_prompt_ids"], meta["stop_ids"], where, cut)
     except KeyError as missing:
-        raise FidelityError(f"{where}: metadata lacks {missing}: not written by the tokens stage "
-                            f"({' or '.join(READABLE_TOKENS_FORMATS)})") from None
+        raise FidelityError(
+            f"{where}: metadata lacks {missing}: not written by the tokens stage "
+            f"({' or '.join(READABLE_TOKENS_FORMATS)})"
+        ) from None
 
 
 def write_tokens_shard(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -140,8 +180,9 @@ def write_tokens_shard(path: str | Path, tensors: dict[str, torch.Tensor], meta:
     save_packed(path, tensors, meta)
 
 
-def read_tokens_shard(path: str | Path, names: list[str] | None = None
-                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_tokens_shard(
+    path: str | Path, names: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, metadata) of a tokens shard (``/3`` or ``/2``); the loss mask is checked when all three
     tensors are read."""
     try:

@@ -53,15 +53,21 @@ def _explain(tokenizer, err: Exception) -> ChatTemplateError:
     text = f"{type(err).__name__}: {err}"
     file = _template_file(tokenizer)
     if "unsafe" in text and "append" in text or "SecurityError" in text:
-        what = ("uses `list.append` (a llama.cpp/minja idiom); transformers renders templates in a sandboxed "
-                "Jinja that forbids mutating a list. Rewrite it as `{% set ns.items = ns.items + [x] %}`")
+        what = (
+            "uses `list.append` (a llama.cpp/minja idiom); transformers renders templates in a sandboxed "
+            "Jinja that forbids mutating a list. Rewrite it as `{% set ns.items = ns.items + [x] %}`"
+        )
     elif "No filter named" in text or "no filter named" in text:
         name = re.search(r"[Nn]o filter named '([^']+)'", text)
-        what = (f"uses the filter `{name.group(1) if name else '?'}`, which transformers' Jinja does not define "
-                f"(llama.cpp-only filters such as `fromjson`). Replace it with plain Jinja")
+        what = (
+            f"uses the filter `{name.group(1) if name else '?'}`, which transformers' Jinja does not define "
+            f"(llama.cpp-only filters such as `fromjson`). Replace it with plain Jinja"
+        )
     elif "concatenate" in text:
-        what = ("joins a non-text value as text (e.g. tool-call arguments as a dict where it expects a JSON "
-                "string). Pass the value the template expects")
+        what = (
+            "joins a non-text value as text (e.g. tool-call arguments as a dict where it expects a JSON "
+            "string). Pass the value the template expects"
+        )
     elif "TemplateSyntaxError" in text:
         what = "does not parse as Jinja. Fix its syntax"
     else:
@@ -69,16 +75,23 @@ def _explain(tokenizer, err: Exception) -> ChatTemplateError:
     return ChatTemplateError(f"the chat template of {file} {what}, then rerun the tokens stage ({text})")
 
 
-def render_text(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+def render_text(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
     """The template's text for ``messages`` (raises ChatTemplateError naming the failing feature)."""
     import jinja2
 
     if tools:
         template_kwargs["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **template_kwargs)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     except jinja2.exceptions.TemplateError as err:  # SecurityError, UndefinedError, syntax, raise_exception
         if type(err).__name__ == "TemplateError":  # the template's own raise_exception: about this conversation
             raise TemplateRaised(str(err)) from err
@@ -91,8 +104,9 @@ class TemplateRaised(FormatError):
     """The template's own ``raise_exception`` refused this conversation (e.g. roles must alternate)."""
 
 
-def render_prompt_ids(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      **template_kwargs: Any) -> list[int]:
+def render_prompt_ids(
+    tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **template_kwargs: Any
+) -> list[int]:
     """Token ids of the prompt exactly as the server would build it: chat template + generation prompt.
 
     ``tools`` are the tool declarations the request sent (the template renders them, Kimi as a
@@ -103,8 +117,13 @@ def render_prompt_ids(tokenizer, messages: list[dict[str, Any]], tools: list[dic
     # Tool-call arguments as dicts, or JSON strings where the template needs them: as render_turn does.
     for as_string in (False, True):
         try:
-            ids = tokenizer.apply_chat_template(messages_for_template(messages, as_string), add_generation_prompt=True,
-                                                tokenize=True, return_dict=False, **template_kwargs)
+            ids = tokenizer.apply_chat_template(
+                messages_for_template(messages, as_string),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **template_kwargs,
+            )
             break
         except Exception:  # noqa: BLE001 - any template failure on dicts: retry with strings, then raise
             if as_string or not any(m.get("tool_calls") for m in messages):
@@ -131,8 +150,11 @@ class TextEncoder:
         self.fast = backend is not None
         self._plain = None
         if self.fast:
-            clean = (not getattr(backend, "encode_special_tokens", False) and backend.truncation is None
-                     and backend.padding is None)
+            clean = (
+                not getattr(backend, "encode_special_tokens", False)
+                and backend.truncation is None
+                and backend.padding is None
+            )
             if clean:
                 self._special = backend
             else:
@@ -240,7 +262,9 @@ def read_chat_format(tokenizer, generation_config: Any | None = None) -> ChatFor
     user = [{"role": "user", "content": PROBE_USER}]
     with_prompt = [int(i) for i in _render(tokenizer, user, tokenize=True, add_generation_prompt=True)]
     without = [int(i) for i in _render(tokenizer, user, tokenize=True, add_generation_prompt=False)]
-    common = next((i for i, (a, b) in enumerate(zip(with_prompt, without)) if a != b), min(len(with_prompt), len(without)))
+    common = next(
+        (i for i, (a, b) in enumerate(zip(with_prompt, without)) if a != b), min(len(with_prompt), len(without))
+    )
     generation_prompt = tuple(with_prompt[common:])
 
     stops = set(end_of_turn_ids(tokenizer, generation_config))
@@ -248,19 +272,25 @@ def read_chat_format(tokenizer, generation_config: Any | None = None) -> ChatFor
     finished = user + [{"role": "assistant", "content": PROBE_ANSWER}]
     try:
         text = _render(tokenizer, finished, tokenize=False, add_generation_prompt=False)
-        after = text[text.rindex(PROBE_ANSWER) + len(PROBE_ANSWER):]
+        after = text[text.rindex(PROBE_ANSWER) + len(PROBE_ANSWER) :]
         turn_end = _last_special(tokenizer.encode(after, add_special_tokens=False), special_ids)
         if turn_end is None:  # no end written: the next turn's opener is what the model samples to stop
-            nxt = _render(tokenizer, finished + [{"role": "user", "content": PROBE_USER}], tokenize=False,
-                          add_generation_prompt=False)
+            nxt = _render(
+                tokenizer,
+                finished + [{"role": "user", "content": PROBE_USER}],
+                tokenize=False,
+                add_generation_prompt=False,
+            )
             if nxt.startswith(text):
-                turn_end = _first_special(tokenizer.encode(nxt[len(text):], add_special_tokens=False), special_ids)
+                turn_end = _first_special(tokenizer.encode(nxt[len(text) :], add_special_tokens=False), special_ids)
     except Exception:  # noqa: BLE001 - a template may raise on a final assistant turn (jinja's raise_exception)
         turn_end = None
     if turn_end is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError("cannot find the end-of-turn token: the template writes no special token after an "
-                             "assistant turn and the tokenizer has no eos_token")
+            raise ValueError(
+                "cannot find the end-of-turn token: the template writes no special token after an "
+                "assistant turn and the tokenizer has no eos_token"
+            )
         turn_end = int(tokenizer.eos_token_id)
     stops.add(turn_end)
     return ChatFormat(
@@ -332,12 +362,15 @@ def tool_calls_for_template(tool_calls: list[dict[str, Any]] | None, as_string: 
 
 def messages_for_template(messages: list[dict[str, Any]], as_string: bool) -> list[dict[str, Any]]:
     """The conversation with every assistant turn's tool-call arguments as dicts (or JSON strings)."""
-    return [{**m, "tool_calls": tool_calls_for_template(m["tool_calls"], as_string)} if m.get("tool_calls") else m
-            for m in messages]
+    return [
+        {**m, "tool_calls": tool_calls_for_template(m["tool_calls"], as_string)} if m.get("tool_calls") else m
+        for m in messages
+    ]
 
 
-def _assistant(reasoning: str | None, content: str | None, calls: list[dict[str, Any]] | None,
-               thinking_key: bool) -> dict[str, Any]:
+def _assistant(
+    reasoning: str | None, content: str | None, calls: list[dict[str, Any]] | None, thinking_key: bool
+) -> dict[str, Any]:
     m: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
         m["reasoning_content"] = reasoning
@@ -354,16 +387,23 @@ def _template_source(tokenizer) -> str:
 
 
 def _snippet(text: str, at: int, width: int = 40) -> str:
-    return repr(text[max(0, at - width):at + width])
+    return repr(text[max(0, at - width) : at + width])
 
 
 def _first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def render_turn(tokenizer, messages: list[dict[str, Any]], reasoning: str | None, content: str | None,
-                tool_calls: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None, think_start_text: str | None = "<think>") -> TurnText:
+def render_turn(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    reasoning: str | None,
+    content: str | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    think_start_text: str | None = "<think>",
+) -> TurnText:
     """The template's own text of the generated turn after the prompt, or TurnRefused saying why not.
 
     Renders prompt + the assistant message (``reasoning_content``, ``content``, ``tool_calls`` with
@@ -396,14 +436,14 @@ def render_turn(tokenizer, messages: list[dict[str, Any]], reasoning: str | None
         except (ChatTemplateError, TemplateRaised):
             if as_string or not has_calls:
                 raise
-    generation_prompt = prompt[len(bare):] if prompt.startswith(bare) else ""
+    generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
     sr = SENTINEL_REASONING if reasoning else reasoning
     sc = SENTINEL_CONTENT if content else content
     path, layout, generated = "exact", None, ""
     if full.startswith(prompt):
-        generated = full[len(prompt):]
+        generated = full[len(prompt) :]
         framed = finished(sr, sc, calls)
-        layout = framed[len(prompt):] if framed.startswith(prompt) else None
+        layout = framed[len(prompt) :] if framed.startswith(prompt) else None
     if not full.startswith(prompt) or (reasoning and layout is not None and SENTINEL_REASONING not in layout):
         # The template drops reasoning it treats as history (Kimi K2: a final answer turns the whole
         # tool-call loop before it into history): frame the turn as it frames a tool-call turn, or refuse.
@@ -412,36 +452,61 @@ def render_turn(tokenizer, messages: list[dict[str, Any]], reasoning: str | None
             raise _refusal(prompt, full, generation_prompt, reasoning, think_start_text)
         layout, generated = framing
         path = "fallback"
-    turn = TurnText(prompt=prompt, generated=generated, regions=[], path=path, generation_prompt=generation_prompt,
-                    arguments_as_string=as_string)
+    turn = TurnText(
+        prompt=prompt,
+        generated=generated,
+        regions=[],
+        path=path,
+        generation_prompt=generation_prompt,
+        arguments_as_string=as_string,
+    )
     _locate_text(turn, layout, reasoning, content)
     return turn
 
 
-def _refusal(prompt: str, full: str, generation_prompt: str, reasoning: str | None,
-             think_start_text: str | None) -> TurnRefused:
+def _refusal(
+    prompt: str, full: str, generation_prompt: str, reasoning: str | None, think_start_text: str | None
+) -> TurnRefused:
     """Why the template cannot express this turn, as a counted reason and a message naming the behaviour."""
     if full.startswith(prompt):
-        return TurnRefused("template_drops_reasoning", (
-            "the template does not render the reasoning of this turn (it keeps reasoning only for turns it "
-            "treats as current, or never renders reasoning_content) and renders no tool-call turn whose "
-            "reasoning framing could be learned: training on its rendering would drop the model's reasoning"))
+        return TurnRefused(
+            "template_drops_reasoning",
+            (
+                "the template does not render the reasoning of this turn (it keeps reasoning only for turns it "
+                "treats as current, or never renders reasoning_content) and renders no tool-call turn whose "
+                "reasoning framing could be learned: training on its rendering would drop the model's reasoning"
+            ),
+        )
     at = _first_difference(full, prompt)
     opened = bool(think_start_text) and generation_prompt.rstrip().endswith(think_start_text.rstrip())
     if not reasoning and opened:
-        return TurnRefused("no_reasoning_block_opened", (
-            f"the generation prompt opens the reasoning block ({generation_prompt!r}) but the record has no "
-            f"reasoning and the template renders the turn without that block: training it would put the "
-            f"answer in the reasoning position"))
-    return TurnRefused("prefix_mismatch", (
-        f"the template's rendering of the finished turn does not begin with the prompt it renders with the "
-        f"generation prompt: from character {at} the prompt has {_snippet(prompt, at)} and the finished turn "
-        f"{_snippet(full, at)} (e.g. a user turn that already ends with the assistant opener, doubled by the "
-        f"generation prompt, or a final turn rendered without the block the generation prompt opens)"))
+        return TurnRefused(
+            "no_reasoning_block_opened",
+            (
+                f"the generation prompt opens the reasoning block ({generation_prompt!r}) but the record has no "
+                f"reasoning and the template renders the turn without that block: training it would put the "
+                f"answer in the reasoning position"
+            ),
+        )
+    return TurnRefused(
+        "prefix_mismatch",
+        (
+            f"the template's rendering of the finished turn does not begin with the prompt it renders with the "
+            f"generation prompt: from character {at} the prompt has {_snippet(prompt, at)} and the finished turn "
+            f"{_snippet(full, at)} (e.g. a user turn that already ends with the assistant opener, doubled by the "
+            f"generation prompt, or a final turn rendered without the block the generation prompt opens)"
+        ),
+    )
 
 
-def _framing_from_tool_call_turn(finished, prompt: str, reasoning: str | None, content: str | None,
-                                 calls: list[dict[str, Any]] | None, as_string: bool) -> tuple[str, str] | None:
+def _framing_from_tool_call_turn(
+    finished,
+    prompt: str,
+    reasoning: str | None,
+    content: str | None,
+    calls: list[dict[str, Any]] | None,
+    as_string: bool,
+) -> tuple[str, str] | None:
     """(layout, generated) framed the way the template frames the reasoning of a tool-call turn (which it
     renders as current), with this turn's own ending; None when no such framing can be learned."""
     try:
@@ -449,7 +514,7 @@ def _framing_from_tool_call_turn(finished, prompt: str, reasoning: str | None, c
         own = finished(SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT, calls)
     except (ChatTemplateError, TemplateRaised):
         return None
-    body = tool_turn[len(prompt):] if tool_turn.startswith(prompt) else ""
+    body = tool_turn[len(prompt) :] if tool_turn.startswith(prompt) else ""
     if SENTINEL_REASONING not in body or SENTINEL_CONTENT not in body.split(SENTINEL_REASONING, 1)[1]:
         return None
     before, after = body.split(SENTINEL_CONTENT, 1)[0].split(SENTINEL_REASONING, 1)
@@ -512,15 +577,23 @@ def _edges(text: str, width: int = 24) -> str:
     return repr(text) if len(text) <= 2 * width else repr(text[:width]) + " ... " + repr(text[-width:])
 
 
-def next_turn_opener(tokenizer, messages: list[dict[str, Any]], layout_turn: dict[str, Any],
-                     special_ids: frozenset[int], tools: list[dict[str, Any]] | None = None,
-                     template_kwargs: dict[str, Any] | None = None) -> int | None:
+def next_turn_opener(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    layout_turn: dict[str, Any],
+    special_ids: frozenset[int],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> int | None:
     """For templates that write no end of turn (GLM): the first special token of the turn the template
     renders next (a tool result after tool calls, a user turn otherwise) - the stop the model samples."""
     kw = dict(template_kwargs or {})
     calls = layout_turn.get("tool_calls")
-    nxt = ({"role": "tool", "tool_call_id": str(calls[0].get("id") or "call_aerie_probe_0"), "content": "ok"}
-           if calls else {"role": "user", "content": PROBE_USER})
+    nxt = (
+        {"role": "tool", "tool_call_id": str(calls[0].get("id") or "call_aerie_probe_0"), "content": "ok"}
+        if calls
+        else {"role": "user", "content": PROBE_USER}
+    )
     for as_string in (False, True):
         msgs = messages_for_template(messages + [layout_turn], as_string)
         try:
@@ -532,4 +605,4 @@ def next_turn_opener(tokenizer, messages: list[dict[str, Any]], layout_turn: dic
                 return None
     if not b.startswith(a):
         return None
-    return _first_special(tokenizer.encode(b[len(a):], add_special_tokens=False), special_ids)
+    return _first_special(tokenizer.encode(b[len(a) :], add_special_tokens=False), special_ids)
