@@ -25,6 +25,10 @@ def target_hidden_size(target: dict[str, Any]) -> int | None:
         from aerie.plan import demo_target_config
 
         return demo_target_config({"target": target}).hidden_size
+    if "rehearsal" in target:
+        from aerie.rehearsal_target.config import RehearsalTargetConfig
+
+        return RehearsalTargetConfig(**target["rehearsal"] or {}).hidden_size
     if not (Path(target["path"]) / "config.json").exists():
         return None
     return read_text_config(target["path"]).get("hidden_size")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from aerie.config_file import ConfigError, ConfigSources, check_against_schema
 from aerie.demo_target.config import DemoTargetConfig
 from aerie.drafter.config import TrainConfig
 from aerie.prompts import DatasetPlan, plan_dataset
+from aerie.rehearsal_target.config import ARCHITECTURES as REHEARSAL_ARCHITECTURES
+from aerie.rehearsal_target.config import RehearsalTargetConfig
 from aerie.target.config import (
     check_servable_aux_layer_ids,
     default_aux_layer_ids,
@@ -54,6 +57,8 @@ def check_config(config: dict[str, Any]) -> None:
     target = config["target"]
     if "demo" in target:
         _dataclass_section(("target", "demo"), target["demo"] or {}, DemoTargetConfig)
+    if "rehearsal" in target:
+        _dataclass_section(("target", "rehearsal"), target["rehearsal"] or {}, RehearsalTargetConfig)
     _dataclass_section(("drafter",), config.get("drafter") or {}, TrainConfig)
 
     for name in config["datasets"]:
@@ -69,15 +74,20 @@ def check_config(config: dict[str, Any]) -> None:
 
     ids = config["hidden"].get("aux_layer_ids")
     layers = target.get("num_hidden_layers") or _local_num_layers(target)
+    architectures: Sequence[str] = ()
     if "demo" in target:
         layers = DemoTargetConfig(**target["demo"] or {}).num_hidden_layers
+    elif "rehearsal" in target:  # built by the pipeline: its config is known before the folder exists
+        layers = RehearsalTargetConfig(**target["rehearsal"] or {}).num_hidden_layers
+        architectures = REHEARSAL_ARCHITECTURES
+    elif (Path(target["path"]) / "config.json").exists():
+        architectures = target_architectures(target["path"])
     if ids or layers:
         try:
-            local = "demo" not in target and (Path(target["path"]) / "config.json").exists()
             check_servable_aux_layer_ids(
                 ids or default_aux_layer_ids(layers),
                 layers or max(ids) + 2,
-                target_architectures(target["path"]) if local else (),
+                architectures,
             )
         except ValueError as e:
             hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
@@ -115,7 +125,7 @@ def _schema() -> dict[str, Any]:
 
 def _local_num_layers(target: dict[str, Any]) -> int | None:
     """Decoder layers of a local target folder (reads config.json only), else None."""
-    if "demo" in target or not (Path(target["path"]) / "config.json").exists():
+    if "demo" in target or "rehearsal" in target or not (Path(target["path"]) / "config.json").exists():
         return None
     return read_text_config(target["path"]).get("num_hidden_layers")
 

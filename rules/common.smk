@@ -46,6 +46,7 @@ except ValueError as e:
 RUN = config["run"]
 TARGET = config["target"]["path"]
 DEMO_TARGET = "demo" in config["target"]
+REHEARSAL_TARGET = "rehearsal" in config["target"]
 
 
 wildcard_constraints:
@@ -55,8 +56,8 @@ wildcard_constraints:
 
 
 def get_target_input():
-    """The demo target is built by a rule (a dependency); a real target is an existing folder."""
-    return [TARGET] if DEMO_TARGET else []
+    """The demo and rehearsal targets are built by a rule (a dependency); a real target is an existing folder."""
+    return [TARGET] if DEMO_TARGET or REHEARSAL_TARGET else []
 
 
 def get_prompt_source(wildcards):

@@ -261,15 +261,15 @@ def json_type(annotation) -> dict:
 
 
 def test_schema_of_dataclass_sections_matches_the_dataclass_fields() -> None:
-    """drafter and target.demo: the same keys, types and defaults as TrainConfig / DemoTargetConfig, so neither
-    can change without the other."""
+    """drafter, target.demo and target.rehearsal: the same keys, types and defaults as TrainConfig /
+    DemoTargetConfig / RehearsalTargetConfig, so neither can change without the other."""
     import dataclasses
     import importlib
     import typing
 
     schema = yaml.safe_load((REPO / "config" / "schema.yaml").read_text())
     sections = dict(dataclass_sections(schema))
-    assert {("drafter",), ("target", "demo")} <= set(sections)
+    assert {("drafter",), ("target", "demo"), ("target", "rehearsal")} <= set(sections)
     for path, section in sections.items():
         module, _, name = section["x-defaults-from"].rpartition(".")
         cls = getattr(importlib.import_module(module), name)
@@ -297,7 +297,6 @@ def test_schema_of_dataclass_sections_matches_the_dataclass_fields() -> None:
 # Objects a user writes whose keys stay open, each for a reason; every other object refuses unknown keys.
 OPEN_OBJECTS = {
     "hidden.sglang": "keyword arguments of SGLang's engine, whose set depends on the installed SGLang",
-    "target.rehearsal": "the rehearsal target's settings (RehearsalTargetConfig; checked by its own section)",
     "datasets.*.responses": "overrides of the responses section, checked against it by aerie.plan.responses_config",
     "datasets.*.source": "closed per source kind by its allOf/then branches",
     "responses.provider.sort": "OpenRouter's sort object (or a string)",

@@ -32,11 +32,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def transformers_serve_command(model_path: str, port: int, host: str = "127.0.0.1",
-                               device: str = "cpu", dtype: str = "auto", trust_remote_code: bool = False) -> list[str]:
+def transformers_serve_command(
+    model_path: str,
+    port: int,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> list[str]:
     """``transformers serve`` for one model folder; custom-code folders go through this module's launcher."""
-    args = ["serve", str(model_path), "--host", host, "--port", str(port), "--device", device, "--dtype", dtype,
-            "--log-level", "warning"]
+    args = [
+        "serve",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+    ]
     if trust_remote_code:
         return [sys.executable, "-m", "aerie.api.serve", *args, "--trust-remote-code"]
     # `python -m` of the CLI module: the same interpreter (and venv) as this job, no PATH lookup.
@@ -65,8 +83,10 @@ def expose_remote_architecture(model_path: str | Path) -> str | None:
         return None
     cls = get_class_from_dynamic_module(reference, str(model_path))
     if cls.__name__ != names[0]:
-        raise ValueError(f"{model_path}/config.json: auto_map AutoModelForCausalLM is {cls.__name__}, "
-                         f"but architectures[0] is {names[0]}")
+        raise ValueError(
+            f"{model_path}/config.json: auto_map AutoModelForCausalLM is {cls.__name__}, "
+            f"but architectures[0] is {names[0]}"
+        )
     config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=True)
     AutoModelForMultimodalLM.register(type(config), cls, exist_ok=True)
     setattr(transformers, names[0], cls)
@@ -95,29 +115,39 @@ def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_on_loopback(command_for_port, health_path: str, log_path: Path, ready_timeout: float = 300.0,
-                      env: dict[str, str] | None = None) -> Iterator[str]:
+def serve_on_loopback(
+    command_for_port, health_path: str, log_path: Path, ready_timeout: float = 300.0, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """Run ``command_for_port(port)`` and yield ``http://127.0.0.1:PORT`` once ``health_path`` answers 200."""
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_fh:
-        proc = subprocess.Popen(command_for_port(port), stdout=log_fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            command_for_port(port),
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {proc.returncode} before it was ready; "
-                                   f"its log ({log_path}) ends with:\n{_tail(log_path)}")
+                raise RuntimeError(
+                    f"server exited with code {proc.returncode} before it was ready; "
+                    f"its log ({log_path}) ends with:\n{_tail(log_path)}"
+                )
             try:
                 if requests.get(base + health_path, timeout=2).status_code == 200:
                     break
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready after {ready_timeout:.0f}s; log ({log_path}) ends with:\n"
-                                   f"{_tail(log_path)}")
+                raise RuntimeError(
+                    f"server not ready after {ready_timeout:.0f}s; log ({log_path}) ends with:\n{_tail(log_path)}"
+                )
             time.sleep(0.5)
         yield base
     finally:

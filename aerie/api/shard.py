@@ -211,7 +211,9 @@ def regenerate_api_shard(
 
         device = str(pick_device(target.get("device", "auto")))
         server = serve_on_loopback(
-            lambda port: transformers_serve_command(target["path"], port, device=device),
+            lambda port: transformers_serve_command(
+                target["path"], port, device=device, trust_remote_code=target.get("trust_remote_code", False)
+            ),
             "/health",
             out_path.parent / f".{out_path.name}.server.log",
         )

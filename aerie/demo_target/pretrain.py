@@ -3,6 +3,10 @@
 Loss is on the assistant part only (reasoning, `</think>`, answer, `<|im_end|>`): prompts are mostly
 random numbers and names the model cannot predict, so prompt loss would spend the few CPU minutes on
 noise, and the target only ever generates completions. The prompt still conditions every prediction.
+
+The data, training loop and evaluation are shared with the Kimi-shaped rehearsal target
+(``aerie.rehearsal_target``): they take any causal LM, a settings object with DemoTargetConfig's data,
+optimisation and evaluation fields, and optionally another loss function (``LossFn``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +26,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from aerie.demo_target.config import DemoTargetConfig  # noqa: F401 - re-exported
 from aerie.demo_target.tasks import TaskExample, describe_code_instruction, example_rng, make_example
 from aerie.demo_target.tokenizer import (
-    END_OF_TURN, THINK_END, encode_examples, example_messages, special_token_ids,
+    END_OF_TURN,
+    THINK_END,
+    encode_examples,
+    example_messages,
+    special_token_ids,
 )
 
 # Seed offsets keep the three example streams apart: the pipeline's prompts come from
@@ -54,14 +63,14 @@ def build_model(cfg: DemoTargetConfig, tokenizer) -> LlamaForCausalLM:
 # --- data -------------------------------------------------------------------------------------------
 
 
-def sample_conversation(rng: random.Random, cfg: DemoTargetConfig) -> tuple[TaskExample, list[dict]]:
+def sample_conversation(rng: random.Random, cfg: Any) -> tuple[TaskExample, list[dict]]:
     """One training example and the messages that prompt it (sometimes with a system turn or history)."""
     ex = make_example(rng.choice(cfg.families), rng)
     history = [make_example(rng.choice(cfg.families), rng)] if rng.random() < cfg.history_prob else []
     return ex, example_messages(ex, rng, system_prob=cfg.system_prob, history=history)
 
 
-def training_batches(tokenizer, cfg: DemoTargetConfig, pad_id: int) -> Iterator[tuple[torch.Tensor, ...]]:
+def training_batches(tokenizer, cfg: Any, pad_id: int) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless (input_ids, loss_mask, prompt_mask) batches, each [B, T], right-padded.
 
     Examples are drawn a chunk at a time and sorted by length before batching, so a batch holds
@@ -88,8 +97,13 @@ def training_batches(tokenizer, cfg: DemoTargetConfig, pad_id: int) -> Iterator[
             yield input_ids, loss_mask, prompt_mask
 
 
-def completion_loss(model: LlamaForCausalLM, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                    prompt_mask: torch.Tensor | None = None, prompt_weight: float = 0.0) -> torch.Tensor:
+def completion_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    prompt_mask: torch.Tensor | None = None,
+    prompt_weight: float = 0.0,
+) -> torch.Tensor:
     """Mean next-token cross-entropy over the masked (completion) tokens, plus optionally weighted prompt tokens."""
     logits = model(input_ids=input_ids).logits[:, :-1].float()
     weights = loss_mask[:, 1:].float()
@@ -100,7 +114,11 @@ def completion_loss(model: LlamaForCausalLM, input_ids: torch.Tensor, loss_mask:
     return (losses * weights[keep]).sum() / weights[keep].sum()
 
 
-def lr_at(step: int, cfg: DemoTargetConfig) -> float:
+# (model, input_ids, loss_mask, prompt_mask, prompt_weight) -> scalar loss, like completion_loss.
+LossFn = Callable[..., torch.Tensor]
+
+
+def lr_at(step: int, cfg: Any) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * learning_rate."""
     if step < cfg.warmup:
         return cfg.learning_rate * (step + 1) / cfg.warmup
@@ -108,15 +126,22 @@ def lr_at(step: int, cfg: DemoTargetConfig) -> float:
     return cfg.learning_rate * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def pretrain(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Callable[[str], None] = print) -> dict:
-    """The training loop: AdamW, warmup + cosine, grad clipping, optional bf16 autocast."""
+def pretrain(
+    model: torch.nn.Module, tokenizer, cfg: Any, log: Callable[[str], None] = print, loss_fn: LossFn = completion_loss
+) -> dict:
+    """The training loop: AdamW, warmup + cosine, grad clipping, optional bf16 autocast.
+
+    ``cfg``: a DemoTargetConfig or any settings object with its data and optimisation fields.
+    """
     pad_id = special_token_ids(tokenizer)["[PAD]"]
     # No weight decay on norms (1-d tensors), as usual.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.learning_rate, betas=(0.9, 0.95), eps=1e-8,
+        lr=cfg.learning_rate,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     batches = training_batches(tokenizer, cfg, pad_id)
     model.train()
@@ -128,7 +153,7 @@ def pretrain(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Cal
             group["lr"] = lr_at(step, cfg)
         input_ids, loss_mask, prompt_mask = next(batches)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss = completion_loss(model, input_ids, loss_mask, prompt_mask, cfg.prompt_loss_weight)
+            loss = loss_fn(model, input_ids, loss_mask, prompt_mask, cfg.prompt_loss_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -139,8 +164,10 @@ def pretrain(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Cal
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.train_steps:
             dt = time.perf_counter() - t0
             recent = statistics.fmean(losses[-cfg.log_every :])
-            log(f"step {step + 1}/{cfg.train_steps} loss {recent:.4f} lr {lr_at(step, cfg):.2e} "
-                f"{tokens / dt:.0f} tok/s {dt:.0f}s")
+            log(
+                f"step {step + 1}/{cfg.train_steps} loss {recent:.4f} lr {lr_at(step, cfg):.2e} "
+                f"{tokens / dt:.0f} tok/s {dt:.0f}s"
+            )
     model.eval()
     seconds = time.perf_counter() - t0
     return {
@@ -156,7 +183,7 @@ def pretrain(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Cal
 # --- evaluation -------------------------------------------------------------------------------------
 
 
-def eval_examples(cfg: DemoTargetConfig) -> list[TaskExample]:
+def eval_examples(cfg: Any) -> list[TaskExample]:
     """Held-out examples, round-robin over families, from a seed no training stream uses."""
     fams = list(cfg.families)
     return [
@@ -166,7 +193,9 @@ def eval_examples(cfg: DemoTargetConfig) -> list[TaskExample]:
 
 
 @torch.no_grad()
-def heldout_loss(model: LlamaForCausalLM, tokenizer, examples: Sequence[TaskExample]) -> float:
+def heldout_loss(
+    model: torch.nn.Module, tokenizer, examples: Sequence[TaskExample], loss_fn: LossFn = completion_loss
+) -> float:
     """Completion cross-entropy (fp32, token-weighted) on held-out examples with default prompts."""
     seqs = encode_examples(tokenizer, examples, [example_messages(ex) for ex in examples])
     total = count = 0.0
@@ -175,14 +204,15 @@ def heldout_loss(model: LlamaForCausalLM, tokenizer, examples: Sequence[TaskExam
         mask = torch.zeros_like(x, dtype=torch.bool)
         mask[0, n_prompt:] = True
         n = int(mask[:, 1:].sum())
-        total += completion_loss(model, x, mask).item() * n
+        total += loss_fn(model, x, mask).item() * n
         count += n
     return total / count
 
 
 @torch.no_grad()
-def greedy_generate(model: LlamaForCausalLM, prompts: Sequence[list[int]], max_new_tokens: int, eos_id: int,
-                    pad_id: int, batch_size: int) -> list[list[int]]:
+def greedy_generate(
+    model: torch.nn.Module, prompts: Sequence[list[int]], max_new_tokens: int, eos_id: int, pad_id: int, batch_size: int
+) -> list[list[int]]:
     """Greedy continuations (ending with eos when emitted), batched with left padding via generate()."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
     out: list[list[int]] = [[] for _ in prompts]
@@ -194,8 +224,14 @@ def greedy_generate(model: LlamaForCausalLM, prompts: Sequence[list[int]], max_n
         for b, i in enumerate(idx):
             input_ids[b, T - len(prompts[i]) :] = torch.tensor(prompts[i])
             attn[b, T - len(prompts[i]) :] = 1
-        gen = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
+        gen = model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+        )
         for b, i in enumerate(idx):
             ids = gen[b, T:].tolist()
             out[i] = ids[: ids.index(eos_id) + 1] if eos_id in ids else ids
@@ -238,11 +274,17 @@ def humaneval_prompts(n: int) -> list[tuple[str, str]]:
 
 
 @torch.no_grad()
-def evaluate(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Callable[[str], None] = print) -> dict:
+def evaluate(
+    model: torch.nn.Module, tokenizer, cfg: Any, log: Callable[[str], None] = print, loss_fn: LossFn = completion_loss
+) -> dict:
+    """Held-out loss, greedy task accuracy, structure and repetition rates, decode latency (``cfg``: eval fields)."""
     ids = special_token_ids(tokenizer)
     eos_id, pad_id = ids[END_OF_TURN], ids["[PAD]"]
     examples = eval_examples(cfg)
-    metrics: dict = {"eval_prompts": len(examples), "heldout_loss": round(heldout_loss(model, tokenizer, examples), 4)}
+    metrics: dict = {
+        "eval_prompts": len(examples),
+        "heldout_loss": round(heldout_loss(model, tokenizer, examples, loss_fn), 4),
+    }
 
     def render(messages: list[dict]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -255,11 +297,15 @@ def evaluate(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Cal
     ended = [bool(g) and g[-1] == eos_id for g in gens]
     correct = [split_output(t)[1].strip() == ex.answer for t, ex in zip(texts, examples)]
     # Same output with every number masked: right steps in the right order, values aside.
-    shape_ok = [_skeleton(t.split(END_OF_TURN)[0]) == _skeleton(ex.reasoning + THINK_END + ex.answer)
-                for t, ex in zip(texts, examples)]
+    shape_ok = [
+        _skeleton(t.split(END_OF_TURN)[0]) == _skeleton(ex.reasoning + THINK_END + ex.answer)
+        for t, ex in zip(texts, examples)
+    ]
     structured = [split_output(t)[0] is not None and e for t, e in zip(texts, ended)]
     bodies = [g[:-1] if e else g for g, e in zip(gens, ended)]  # without the end-of-turn token
-    references = [tokenizer(ex.reasoning + THINK_END + ex.answer, add_special_tokens=False)["input_ids"] for ex in examples]
+    references = [
+        tokenizer(ex.reasoning + THINK_END + ex.answer, add_special_tokens=False)["input_ids"] for ex in examples
+    ]
     metrics.update(
         accuracy=round(statistics.fmean(correct), 4),
         accuracy_by_family={
@@ -285,29 +331,38 @@ def evaluate(model: LlamaForCausalLM, tokenizer, cfg: DemoTargetConfig, log: Cal
 
     he = humaneval_prompts(cfg.humaneval_prompts)
     if he:
-        he_gens = greedy_generate(model, [render([{"role": "user", "content": u}]) for _, u in he],
-                                  cfg.eval_max_new_tokens, eos_id, pad_id, cfg.eval_batch_size)
+        he_gens = greedy_generate(
+            model,
+            [render([{"role": "user", "content": u}]) for _, u in he],
+            cfg.eval_max_new_tokens,
+            eos_id,
+            pad_id,
+            cfg.eval_batch_size,
+        )
         he_texts = [tokenizer.decode(g, skip_special_tokens=False) for g in he_gens]
         metrics["humaneval"] = {
             "prompts": len(he),
             "end_of_turn_rate": round(statistics.fmean(bool(g) and g[-1] == eos_id for g in he_gens), 4),
             # copying the real function's name is the structure the benchmark relies on
-            "name_copied_rate": round(statistics.fmean(
-                f"The signature is {name}(" in t for (name, _), t in zip(he, he_texts)), 4),
+            "name_copied_rate": round(
+                statistics.fmean(f"The signature is {name}(" in t for (name, _), t in zip(he, he_texts)), 4
+            ),
             "repeated_4gram_rate": round(repeated_ngram_rate(he_gens), 4),
             "mean_generated_tokens": round(statistics.fmean(len(g) for g in he_gens), 1),
             "sample": he_texts[0],
         }
     metrics["generation_seconds"] = round(time.perf_counter() - t0, 2)
     metrics["decode_latency_ms"] = round(decode_latency_ms(model, prompts[0], cfg.latency_steps), 3)
-    log(f"eval: loss {metrics['heldout_loss']} acc {metrics['accuracy']} {metrics['accuracy_by_family']} "
+    log(
+        f"eval: loss {metrics['heldout_loss']} acc {metrics['accuracy']} {metrics['accuracy_by_family']} "
         f"eot {metrics['end_of_turn_rate']} rep4 {metrics['repeated_4gram_rate']} "
-        f"tokens {metrics['mean_generated_tokens']} decode {metrics['decode_latency_ms']} ms/step")
+        f"tokens {metrics['mean_generated_tokens']} decode {metrics['decode_latency_ms']} ms/step"
+    )
     return metrics
 
 
 @torch.no_grad()
-def decode_latency_ms(model: LlamaForCausalLM, prompt: list[int], steps: int) -> float:
+def decode_latency_ms(model: torch.nn.Module, prompt: list[int], steps: int) -> float:
     """Median wall time of one greedy decode step with KV cache, batch 1, fp32."""
     out = model(input_ids=torch.tensor([prompt]), use_cache=True)
     cache, token = out.cache, out.logits[:, -1:].argmax(-1)
