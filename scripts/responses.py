@@ -27,7 +27,7 @@ if cfg["backend"] in API_BACKENDS:
             out,
             config,
             snakemake.wildcards.dataset,
-            results_dir=out.parent.parent.parent,
+            results_dir=Path(snakemake.params.results),
             log=log,
         )
     except (RegenerationStopped, RuntimeError) as e:

@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from aerie.artifacts import atomic_publish
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Window, batches, epoch_batches, load_batch, make_windows, split_heldout
 from aerie.drafter.distributed import setup_distributed, shard_for_rank
 from aerie.drafter.evaluate import EMPTY_EVAL, evaluate
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter, atomic_write
+from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.state import (
     Progress,
     TrainLog,
@@ -368,7 +369,7 @@ def train_drafter(
             copy_atomic(state_dir / "best" / name, out_dir / name)
         check_exported_layer_ids(out_dir, aux_layer_ids)
         copy_atomic(log_tmp, out_dir / "train_log.jsonl")
-        atomic_write(out_dir / "eval.json", lambda path: Path(path).write_text(json.dumps(result, indent=2) + "\n"))
+        atomic_publish(out_dir / "eval.json", lambda path: Path(path).write_text(json.dumps(result, indent=2) + "\n"))
         state_path.unlink(missing_ok=True)  # nothing left to resume; last/ and best/ stay
         log_tmp.unlink(missing_ok=True)
         log(

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from aerie.artifacts import atomic_publish
 from aerie.drafter.layers import MLP, DrafterKVCache, RMSNorm, TTTCache
 from aerie.drafter.llama_layer import LlamaAttention
 from aerie.drafter.mla_layer import MLAAttention
@@ -363,30 +361,6 @@ class MidLayer(nn.Module):
 # the drafter
 
 
-def _publish_mode() -> int:
-    """0666 minus the process umask (read without changing it); safetensors itself creates files 0600."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o644
-
-
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write via a temporary file in the same folder, then os.replace (readers never see a partial file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(str(tmp))
-        os.chmod(tmp, _publish_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def check_vocab_maps(d2t: Tensor, t2d: Tensor, draft_vocab_size: int, vocab_size: int) -> None:
     """d2t/t2d must describe the same ascending id set (aerie.draft-vocab/1 and SGLang's convention)."""
     if d2t.shape != (draft_vocab_size,) or t2d.shape != (vocab_size,):
@@ -538,9 +512,9 @@ class Eagle3Drafter(nn.Module):
             tensors[name] = t.contiguous()
         stored = dtype if dtype is not None else self.fc.weight.dtype
         meta = {"format": FORMAT}
-        atomic_write(folder / "model.safetensors", lambda p: save_file(tensors, p, metadata=meta))
+        atomic_publish(folder / "model.safetensors", lambda p: save_file(tensors, p, metadata=meta))
         config = self.cfg.to_hf_config(_DTYPE_NAMES[stored], dict(extra or {}))
-        atomic_write(folder / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+        atomic_publish(folder / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
 
     @classmethod
     def from_pretrained(

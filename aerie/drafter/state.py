@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from aerie.artifacts import atomic_publish
 from aerie.drafter.config import RESUME_MAY_CHANGE, TrainConfig
-from aerie.drafter.model import Eagle3Drafter, atomic_write
+from aerie.drafter.model import Eagle3Drafter
 
 try:
     import numpy as np
@@ -124,7 +125,7 @@ def save_train_state(
         "progress": asdict(progress),
         "rng": rng_state(),
     }
-    atomic_write(path, lambda p: torch.save(state, p))
+    atomic_publish(path, lambda p: torch.save(state, p))
 
 
 def load_train_state(path: Path, cfg: TrainConfig, fingerprint: dict, world: int) -> dict | None:
@@ -156,7 +157,7 @@ def load_train_state(path: Path, cfg: TrainConfig, fingerprint: dict, world: int
 
 def copy_atomic(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(dst, lambda p: shutil.copyfile(src, p))
+    atomic_publish(dst, lambda p: shutil.copyfile(src, p))
 
 
 class TrainLog:
