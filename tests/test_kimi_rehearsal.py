@@ -58,6 +58,8 @@ ALLOWED_DIFFERENCES = {
     "drafter.learning_rate": "scales with the data size: a few hundred samples need 1e-3 (the demo's finding)",
     "bench.max_new_tokens": "count",
     "bench.max_prompts": "count",
+    "bench.gate": "a toy drafter trained on a few dozen samples cannot pay off; the speed gate is the demo's to prove",
+    "bench.gate.min_speedup": "(as bench.gate)",
     "resources.*": "count: CI has no GPU",
 }
 CAPPED = "code"  # the dataset whose output-token quota the rehearsal reaches
