@@ -21,6 +21,5 @@ rule responses:
         config=config,
         responses=get_responses_config,
         gpus=get_responses_gpus,  # what the job needs (0 for an API); checked by aerie.gpu_slots
-        results="results",  # where every dataset's journals live (the budget counts all of them)
     script:
         "../scripts/responses.py"

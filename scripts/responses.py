@@ -27,7 +27,7 @@ if cfg["backend"] in API_BACKENDS:
             out,
             config,
             snakemake.wildcards.dataset,
-            results_dir=Path(snakemake.params.results),
+            results_dir=out.parent.parent.parent,  # results/: every dataset's journals (the budget counts all)
             log=log,
         )
     except (RegenerationStopped, RuntimeError) as e:
