@@ -36,12 +36,9 @@ import torch
 from aerie.artifacts import FormatError, atomic_write_json, read_jsonl
 from aerie.bench.degenerate import degenerate_flags
 from aerie.formats.responses import RESPONSES_FORMAT
-from aerie.formats.tokens import (  # noqa: F401 - re-exported for the stage's readers and tests
+from aerie.formats.tokens import (
     REPORT_FORMAT,
-    TOKENS_FORMAT,
     FidelityError,
-    check_loss_mask,
-    check_tokens_shard,
     write_tokens_shard,
 )
 from aerie.target.chat import (

@@ -34,8 +34,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer  # noqa: E402
 
 from aerie.artifacts import load_packed, write_jsonl  # noqa: E402
+from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
 from aerie.responses import RESPONSES_FORMAT  # noqa: E402
-from aerie.tokens import TOKENS_FORMAT, tokenize_shard  # noqa: E402
+from aerie.tokens import tokenize_shard  # noqa: E402
 
 DATASETS = REPO / "tests" / "fixtures" / "datasets"
 

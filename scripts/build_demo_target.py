@@ -1,7 +1,7 @@
 """Rule demo_target: build and pre-train the demo target (aerie.demo_target)."""
 
 from aerie.demo_target.build import build_demo_target
-from aerie.demo_target.pretrain import DemoTargetConfig
+from aerie.demo_target.config import DemoTargetConfig
 from aerie.rulelog import open_rule_log, snakemake_threads
 
 log = open_rule_log(snakemake.log[0])

@@ -27,8 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from aerie.artifacts import load_packed, save_packed
 from aerie.capture_store import KEY_FIELD, store_path
 from aerie.formats.hidden import HIDDEN_FORMAT
+from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.hidden import capture_shard
-from aerie.tokens import TOKENS_FORMAT
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

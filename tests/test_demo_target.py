@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from aerie.demo_target.build import REPORT_FILE, build_demo_target
-from aerie.demo_target.pretrain import DemoTargetConfig, repeated_ngram_rate, split_output
+from aerie.demo_target.config import DemoTargetConfig
+from aerie.demo_target.pretrain import repeated_ngram_rate, split_output
 from aerie.demo_target.tasks import FAMILIES, describe_code_instruction, generate_prompts, make_example
 from aerie.demo_target.tokenizer import (
     DEFAULT_SYSTEM_PROMPT,

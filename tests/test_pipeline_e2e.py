@@ -218,7 +218,7 @@ def test_planted_shifted_loss_mask_stops_the_hidden_job(demo_run, tmp_path) -> N
     import torch
 
     from aerie.artifacts import load_packed, save_packed
-    from aerie.tokens import TOKENS_FORMAT
+    from aerie.formats.tokens import TOKENS_FORMAT
 
     copy, configfile = planted_copy(demo_run, tmp_path)
     tokens = copy / "results" / "tasks" / "tokens" / "shard-00000.safetensors"

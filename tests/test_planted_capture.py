@@ -14,8 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import aerie.hidden as hidden
 from aerie.artifacts import save_packed
 from aerie.capture import AuxHiddenCapture
+from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.hidden import HiddenStateError, capture_shard
-from aerie.tokens import TOKENS_FORMAT
 
 AUX = [1, 3, 4]
 

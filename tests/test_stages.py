@@ -12,13 +12,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from aerie.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
 from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
 from aerie.formats.hidden import HIDDEN_FORMAT
+from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.formats.vocab import load_draft_vocab
 from aerie.hidden import HiddenStateError, capture_shard, check_captured
 from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
 from aerie.responses import generate_hf, split_generated
 from aerie.target.chat import read_chat_format, special_token_id
 from aerie.target.config import default_aux_layer_ids, resolve_aux_layer_ids
-from aerie.tokens import TOKENS_FORMAT, rebuild_output_ids, tokenize_shard
+from aerie.tokens import rebuild_output_ids, tokenize_shard
 from aerie.vocab import build_draft_vocab, select_draft_vocab
 
 

@@ -16,12 +16,10 @@ import torch
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 
 from aerie.artifacts import load_packed, split_packed, write_jsonl
+from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, check_loss_mask
 from aerie.responses import RESPONSES_FORMAT, split_generated
 from aerie.target.chat import read_chat_format, render_prompt_ids
 from aerie.tokens import (
-    TOKENS_FORMAT,
-    FidelityError,
-    check_loss_mask,
     classify_mismatch,
     rebuild_output_ids,
     tokenize_shard,

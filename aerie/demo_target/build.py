@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from aerie.demo_target.config import DemoTargetConfig
 from aerie.demo_target.pretrain import (
     TOKENIZER_SEED_OFFSET,
-    DemoTargetConfig,
     build_model,
     evaluate,
     pretrain,

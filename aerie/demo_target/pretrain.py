@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aerie.demo_target.config import DemoTargetConfig  # noqa: F401 - re-exported
+from aerie.demo_target.config import DemoTargetConfig
 from aerie.demo_target.tasks import TaskExample, describe_code_instruction, example_rng, make_example
 from aerie.demo_target.tokenizer import (
     END_OF_TURN,
