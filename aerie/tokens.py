@@ -24,6 +24,7 @@ on, and the text rebuild is compared with them: every mismatch is classified.
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 from array import array
 from collections import Counter, defaultdict
@@ -276,6 +277,45 @@ def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
     return dict((record.get("params") or {}).get("chat_template_kwargs") or {})
 
 
+# A shard fails on drops only when they exceed the tolerated fraction by more than chance explains: with a
+# quota-cut shard of 2 samples one truncated answer is 50 %, which says nothing about the provider.
+DROP_GATE_SIGNIFICANCE = 0.05
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space (no overflow for shards of any size)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(k, n + 1)
+    ]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+def too_many_dropped(dropped: int, samples: int, max_fraction: float) -> bool:
+    """The tokens stage's drop gate: True when a shard must fail.
+
+    A shard fails when it keeps nothing, or when more than ``max_fraction`` of its samples were dropped and
+    that excess is unlikely under a true drop rate of ``max_fraction`` (one-sided binomial test at
+    ``DROP_GATE_SIGNIFICANCE``). Large shards fail at about the fraction itself (1,000 samples at 0.25: 273
+    or more drops); tiny ones need clearer evidence (2 samples: one drop passes, two fail: nothing kept).
+    """
+    if samples == 0:
+        return False
+    if dropped >= samples:
+        return True
+    if dropped <= max_fraction * samples:
+        return False
+    return binomial_tail(dropped, samples, max_fraction) < DROP_GATE_SIGNIFICANCE
+
+
 def _percentile(sorted_values: list[int], q: float) -> float | None:
     if not sorted_values:
         return None
@@ -369,7 +409,8 @@ def tokenize_shard(
     """Build packed ``input_ids`` / ``loss_mask`` for one responses shard and its fidelity report.
 
     Fails (FidelityError, nothing written) when more than ``max_dropped_fraction`` of the samples are
-    dropped, e.g. a provider that returns no reasoning or a template that cannot express the turns.
+    dropped beyond chance (``too_many_dropped``), e.g. a provider that returns no reasoning or a template that
+    cannot express the turns.
     ``tokenizer`` overrides loading it from the target. The other settings are ``tokens.*`` (docs/formats.md).
     """
     if special_token_text not in SPECIAL_TOKEN_TEXT_POLICIES:
@@ -606,7 +647,7 @@ def tokenize_shard(
         rep.counts["generated_tokens"] += n - n_prompt
 
     total_dropped = sum(rep.dropped.values())
-    if records and (not lengths or total_dropped > max_dropped_fraction * len(records)):
+    if records and (not lengths or too_many_dropped(total_dropped, len(records), max_dropped_fraction)):
         reasons = ", ".join(
             f"{k}: {v} (e.g. {', '.join(rep.drop_examples[k][:3])})" for k, v in rep.dropped.most_common()
         )
@@ -622,8 +663,8 @@ def tokenize_shard(
         elif rep.dropped.keys() & {"truncated_response", "over_max_seq_len"}:
             hint = " - raise responses.max_new_tokens / tokens.max_seq_len, or set tokens.drop_truncated: false"
         err = FidelityError(
-            f"{responses_path}: {total_dropped} of {len(records)} samples dropped (> "
-            f"tokens.max_dropped_fraction {max_dropped_fraction}): {reasons}{hint}"
+            f"{responses_path}: {total_dropped} of {len(records)} samples dropped (more than "
+            f"tokens.max_dropped_fraction {max_dropped_fraction} allows, beyond chance): {reasons}{hint}"
         )
         err.report = {
             "samples": len(records),

@@ -596,3 +596,29 @@ def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_t
         ("B", 'responses.provider: {ignore: ["B"]}')
     ]
     assert summary["providers"]["t/B"]["truncation_rate"] == 0.5 and (tmp_path / "q.png").stat().st_size > 0
+
+
+def test_drop_gate_is_the_fraction_beyond_chance() -> None:
+    """Tiny shards (a quota cut leaves 1-3 samples) are not failed by one truncated answer; big ones fail near
+    the fraction itself; a shard that keeps nothing always fails."""
+    from math import comb
+
+    from aerie.tokens import binomial_tail, too_many_dropped
+
+    for n, p in ((8, 0.3), (40, 0.25), (3, 0.5)):
+        for k in range(n + 2):
+            exact = sum(comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+            assert binomial_tail(k, n, p) == pytest.approx(exact, rel=1e-9, abs=1e-15)
+    assert binomial_tail(5000, 10000, 0.25) < 1e-300 or binomial_tail(5000, 10000, 0.25) == 0.0  # no overflow
+    assert not too_many_dropped(1, 2, 0.25)  # the rehearsal's quota-cut shard: 50 %, but chance
+    assert too_many_dropped(2, 2, 0.25)  # nothing kept
+    assert too_many_dropped(6, 8, 0.3)  # a provider dropping reasoning
+    assert not too_many_dropped(0, 0, 0.25)  # an empty (quota) shard is valid
+    assert not too_many_dropped(250, 1000, 0.25)
+    assert not too_many_dropped(265, 1000, 0.25)
+    assert (
+        not too_many_dropped(273, 1000, 0.25)
+        and too_many_dropped(274, 1000, 0.25)
+        and too_many_dropped(300, 1000, 0.25)
+    )
+    assert too_many_dropped(1, 10, 0.0)  # a zero tolerance stays zero
