@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -152,15 +153,21 @@ class ConfigSources:
         return f"{head}: {message}" if head else message
 
 
-def _strict_validator(schema: dict[str, Any]):
+@functools.cache
+def _strict_validator_class():
     """Draft 2020-12, except that ``integer`` refuses floats such as 2.0 (a config integer feeds range(), a seed,
-    a count: the float would fail, or worse be used, in a job hours later)."""
+    a count: the float would fail, or worse be used, in a job hours later). Built once: every parse validates
+    the config and each dataset's merged ``responses`` against it."""
     from jsonschema import Draft202012Validator, validators
 
     checker = Draft202012Validator.TYPE_CHECKER.redefine(
         "integer", lambda _checker, x: isinstance(x, int) and not isinstance(x, bool)
     )
-    return validators.extend(Draft202012Validator, type_checker=checker)(schema)
+    return validators.extend(Draft202012Validator, type_checker=checker)
+
+
+def _strict_validator(schema: dict[str, Any]):
+    return _strict_validator_class()(schema)
 
 
 def _yaml11_number(text: str, integer: bool) -> str:
