@@ -169,36 +169,6 @@ def worker(args: argparse.Namespace) -> None:
     )
 
 
-def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
-    """A certificate + key for 127.0.0.1/localhost, valid one day, made now (nothing is reused between runs)."""
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
 def start_emulator(latency: float, port_file: Path, tls: tuple[Path, Path] | None = None) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -224,9 +194,11 @@ def start_emulator(latency: float, port_file: Path, tls: tuple[Path, Path] | Non
 
 
 def measure(client: str, latency: float, n: int, concurrency: int, tls: bool = False) -> dict:
+    from aerie.api.emulator.tls import write_self_signed_certificate
+
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
-        cert_key = self_signed_certificate(Path(tmp)) if tls else None
+        cert_key = write_self_signed_certificate(Path(tmp)) if tls else None
         emu = start_emulator(latency, port_file, cert_key)
         try:
             scheme = "https" if tls else "http"

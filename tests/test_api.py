@@ -606,38 +606,13 @@ def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
     """HTTPS with a self-signed certificate: trusted when named in ca_bundle; otherwise the job stops at once
     (no retries of a certificate error) with a message naming the setting - verification is never off."""
     import shutil
-    import subprocess
     import time
 
-    from aerie.api.emulator import server_tls_context
+    from aerie.api.emulator.tls import server_tls_context, write_self_signed_certificate
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (makes the test certificate)")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = write_self_signed_certificate(tmp_path)
     with serve_in_thread(EmulatorSettings(), ssl_context=server_tls_context(str(cert), str(key))) as base:
         assert base.startswith("https://")
         trusted = tmp_path / "ok" / "shard-00000.jsonl"

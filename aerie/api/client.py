@@ -241,6 +241,33 @@ class _Sample:
     prompt_ids: list[int] | None
 
 
+# SGLang's /generate takes token ids: the chat template renders the prompt, and the answer's ids are split
+# into reasoning and content by the template's markers.
+RenderIds = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]]
+SplitIds = Callable[[list[int]], dict[str, Any]]
+
+
+@dataclass
+class _ShardRun:
+    """What every request of one shard shares: where finished samples go, how requests are made and answers
+    read, and the money checks (one object instead of a dozen parameters handed along)."""
+
+    name: str  # shard-NNNNN, for log lines
+    log: Callable[[str], None]
+    journal: Journal
+    intents: Journal
+    lines: dict[str, bytes]  # id -> journal line of every finished sample, added to as samples finish
+    stats: RunStats
+    settings: BackendSettings
+    api_key: str | None
+    limits: ClientLimits
+    guard: MoneyGuard
+    want_reasoning: bool
+    render_ids: RenderIds | None
+    split_ids: SplitIds | None
+    eos_ids: list[int] | None
+
+
 def _backoff(attempt: int, limits: ClientLimits, retry_after: float | None) -> float:
     if retry_after is not None:
         return min(retry_after, limits.backoff_max * 5)  # the server's word, within reason
@@ -256,8 +283,8 @@ async def regenerate_shard(
     limits: ClientLimits,
     guard: MoneyGuard,
     want_reasoning: bool = True,
-    render_ids: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[int]] | None = None,
-    split_ids: Callable[[list[int]], dict[str, Any]] | None = None,
+    render_ids: RenderIds | None = None,
+    split_ids: SplitIds | None = None,
     eos_ids: list[int] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -294,23 +321,23 @@ async def regenerate_shard(
     if pending:
         journal, intents = Journal(jpath), Journal(intents_path(out_path))
         try:
-            await _run(
-                pending,
+            run = _ShardRun(
+                name,
+                log,
+                journal,
+                intents,
+                state.lines,
+                stats,
                 settings,
                 api_key,
                 limits,
                 guard,
-                journal,
-                intents,
-                stats,
                 want_reasoning,
                 render_ids,
                 split_ids,
                 eos_ids,
-                name,
-                log,
-                state.lines,
             )
+            await _run(pending, run)
         finally:
             await journal.aclose()
             await intents.aclose()
@@ -383,26 +410,12 @@ def read_completion(shard_output: str | Path) -> dict[str, Any] | None:
     return rec
 
 
-async def _run(
-    pending,
-    settings,
-    api_key,
-    limits,
-    guard,
-    journal,
-    intents,
-    stats,
-    want_reasoning,
-    render_ids,
-    split_ids,
-    eos_ids,
-    name,
-    log,
-    lines: dict[str, bytes],
-) -> None:
+async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:
+    """Request every pending prompt with ``limits.concurrency`` workers until all are done or the run stops."""
+    settings, limits, guard, stats = run.settings, run.limits, run.guard, run.stats  # what the closures read most
     headers = {"Content-Type": "application/json", **(settings.extra_headers or {})}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    if run.api_key:
+        headers["Authorization"] = f"Bearer {run.api_key}"
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     for p in pending:
         queue.put_nowait(p)
@@ -410,7 +423,7 @@ async def _run(
 
     def make_sample(p: dict[str, Any]) -> _Sample:
         # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
-        ids = render_ids(p["messages"], p.get("tools")) if settings.backend == "sglang" else None
+        ids = run.render_ids(p["messages"], p.get("tools")) if settings.backend == "sglang" else None
         body = request_body(settings, p["messages"], ids, tools=p.get("tools"))
         return _Sample(p, json.dumps(body, ensure_ascii=False).encode(), ids)
 
@@ -420,7 +433,7 @@ async def _run(
         if not stop.is_set():
             stats.stop_reason, stats.stop_kind = reason, kind
             stop.set()
-            log(f"{name}: STOPPING: {reason}")
+            run.log(f"{run.name}: STOPPING: {reason}")
 
     def admit() -> bool:
         # What is in flight is counted at the expected per-sample figure: the overshoot is at most the
@@ -472,7 +485,7 @@ async def _run(
                 t0 = time.monotonic()
                 # Before the request leaves: if this process dies while it is in flight, the next run
                 # knows the sample may have been billed without an answer.
-                intents.append(
+                run.intents.append(
                     {
                         "format": INTENT_FORMAT,
                         "id": sample.prompt["id"],
@@ -494,9 +507,9 @@ async def _run(
                     if status != 200:
                         raise classify_http_error(status, body, raw[:300].decode("utf-8", "replace"), retry_after)
                     if settings.backend == "sglang":
-                        fields = parse_sglang_generate(body, split_ids, eos_ids or [], want_reasoning)
+                        fields = parse_sglang_generate(body, run.split_ids, run.eos_ids or [], run.want_reasoning)
                     else:
-                        fields = parse_chat_completion(body, want_reasoning)
+                        fields = parse_chat_completion(body, run.want_reasoning)
                 except RetryableError as e:
                     kind, message, wait = e.kind, str(e), e.retry_after
                 except aiohttp.ClientPayloadError as e:
@@ -537,7 +550,7 @@ async def _run(
                 if attempt >= limits.max_attempts:
                     stats.final_errors[kind] += 1
                     stats.failed += 1
-                    log(f"{name}: sample {sample.prompt['id']} failed {attempt} times, last: {message}")
+                    run.log(f"{run.name}: sample {sample.prompt['id']} failed {attempt} times, last: {message}")
                     return None
                 await asyncio.sleep(_backoff(attempt, limits, wait))
                 if stop.is_set() and kind != "402_in_flight":
@@ -558,7 +571,7 @@ async def _run(
                 finally:
                     stats.in_flight -= 1
                 if record is not None:
-                    lines[record["id"]] = journal.append(record)
+                    run.lines[record["id"]] = run.journal.append(record)
                     stats.done += 1
                     stats.cost += record["cost"]
                     stats.completion_tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)
@@ -584,7 +597,7 @@ async def _run(
                     guard.others.poll()
                 if guard.account is not None and account_session is not None:
                     await guard.account.poll(account_session, guard, stats.cost)
-                log(stats.line(name, guard))
+                run.log(stats.line(run.name, guard))
 
         reporter = asyncio.create_task(progress())
         try:
@@ -593,4 +606,4 @@ async def _run(
             reporter.cancel()
             if account_session is not None:
                 await account_session.close()
-        log(stats.line(name, guard))
+        run.log(stats.line(run.name, guard))

@@ -1,0 +1,303 @@
+"""The emulator's HTTP server: :class:`Emulator`, its routes, and the chat request from body to answer.
+
+The chat handler reads the request in the order a provider would: checks, routing, a fault drawn before any
+provider works, the answer (made up or upstream), the money checks, the wait while "generating", then the
+answer or the fault that breaks it. The pieces it calls own the rest: routing, billing, faults, made_up,
+upstream, envelope, request_log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import random
+import ssl
+import time
+from typing import Any
+
+from aiohttp import web
+
+from aerie.api.emulator import envelope, made_up
+from aerie.api.emulator.billing import Ledger, price
+from aerie.api.emulator.envelope import Refusal
+from aerie.api.emulator.faults import FaultInjector, refusal_before_provider, reset_connection, send_torn
+from aerie.api.emulator.request_log import RequestLog
+from aerie.api.emulator.routing import route
+from aerie.api.emulator.settings import EmulatorSettings, check_settings
+from aerie.api.emulator.upstream import Upstream, UpstreamAnswer, UpstreamError
+
+PREFIXES = ("/api/v1", "/v1")  # every path is served under both, so plain OpenAI clients work too
+UNAUTHORIZED = "Missing or invalid API key (emulator)"
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(obj).encode(), content_type="application/json")
+
+
+def _answer(out: dict[str, Any], gen_id: str) -> web.Response:
+    """A chat completion (or an error reported inside HTTP 200), with OpenRouter's generation id header."""
+    return web.Response(
+        body=json.dumps(out).encode(), content_type="application/json", headers={"X-Generation-Id": gen_id}
+    )
+
+
+class Emulator:
+    """The server. ``await start(host, port)`` returns the base URL (``.../api/v1``); ``await stop()``."""
+
+    def __init__(self, settings: EmulatorSettings | None = None):
+        self.settings = s = settings or EmulatorSettings()
+        check_settings(s)
+        self.faults = FaultInjector(s)
+        self.ledger = Ledger(s)
+        self.upstream = Upstream(s) if s.upstream_url else None
+        self.requests = RequestLog(s.request_log, s.log_flush_interval)
+        self._boot = f"{int(time.time()):x}{os.getpid() & 0xFFFF:04x}"
+        self._n = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._runner: web.AppRunner | None = None
+        self.base_url: str | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # long prompts are fine
+        for p in PREFIXES:
+            app.router.add_post(f"{p}/chat/completions", self._chat)
+            app.router.add_get(f"{p}/key", self._key)
+            app.router.add_get(f"{p}/credits", self._credits)
+            app.router.add_get(f"{p}/models", self._models)
+            app.router.add_get(p + "/models/{author}/{slug}/endpoints", self._endpoints)
+            app.router.add_get(f"{p}/health", self._health)
+            app.router.add_get(f"{p}/emulator/stats", self._stats)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None) -> str:
+        """Listen on host:port (0: a free port), over TLS when ``ssl_context`` is given; returns the API root."""
+        self.requests.open()
+        # No access log: a line per request would cost more than the emulated request itself.
+        self._runner = web.AppRunner(self.make_app(), access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=4096, ssl_context=ssl_context)
+        await site.start()
+        bound_port = self._runner.addresses[0][1]
+        url_host = f"[{host}]" if ":" in host else host
+        scheme = "https" if ssl_context is not None else "http"
+        self.base_url = f"{scheme}://{url_host}:{bound_port}/api/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        # Cancel handlers still sleeping (slow faults, latency) so shutdown is prompt.
+        me = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not me:
+                task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.upstream is not None:
+            await self.upstream.close()
+        await self.requests.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "requests": sum(self.requests.outcomes.values()),
+            "outcomes": dict(self.requests.outcomes),
+            "charged_usd": self.ledger.usage,
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "reserved_usd": self.ledger.reserved,
+        }
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _authorized(self, request: web.Request) -> bool:
+        want = self.settings.api_key
+        if want is None:
+            return True
+        got = request.headers.get("Authorization", "")
+        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode(), want.encode())
+
+    # ---- chat ------------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._chat_inner(request)
+        finally:
+            self.in_flight -= 1
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _chat_inner(self, request: web.Request) -> web.StreamResponse:
+        s = self.settings
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        body_ok = isinstance(body, dict)
+        model = body.get("model") if body_ok else None
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens")) if body_ok else None
+        messages = body.get("messages") if body_ok else None
+        sha = None
+        if isinstance(messages, list):
+            canon = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            sha = hashlib.sha256(canon.encode()).hexdigest()
+
+        def record(outcome: str, status: int, cost: float = 0.0, provider: str | None = None) -> None:
+            self.requests.add(sha, model, max_tokens, outcome, status, cost, provider)
+
+        def reject(refusal: Refusal, provider: str | None = None) -> web.Response:
+            record(refusal.outcome, refusal.status, 0.0, provider)
+            return web.Response(
+                status=refusal.status,
+                body=envelope.error_body(refusal.status, refusal.message, refusal.metadata),
+                content_type="application/json",
+                headers=refusal.headers,
+            )
+
+        def bad_request(message: str) -> web.Response:
+            return reject(Refusal("400", 400, message))
+
+        if not self._authorized(request):
+            return reject(Refusal("401", 401, UNAUTHORIZED))
+        if not body_ok:
+            return bad_request("Request body is not a JSON object")
+        if not isinstance(model, str) or not model:
+            return bad_request("'model' is required")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return bad_request("'messages' must be a non-empty list of message objects")
+        if body.get("stream"):
+            return bad_request("streaming not emulated")
+        if s.strict_models and model not in s.models:
+            return bad_request(f"{model} is not a valid model ID (emulator knows {', '.join(s.models)})")
+        if max_tokens is None:
+            max_tokens = s.default_max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            return bad_request("'max_tokens' must be a positive integer")
+
+        # Everything about the answer comes from one RNG seeded by the request itself.
+        seed_src = f"{model}\n{body.get('seed')}\n{sha}".encode()
+        rng = random.Random(int.from_bytes(hashlib.sha256(seed_src).digest()[:8], "big"))
+        provider = route(s.providers, body.get("provider"), rng)
+        if provider is None:
+            return reject(
+                Refusal(
+                    "no-endpoints",
+                    503,
+                    "No endpoints found matching the requested provider preferences (emulated routing)",
+                )
+            )
+
+        fault = self.faults.draw_fault()
+        pname = provider.name
+        refusal = refusal_before_provider(fault, s, pname)
+        if refusal is not None:
+            return reject(refusal, pname)
+        if fault == "reset":
+            record(fault, 0, 0.0, pname)
+            reset_connection(request)
+            return web.Response(status=500)  # never reaches the client: the socket is gone
+
+        answer: UpstreamAnswer | None = None
+        if self.upstream is not None:
+            # The target's own answer; faults that never reach a provider were drawn above (no wasted work).
+            try:
+                answer = await self.upstream.ask(body, model, max_tokens)
+            except UpstreamError as exc:
+                return reject(
+                    Refusal("upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname}), pname
+                )
+            prompt_tokens, completion_tokens, finish = answer.prompt_tokens, answer.completion_tokens, answer.finish
+            reasoning_tokens = answer.reasoning_tokens
+        else:
+            prompt_tokens = made_up.prompt_tokens(messages)
+            reasoning_tokens, content_tokens, finish = made_up.plan_tokens(s, body.get("reasoning"), rng, max_tokens)
+            completion_tokens = reasoning_tokens + content_tokens
+        bill = price(provider, prompt_tokens, completion_tokens, max_tokens)
+        refusal = self.ledger.refusal(bill)
+        if refusal is not None:
+            return reject(refusal, pname)
+
+        charged = fault in (None, "slow")
+        with self.ledger.hold(bill, charged):
+            try:
+                delay = self.faults.delay(completion_tokens, fault)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            except asyncio.CancelledError:
+                # The handler was cancelled (server shutdown, or aiohttp cancelling on disconnect): the
+                # provider's generation had started and is billed in full, as a real provider does.
+                if charged:
+                    self.ledger.charge(bill.cost)
+                    record("client-gone", 0, bill.cost, pname)
+                raise
+
+        self._n += 1
+        gen_id = f"gen-{self._boot}-{self._n:07d}"
+        if answer is not None:
+            reasoning_text, content = answer.reasoning, answer.content
+            content_tokens = completion_tokens - reasoning_tokens
+        else:
+            reasoning_text = made_up.filler(rng, reasoning_tokens) if reasoning_tokens else None
+            content = made_up.filler(rng, content_tokens)
+        excluded = isinstance(body.get("reasoning"), dict) and bool(body["reasoning"].get("exclude"))
+        if excluded or body.get("include_reasoning") is False:
+            reasoning_text = None  # still produced and billed, just not returned
+        native = {"length": "max_tokens"}.get(finish, finish)  # stop, tool_calls (upstream mode)
+        if fault == "200-error":
+            if self.faults.error200_as_envelope():  # alternate the two ways a started generation fails
+                record(fault, 200, 0.0, pname)
+                return _answer(envelope.mid_generation_error(gen_id, model, pname), gen_id)
+            content = " ".join(content.split()[: content_tokens // 2])
+            finish = native = "error"
+        charged_costs = (bill.cost, bill.prompt_cost, bill.completion_cost) if charged else (0.0, 0.0, 0.0)
+        usage_cost = charged_costs[0]
+        message = envelope.assistant_message(content, reasoning_text, answer.tool_calls if answer is not None else None)
+        usage = envelope.usage_and_cost(prompt_tokens, completion_tokens, reasoning_tokens, *charged_costs)
+        out = envelope.chat_completion(gen_id, model, pname, finish, native, message, usage)
+        if fault == "torn":
+            record(fault, 200, 0.0, pname)
+            return await send_torn(request, json.dumps(out).encode(), gen_id)
+        if charged:
+            self.ledger.charge(bill.cost)
+        if request.transport is None or request.transport.is_closing():
+            # The client left while the model was generating: billed, never delivered.
+            record("client-gone", 0, usage_cost, pname)
+            return web.Response(status=499)  # nobody reads it; 499 "client closed request" as providers log it
+        record(fault or "ok", 200, usage_cost, pname)
+        return _answer(out, gen_id)
+
+    # ---- other endpoints -------------------------------------------------------------------
+    async def _key(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _json({"error": {"code": 401, "message": UNAUTHORIZED}}, 401)
+        return _json(envelope.key_info(self.settings.key_limit, self.ledger.usage))
+
+    async def _credits(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _json({"error": {"code": 401, "message": UNAUTHORIZED}}, 401)
+        return _json({"data": {"total_credits": self.settings.credits, "total_usage": self.ledger.usage}})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json(envelope.models_listing(self.settings))
+
+    async def _endpoints(self, request: web.Request) -> web.Response:
+        model = f"{request.match_info['author']}/{request.match_info['slug']}"
+        if not (model in self.settings.models or not self.settings.strict_models):
+            return _json({"error": {"code": 404, "message": f"No model {model} (emulator)"}}, 404)
+        return _json(envelope.endpoints_listing(self.settings, model))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return _json(self.stats())
