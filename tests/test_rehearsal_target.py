@@ -321,10 +321,14 @@ def test_served_by_transformers_serve_behind_the_openrouter_emulator(target, loa
     ) as base:
         direct = requests.post(f"{base}/v1/chat/completions", json={"model": str(target), **request}, timeout=300)
         assert direct.status_code == 200, direct.text
-        settings = EmulatorSettings(
-            providers=[provider], upstream_url=f"{base}/v1", upstream_model=str(target), upstream_tokenizer=str(target)
-        )
+        settings = EmulatorSettings(providers=[provider])
         with serve_in_thread(settings) as url:
+            # Pointed upstream after the start, as the rehearsal does once the target's server is up.
+            settings.upstream_url, settings.upstream_model, settings.upstream_tokenizer = (
+                f"{base}/v1",
+                str(target),
+                str(target),
+            )
             resp = requests.post(
                 f"{url}/chat/completions",
                 timeout=300,

@@ -52,7 +52,9 @@ class Emulator:
         check_settings(s)
         self.faults = FaultInjector(s)
         self.ledger = Ledger(s)
-        self.upstream = Upstream(s) if s.upstream_url else None
+        # Opened on the first forwarded request, not here: a rehearsal starts the emulator first and points
+        # settings.upstream_url at the target's server once that is up (the settings object is shared).
+        self._upstream: Upstream | None = None
         self.requests = RequestLog(s.request_log, s.log_flush_interval)
         self._boot = f"{int(time.time()):x}{os.getpid() & 0xFFFF:04x}"
         self._n = 0
@@ -99,8 +101,8 @@ class Emulator:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self.upstream is not None:
-            await self.upstream.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         await self.requests.close()
 
     def stats(self) -> dict[str, Any]:
@@ -208,10 +210,12 @@ class Emulator:
             return web.Response(status=500)  # never reaches the client: the socket is gone
 
         answer: UpstreamAnswer | None = None
-        if self.upstream is not None:
+        if self.settings.upstream_url:
             # The target's own answer; faults that never reach a provider were drawn above (no wasted work).
+            if self._upstream is None:
+                self._upstream = Upstream(self.settings)
             try:
-                answer = await self.upstream.ask(body, model, max_tokens)
+                answer = await self._upstream.ask(body, model, max_tokens)
             except UpstreamError as exc:
                 return reject(
                     Refusal("upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname}), pname
