@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,6 +69,21 @@ def atomic_publish(path: str | Path, write: Callable[[str], None]) -> None:
     finally:
         Path(tmp).unlink(missing_ok=True)
     fsync_path(path.parent)
+
+
+def publish_folder(tmp: str | Path, out_dir: str | Path) -> None:
+    """Publish a folder built at ``tmp`` (a sibling of ``out_dir``) as ``out_dir``: any old folder is moved aside to
+    ``out_dir.old``, the new one renamed in, then the old one deleted, so ``out_dir`` is never partial (a crash
+    between the two renames leaves ``out_dir.old`` whole; the next publication removes it)."""
+    tmp, out_dir = Path(tmp), Path(out_dir)
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

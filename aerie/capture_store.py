@@ -14,15 +14,24 @@ bytes, the target's identity (config.json and custom code by content, weight fil
 and every setting that decides the shard's bytes. Deleting a published shard is not enough to recapture it
 while its store entry matches: delete the store entry too.
 
+The same mechanism serves the other stage that loads the target: in-process responses (``responses.backend:
+hf``, rule ``responses_hf``, aerie.responses.generate_hf_shards) keep each finished shard in the generation
+store, ``results/<dataset>/responses/generated/shard-NNNNN.jsonl``, beside a small record binding it to its
+generation key (a JSONL shard has no header to carry one; the shard's bytes stay those of a shard generated
+alone). Both stages share ``store_path``, ``publish``, ``shard_logger``, ``target_identity`` and
+``pending_plan``; the keys and the ``snakemake -n`` lines are per stage.
+
 Torch-free: ``snakemake -n`` uses it to say how many target loads the plan contains.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,13 +41,15 @@ KEY_FIELD = "capture_key"
 HASH_CHUNK = 1 << 22
 
 
-def store_path(hidden_path: str | Path) -> Path:
-    """Where the store keeps the shard published at ``hidden_path`` (``.../hidden/captured/<name>``)."""
-    path = Path(hidden_path)
-    return path.parent / STORE_DIR / path.name
+def store_path(out_path: str | Path, store_dir: str = STORE_DIR) -> Path:
+    """Where the store keeps the shard published at ``out_path``: ``<its folder>/<store_dir>/<its name>``
+    (``.../hidden/captured/<name>``; ``.../responses/generated/<name>`` with GENERATION_STORE_DIR)."""
+    path = Path(out_path)
+    return path.parent / store_dir / path.name
 
 
 def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (hex)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
@@ -170,38 +181,67 @@ def config_key_function(config: Mapping[str, Any]) -> Callable[[Path], str] | No
         target_topk=hidden["target_topk"],
         storage_dtype=hidden["storage_dtype"],
     )
-    return lambda tokens: capture_key(file_sha256(tokens), identity, settings)
+    return lambda tokens: capture_key(cached_sha256(tokens), identity, settings)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_of(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
+
+
+def cached_sha256(path: str | Path) -> str:
+    """``file_sha256``, computed once per file version in this process: ``snakemake -n`` asks for a pending
+    shard's key in the plan line and again in the disk preview."""
+    st = os.stat(path)
+    return _sha256_of(str(path), st.st_size, st.st_mtime_ns)
+
+
+def pending_plan(
+    outputs: Sequence[str | Path], inputs: Sequence[str | Path], reusable: Callable[[Path, Path], bool]
+) -> dict[str, int]:
+    """What a once-per-run job has left to do, judged from the files (as Snakemake judges, by mtime):
+    ``pending`` outputs (missing, or older than their input), of which ``stored`` have a store entry the job
+    will reuse (``reusable(output, input)``, asked only when the input exists) and ``to_generate`` do not;
+    ``loads``: target loads of the job (1 when something is left to compute, else 0)."""
+    pending = stored = 0
+    for out, inp in zip(outputs, inputs):
+        out, inp = Path(out), Path(inp)
+        if out.exists() and inp.exists() and out.stat().st_mtime >= inp.stat().st_mtime:
+            continue
+        pending += 1
+        stored += inp.exists() and reusable(out, inp)
+    return {
+        "shards": len(outputs),
+        "pending": pending,
+        "stored": stored,
+        "to_generate": pending - stored,
+        "loads": int(pending > stored),
+    }
+
+
+def capture_reusable(key_of: Callable[[Path], str] | None) -> Callable[[Path, Path], bool]:
+    """(hidden path, tokens path) -> whether the capture job will reuse the shard's store entry: its capture
+    key equals ``key_of(tokens)``; without ``key_of`` (the target is not there yet), any complete entry newer
+    than its tokens shard."""
+
+    def reusable(hidden: Path, tokens: Path) -> bool:
+        store = store_path(hidden)
+        if not store.exists():
+            return False
+        if key_of is not None:
+            return stored_facts(store, key_of(tokens)) is not None
+        return store.stat().st_mtime >= tokens.stat().st_mtime and read_metadata(store) is not None
+
+    return reusable
 
 
 def capture_plan(
     hidden_paths: Sequence[str | Path], tokens_paths: Sequence[str | Path], key_of: Callable[[Path], str] | None = None
 ) -> dict[str, int]:
-    """What the capture job has left to do, judged from the files (as Snakemake judges, by mtime): ``pending``
-    shards (published shard missing, or older than its tokens shard), of which ``stored`` have a store entry
-    the job will reuse (its capture key equals ``key_of(tokens)``; without ``key_of``, any entry newer than its
-    tokens shard) and ``to_capture`` do not; ``loads``: target loads of the job (1 when something is left to
-    capture, else 0)."""
-    pending = stored = 0
-    for hidden, tokens in zip(hidden_paths, tokens_paths):
-        hidden, tokens = Path(hidden), Path(tokens)
-        if hidden.exists() and tokens.exists() and hidden.stat().st_mtime >= tokens.stat().st_mtime:
-            continue
-        pending += 1
-        store = store_path(hidden)
-        if not (tokens.exists() and store.exists()):
-            continue
-        if key_of is not None:
-            stored += stored_facts(store, key_of(tokens)) is not None
-        else:
-            stored += store.stat().st_mtime >= tokens.stat().st_mtime
-    to_capture = pending - stored
-    return {
-        "shards": len(hidden_paths),
-        "pending": pending,
-        "stored": stored,
-        "to_capture": to_capture,
-        "loads": int(to_capture > 0),
-    }
+    """``pending_plan`` of the capture job (``to_capture``: the pending shards no store entry serves)."""
+    plan = pending_plan(hidden_paths, tokens_paths, capture_reusable(key_of))
+    plan["to_capture"] = plan.pop("to_generate")
+    return plan
 
 
 def capture_plan_text(plan: Mapping[str, int]) -> str:
@@ -216,3 +256,191 @@ def capture_plan_text(plan: Mapping[str, int]) -> str:
         f"{plan['pending']} pending{stored}: {plan['loads']} target load{'' if plan['loads'] == 1 else 's'} "
         f"when it runs (one job per shard: {plan['to_capture']})"
     )
+
+
+def shard_logger(path: Path | None, job_log: Callable[[str], None]) -> Callable[[str], None]:
+    """A shard's logger in a job of many shards: lines go to the job's log and, appended with a timestamp, to
+    the shard's own log (not a declared output: Snakemake never deletes it, so every attempt's story of the
+    shard stays readable)."""
+    if path is None:
+        return job_log
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        job_log(msg)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
+
+    return log
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the generation store: in-process responses shards (responses.backend: hf), one target load per run
+
+GENERATION_STORE_DIR = "generated"
+GENERATION_RECORD_FORMAT = "aerie.generation-record/1"
+
+
+def generation_record_path(store: str | Path) -> Path:
+    """The record beside a generation store entry: ``shard-NNNNN.jsonl`` -> ``shard-NNNNN.record.json``."""
+    store = Path(store)
+    return store.with_name(store.name.removesuffix(".jsonl") + ".record.json")
+
+
+def generation_settings(
+    *,
+    model: str,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    device: str,
+    dtype: str,
+) -> dict[str, Any]:
+    """Every setting that decides an in-process responses shard's bytes: the sampling parameters, the batch
+    size (rows are padded and seeded per batch), the device and dtype, and the target path the records name."""
+    return {
+        "model": str(model),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "max_new_tokens": int(max_new_tokens),
+        "batch_size": int(batch_size),
+        "seed": int(seed),
+        "device": device,
+        "dtype": dtype,
+    }
+
+
+def generation_key(prompts_sha256: str, target: Mapping[str, Any], settings: Mapping[str, Any]) -> str:
+    """The key a generation store entry must carry to be reused for these prompts, target and settings."""
+    blob = json.dumps(
+        {"prompts": prompts_sha256, "target": target, "settings": settings}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def write_generation_record(store: str | Path, key: str, summary: Mapping[str, Any]) -> None:
+    """After the entry ``store`` is published: its record (format, key, the entry's sha256 and the job's summary
+    of the shard), written atomically. A crash between the two leaves an entry without a record: regenerated."""
+    from aerie.artifacts import atomic_write_json
+
+    atomic_write_json(
+        generation_record_path(store),
+        {"format": GENERATION_RECORD_FORMAT, "key": key, "sha256": file_sha256(store), "summary": dict(summary)},
+    )
+
+
+def stored_generation(store: str | Path, key: str) -> dict[str, Any] | None:
+    """The record of the generation store entry at ``store`` when the entry exists, its record carries ``key``
+    and the entry's bytes are the ones recorded (not cut short, not rewritten); else None."""
+    try:
+        record = json.loads(generation_record_path(store).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != GENERATION_RECORD_FORMAT or record.get("key") != key:
+        return None
+    try:
+        same = file_sha256(store) == record.get("sha256")
+    except OSError:
+        return None
+    return record if same else None
+
+
+def responses_key_function(
+    target: Mapping[str, Any], responses: Mapping[str, Mapping[str, Any]]
+) -> Callable[[str, Path], str] | None:
+    """(dataset, prompts path) -> generation key, as rule ``responses_hf`` computes it from the config's
+    ``target`` section and each dataset's ``responses`` settings; None when the target is not there yet (its
+    identity is unknown)."""
+    if not Path(target["path"], "config.json").exists():
+        return None
+    try:
+        identity = target_identity(target["path"])
+    except OSError:
+        return None
+
+    def key_of(dataset: str, prompts: Path) -> str:
+        r = responses[dataset]
+        settings = generation_settings(
+            model=target["path"],
+            temperature=r["temperature"],
+            top_p=r["top_p"],
+            max_new_tokens=r["max_new_tokens"],
+            batch_size=r["batch_size"],
+            seed=r["seed"],
+            device=target["device"],
+            dtype=target["dtype"],
+        )
+        return generation_key(cached_sha256(prompts), identity, settings)
+
+    return key_of
+
+
+def generation_reusable(
+    dataset_of: Mapping[Path, str], key_of: Callable[[str, Path], str] | None
+) -> Callable[[Path, Path], bool]:
+    """(responses path, prompts path) -> whether rule ``responses_hf`` will reuse the shard's store entry: its
+    record carries ``key_of(dataset, prompts)``; without ``key_of`` (no target yet), any recorded entry newer
+    than its prompts shard."""
+
+    def reusable(out: Path, prompts: Path) -> bool:
+        store = store_path(out, GENERATION_STORE_DIR)
+        if not store.exists():
+            return False
+        if key_of is not None:
+            return stored_generation(store, key_of(dataset_of[out], prompts)) is not None
+        return generation_record_path(store).exists() and store.stat().st_mtime >= prompts.stat().st_mtime
+
+    return reusable
+
+
+def responses_plan_text(plan: Mapping[str, int] | None, served_pending: int = 0) -> str | None:
+    """The ``snakemake -n`` line of the responses stage's target loads: rule ``responses_hf`` (one job for every
+    in-process shard, ``pending_plan``), and the shards whose job starts its own server (``responses.serve``:
+    one load per shard job). None when no dataset generates with the target."""
+    parts = []
+    if plan is not None:
+        if not plan["pending"]:
+            parts.append(f"all {plan['shards']} in-process responses shards are published: 0 target loads")
+        else:
+            stored = f", {plan['stored']} of them from the generation store" if plan["stored"] else ""
+            loads = plan["loads"]
+            parts.append(
+                f"rule responses_hf (one job for all {plan['shards']} in-process shards) publishes "
+                f"{plan['pending']} pending{stored}: {loads} target load{'' if loads == 1 else 's'} when it runs "
+                f"(one job per shard: {plan['to_generate']})"
+            )
+    if served_pending:
+        parts.append(
+            f"{served_pending} pending shards through a server their job starts (responses.serve): "
+            f"{served_pending} target load{'' if served_pending == 1 else 's'} (one per shard job)"
+        )
+    return "aerie responses plan: " + "; ".join(parts) if parts else None
+
+
+def responses_loads_text(
+    target: Mapping[str, Any],
+    responses: Mapping[str, Mapping[str, Any]],
+    shard_names: Mapping[str, Sequence[str]],
+    results_dir: Path = Path("results"),
+) -> str | None:
+    """``responses_plan_text`` of a run: per dataset its responses settings and shard names; shards under
+    ``results_dir/<dataset>/{prompts,responses}/shard-NNNNN.jsonl``."""
+
+    def shards(want: Callable[[Mapping[str, Any]], bool]) -> list[tuple[str, Path, Path]]:
+        return [
+            (d, results_dir / d / "responses" / f"shard-{s}.jsonl", results_dir / d / "prompts" / f"shard-{s}.jsonl")
+            for d, names in shard_names.items()
+            if want(responses[d])
+            for s in names
+        ]
+
+    in_process = shards(lambda r: r["backend"] == "hf")
+    served = shards(lambda r: r["backend"] != "hf" and bool(r.get("serve")))
+    plan = None
+    if in_process:
+        reusable = generation_reusable({o: d for d, o, _ in in_process}, responses_key_function(target, responses))
+        plan = pending_plan([o for _, o, _ in in_process], [p for _, _, p in in_process], reusable)
+    served_pending = pending_plan([o for _, o, _ in served], [p for _, _, p in served], lambda o, p: False)["pending"]
+    return responses_plan_text(plan, served_pending)

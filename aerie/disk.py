@@ -4,7 +4,8 @@ Hidden states dominate the pipeline's disk use. For Kimi K2.5 (hidden 7168, thre
 layout (aux + final layer in bf16, what SpecForge stores) costs 56 KiB a token, 10M training tokens ~535 GiB;
 the default ``compact`` layout (fp8 aux + the target's top-k next tokens) 21 KiB a token, ~0.38x of that.
 The preview counts each pending shard's tokens exactly when its tokens shard exists, and estimates them
-otherwise.
+otherwise. It counts what a run adds: a pending shard the capture store already holds (a crashed or stopped
+run finished it: aerie.capture_store) is published as a hard link to that entry, which costs no data bytes.
 """
 
 from __future__ import annotations
@@ -101,17 +102,24 @@ def disk_preview(
         hcfg.get("layout", "compact"),
         hcfg.get("target_topk", 32),
     )
-    shards = exact = 0
+    from aerie.capture_store import capture_reusable, config_key_function
+
+    # Asked only for a pending shard whose store entry exists (hashes its tokens shard when the target is there).
+    in_store = capture_reusable(config_key_function(config))
+    shards = exact = stored = 0
     tokens = 0.0
     per_dataset: dict[str, float] = {}
     for name, plan in plans.items():
         counted, estimated_samples = 0.0, 0
         for shard in plan.shard_names:
-            if (results_dir / name / "hidden" / f"shard-{shard}.safetensors").exists():
+            hidden_path = results_dir / name / "hidden" / f"shard-{shard}.safetensors"
+            if hidden_path.exists():
                 continue
             shards += 1
             tok_path = results_dir / name / "tokens" / f"shard-{shard}.safetensors"
-            if tok_path.exists():
+            if tok_path.exists() and in_store(hidden_path, tok_path):
+                stored += 1
+            elif tok_path.exists():
                 counted += tokens_in_shard(tok_path)
                 exact += 1
             else:
@@ -126,11 +134,15 @@ def disk_preview(
         tokens += per_dataset[name]
     if not shards:
         return "aerie disk preview: every hidden shard exists"
+    linked = "in the capture store already (published as hard links: no new data)"
+    if stored == shards:
+        return f"aerie disk preview: {shards} pending hidden shards, all {linked}: ~0.00 GiB"
     gib = 2**30 / per_token
     parts = ", ".join(f"{n} ~{t / gib:,.1f}" for n, t in per_dataset.items() if t)
     layout = layout_description(hcfg, hidden, num_aux, per_token)
+    new = f", {stored} of them {linked}; the other {shards - stored}:" if stored else ","
     return (
-        f"aerie disk preview: {shards} pending hidden shards, ~{tokens:,.0f} tokens ({exact} counted from "
+        f"aerie disk preview: {shards} pending hidden shards{new} ~{tokens:,.0f} tokens ({exact} counted from "
         f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout}) "
         f"= ~{tokens * per_token / 2**30:,.2f} GiB" + (f" ({parts} GiB)" if parts else "")
     )

@@ -220,7 +220,7 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
             "empty": _rate(sum("empty" in r["flags"] or not r["has_content"] for r in rs), n),
             "no_reasoning": _rate(sum("no_reasoning" in r["flags"] for r in rs), n),
         }
-    from aerie.tokens import provider_outliers, provider_stats
+    from aerie.tokens.fidelity import provider_outliers, provider_stats
 
     sums: dict[str, Counter] = defaultdict(Counter)
     reports = []
@@ -308,7 +308,7 @@ def _figure_providers(
     """Per dataset and provider: the tokens reports' rates, and generated-length percentiles (issue 12 item 7)."""
     import numpy as np
 
-    from aerie.tokens import PROVIDER_RATES
+    from aerie.tokens.fidelity import PROVIDER_RATES
 
     keys = sorted(providers)
     title = "per provider (tokens reports)"

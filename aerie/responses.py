@@ -3,6 +3,10 @@
 Backends share one record format. This module holds the in-process ``hf`` backend: the target
 generates with transformers, so the exact sampled ids are kept. API backends (OpenRouter, any
 OpenAI-compatible server, SGLang ``/generate``) write the same records without or with ids.
+
+Rule ``responses_hf`` is one job for every in-process shard of the run (``generate_hf_shards``): the target is
+loaded once, not once per shard, and each finished shard is kept in the generation store
+(aerie.capture_store) so a rerun after a crash generates only the missing shards, still with one load.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +24,9 @@ import torch
 from aerie.artifacts import write_jsonl
 from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.prompts import read_prompts
-from aerie.target.chat import ChatFormat, read_chat_format, render_prompt_ids
+from aerie.target.chat import ChatFormat, read_chat_format
 from aerie.target.model import load_target, set_threads
+from aerie.target.template import render_prompt_ids
 
 
 def params_hash(model: str, params: dict[str, Any]) -> str:
@@ -50,28 +56,72 @@ def split_generated(tokenizer, output_ids: list[int], fmt: ChatFormat) -> dict[s
     return {"reasoning": reasoning, "content": content, "finish_reason": finish_reason}
 
 
+class GenerationSession:
+    """The target opened for in-process generation at most once, however many shards go through it.
+
+    The load is lazy: a job whose shards are all reused from the generation store never loads the target.
+    ``loads`` counts the loads (the job logs it; tests and bench/responses_loads.py assert it)."""
+
+    def __init__(
+        self,
+        target_path: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        log: Callable[[str], None] = print,
+    ):
+        self.target_path, self.log = str(target_path), log
+        self.device, self.dtype, self.trust_remote_code = device, dtype, trust_remote_code
+        self.loads = 0
+        self.load_seconds = 0.0
+        self._opened: tuple[Any, Any, torch.device, ChatFormat] | None = None
+
+    def open(self) -> tuple[Any, Any, torch.device, ChatFormat]:
+        """(model, tokenizer, device, chat format); loads the target on the first call only."""
+        if self._opened is None:
+            self.log(f"loading the target {self.target_path} for in-process generation")
+            started = time.perf_counter()
+            model, tok, dev = load_target(
+                self.target_path, device=self.device, dtype=self.dtype, trust_remote_code=self.trust_remote_code
+            )
+            fmt = read_chat_format(tok, model.generation_config)
+            self.loads += 1
+            self.load_seconds += time.perf_counter() - started
+            self.log(f"target loaded in {time.perf_counter() - started:.1f}s (target loads in this job: {self.loads})")
+            self._opened = (model, tok, dev, fmt)
+        return self._opened
+
+    def close(self) -> None:
+        self._opened = None
+
+    def __enter__(self) -> GenerationSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 @torch.no_grad()
-def generate_hf(
+def generate_into(
+    session: GenerationSession,
     prompts_path: Path,
     out_path: Path,
-    target_path: str,
     *,
     temperature: float,
     top_p: float,
     max_new_tokens: int,
     batch_size: int,
     seed: int,
-    device: str = "auto",
-    dtype: str = "auto",
-    threads: int | None = None,
-    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Generate one response per prompt in-process with the target; write the shard atomically."""
-    set_threads(threads)
+    """Generate one response per prompt of one shard with the session's target; write the shard atomically.
+
+    Sampling is seeded per batch from ``seed`` and the batch's offset in the shard alone, so a shard's bytes
+    do not depend on the shards generated before it in the same job."""
     prompts = read_prompts(prompts_path)
-    model, tok, dev = load_target(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    fmt = read_chat_format(tok, model.generation_config)
+    model, tok, dev, fmt = session.open()
+    target_path = session.target_path
     eos_ids = list(fmt.stop_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed}
@@ -143,3 +193,186 @@ def generate_hf(
     }
     log(f"{out_path.name}: {json.dumps(summary)}")
     return summary
+
+
+def generate_hf(
+    prompts_path: Path,
+    out_path: Path,
+    target_path: str,
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    device: str = "auto",
+    dtype: str = "auto",
+    threads: int | None = None,
+    trust_remote_code: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Generate one shard with a target loaded for it alone (one load per call; the pipeline's rule
+    ``responses_hf`` uses ``generate_hf_shards``, one load for all shards)."""
+    set_threads(threads)
+    with GenerationSession(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log) as s:
+        return generate_into(
+            s,
+            prompts_path,
+            out_path,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+            log=log,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the in-process responses job: every shard of a run with one target load (aerie.capture_store)
+
+
+@dataclass(frozen=True)
+class ResponsesTask:
+    """One shard of the in-process responses job: its dataset's responses settings (temperature, top_p,
+    max_new_tokens, batch_size, seed), its prompts shard, its declared output and its own log file."""
+
+    prompts: Path
+    out: Path
+    settings: Mapping[str, Any]
+    log: Path | None = None
+
+
+def generate_hf_shards(
+    shards: Sequence[ResponsesTask],
+    target_path: str,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Generate every shard with at most one target load; each shard keeps its own file and log.
+
+    A shard is generated into the generation store and hard-linked to its output (aerie.capture_store). A
+    store entry whose record carries the shard's generation key - same prompts bytes, target and settings -
+    and whose bytes are the recorded ones is reused without any work; so a rerun after a crash or a failed
+    shard generates only what is missing, and loads the target only if something is. The first shard that
+    fails stops the job (GPU hours are not free): the shards finished before it stay in the store."""
+    from aerie.capture_store import (
+        GENERATION_STORE_DIR,
+        file_sha256,
+        generation_key,
+        generation_settings,
+        publish,
+        shard_logger,
+        store_path,
+        stored_generation,
+        target_identity,
+        write_generation_record,
+    )
+
+    set_threads(threads)
+    started = time.perf_counter()
+    target = target_identity(target_path)
+    generated: list[str] = []
+    reused: list[str] = []
+    generate_seconds = 0.0
+    with GenerationSession(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log) as s:
+        for n, task in enumerate(shards, 1):
+            shard_log = shard_logger(task.log, log)
+            store = store_path(task.out, GENERATION_STORE_DIR)
+            p = task.settings
+            try:
+                settings = generation_settings(
+                    model=target_path,
+                    temperature=p["temperature"],
+                    top_p=p["top_p"],
+                    max_new_tokens=p["max_new_tokens"],
+                    batch_size=p["batch_size"],
+                    seed=p["seed"],
+                    device=device,
+                    dtype=dtype,
+                )
+                key = generation_key(file_sha256(task.prompts), target, settings)
+                if stored_generation(store, key) is not None:
+                    shard_log(
+                        f"{task.out} [{n}/{len(shards)}]: reused from the generation store ({store}: same prompts, "
+                        "target and settings), nothing generated"
+                    )
+                    reused.append(str(task.out))
+                else:
+                    shard_log(f"{task.out} [{n}/{len(shards)}]: generating from {task.prompts}")
+                    summary = generate_into(
+                        s,
+                        task.prompts,
+                        store,
+                        # As configured (not the key's normalised values): the records carry them as they are.
+                        temperature=p["temperature"],
+                        top_p=p["top_p"],
+                        max_new_tokens=p["max_new_tokens"],
+                        batch_size=p["batch_size"],
+                        seed=p["seed"],
+                        log=shard_log,
+                    )
+                    write_generation_record(store, key, summary)
+                    generate_seconds += summary["seconds"]
+                    generated.append(str(task.out))
+                publish(store, task.out)
+            except Exception as e:
+                shard_log(f"{task.out}: FAILED: {type(e).__name__}: {e}")
+                log(
+                    f"generation stopped at {task.out} ({n} of {len(shards)}): {len(generated)} generated and "
+                    f"{len(reused)} reused before it stay in the generation store for the next attempt"
+                )
+                raise
+    result = {
+        "shards": len(shards),
+        "generated": len(generated),
+        "reused": len(reused),
+        "target_loads": s.loads,
+        "load_seconds": round(s.load_seconds, 2),
+        "generate_seconds": round(generate_seconds, 2),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log(
+        f"aerie responses: {result['shards']} in-process shards, {result['generated']} generated, "
+        f"{result['reused']} reused from the generation store; target loads in this job: {s.loads} "
+        f"({result['load_seconds']}s loading, {result['generate_seconds']}s generating)"
+    )
+    return result
+
+
+def generate_hf_job(
+    prompts: Sequence[str | Path],
+    outputs: Sequence[str | Path],
+    shard_logs: Sequence[str | Path],
+    datasets: Sequence[str],
+    responses: Mapping[str, Mapping[str, Any]],
+    target: Mapping[str, Any],
+    *,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Rule ``responses_hf``: ``generate_hf_shards`` over the rule's shards, the i-th prompts shard answered into
+    the i-th output with the settings of its dataset (``responses[datasets[i]]``, the dataset's responses
+    section) and the ``target`` section of the config."""
+    if not len(prompts) == len(outputs) == len(shard_logs) == len(datasets):
+        raise SystemExit(
+            f"rule responses_hf: {len(prompts)} prompts shards, {len(outputs)} outputs, {len(shard_logs)} shard "
+            f"logs and {len(datasets)} datasets: the rule must list one of each per shard"
+        )
+    tasks = [
+        ResponsesTask(Path(p), Path(o), responses[d], Path(lg))
+        for p, o, lg, d in zip(prompts, outputs, shard_logs, datasets)
+    ]
+    return generate_hf_shards(
+        tasks,
+        target["path"],
+        device=target["device"],
+        dtype=target["dtype"],
+        trust_remote_code=bool(target.get("trust_remote_code", False)),
+        threads=threads,
+        log=log,
+    )

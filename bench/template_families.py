@@ -22,7 +22,7 @@ from template_families import FAMILIES, family_records, family_tokenizer  # noqa
 
 from aerie.artifacts import write_jsonl  # noqa: E402
 from aerie.formats.tokens import FidelityError  # noqa: E402
-from aerie.tokens import tokenize_shard  # noqa: E402
+from aerie.tokens.stage import tokenize_shard  # noqa: E402
 
 
 def main() -> None:

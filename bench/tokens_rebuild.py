@@ -6,7 +6,7 @@ special tokens (tests/kimi_tokenizer.py):
 
 - single encode: one ``tokenizer.encode`` of each sample's full text (prompt already rendered, not timed):
   the floor, no mask at all;
-- aerie: the whole tokens stage (``aerie.tokens.tokenize_shard``: read the JSONL, render the prompt and the
+- aerie: the whole tokens stage (``aerie.tokens.stage.tokenize_shard``: read the JSONL, render the prompt and the
   finished turn with the chat template, encode the turn, check it for special-token text and loops, build
   the mask, check it, write the shard);
 - SpecForge-style: encode the full conversation, then re-encode the prefix up to each assistant turn's start
@@ -36,7 +36,7 @@ from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer  # noq
 from aerie.artifacts import load_packed, write_jsonl  # noqa: E402
 from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
 from aerie.responses import RESPONSES_FORMAT  # noqa: E402
-from aerie.tokens import tokenize_shard  # noqa: E402
+from aerie.tokens.stage import tokenize_shard  # noqa: E402
 
 DATASETS = REPO / "tests" / "fixtures" / "datasets"
 

@@ -59,20 +59,3 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
         ),
         file=sys.stderr,
     )
-    # Responses generated in-process (backend hf) or through a server the job starts (serve) still load the
-    # target once per shard job (rules/responses.smk): say how many loads that is (shards whose responses
-    # and tokens are both missing).
-    _responses_loads = sum(
-        not Path(f"results/{name}/responses/shard-{shard}.jsonl").exists()
-        and not Path(f"results/{name}/tokens/shard-{shard}.safetensors").exists()
-        for name, plan in PLANS.items()
-        if responses_config(config, name)["backend"] == "hf"
-        or responses_config(config, name).get("serve")
-        for shard in plan.shard_names
-    )
-    if _responses_loads:
-        print(
-            f"aerie responses plan: {_responses_loads} pending responses shards generate in-process or "
-            f"through a server their job starts: {_responses_loads} target loads (one per shard job)",
-            file=sys.stderr,
-        )

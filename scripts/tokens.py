@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from aerie.rulelog import open_rule_log
-from aerie.tokens import tokenize_shard
+from aerie.tokens.stage import tokenize_shard
 
 log = open_rule_log(snakemake.log[0])
 cfg = snakemake.params.tokens

@@ -76,7 +76,27 @@ FAMILIES = [
         kwargs={"thinking": True},
         basic=None,
     ),
-    Family("DeepSeek V3.2", "DeepSeek-V3.2.jinja", (), *DEEPSEEK, stops=(DEEPSEEK[1],), basic=None),
+    # DeepSeek V3.2 ships a Python encoder, no Jinja; the fixture is llama.cpp's port of it, whose `thinking`
+    # defaults to false. In chat mode its generation prompt (`<think></think>`) disagrees with its own
+    # rendering of the turn (`</think>`): refused. Thinking mode follows DeepSeek's encoder.
+    Family(
+        "DeepSeek V3.2 (non-thinking)",
+        "DeepSeek-V3.2.jinja",
+        (),
+        *DEEPSEEK,
+        stops=(DEEPSEEK[1],),
+        kwargs={"thinking": False},
+        basic=None,
+    ),
+    Family(
+        "DeepSeek V3.2 (thinking)",
+        "DeepSeek-V3.2.jinja",
+        (),
+        *DEEPSEEK,
+        stops=(DEEPSEEK[1],),
+        kwargs={"thinking": True},
+        basic="Let me think.</think>Paris.<｜end▁of▁sentence｜>",  # encoding_dsv32.py: reasoning</think>content<eos>
+    ),
     Family(
         "Qwen3",
         "Qwen-Qwen3-0.6B.jinja",
@@ -322,7 +342,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "template_drops_reasoning": ["after_tool"],
         }
     },
-    "DeepSeek V3.2": {
+    "DeepSeek V3.2 (non-thinking)": {
         "refused": {
             "prefix_mismatch": [
                 "basic",
@@ -330,13 +350,15 @@ EXPECTED: dict[str, dict[str, Any]] = {
                 "multi_turn",
                 "tool_call",
                 "after_tool",
+                "empty_reasoning",
+                "missing_reasoning",
                 "edge_whitespace",
                 "unicode",
                 "gsm8k",
-            ],
-            "no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"],
+            ]
         }
     },
+    "DeepSeek V3.2 (thinking)": {},
     "Qwen3": {"normalised": ["edge_whitespace"]},
     "GLM 4.6": {"normalised": ["edge_whitespace"]},
     "MiniMax M2": {"refused": {"no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"]}},

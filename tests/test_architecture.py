@@ -116,6 +116,7 @@ PARSE_TIME = [
     "aerie.config_file",
     "aerie.disk",
     "aerie.api.shard",
+    "aerie.capture_store",
     "aerie.prompts",
     "aerie.target.config",
     "aerie.drafter.config",

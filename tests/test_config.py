@@ -46,7 +46,8 @@ def test_demo_dry_run_sees_every_job(workdir: Path) -> None:
     shards = tasks_shards + he_shards
     assert tasks_shards >= 2 and he_shards >= 2
     assert int(counts["prompts"]) == shards
-    assert int(counts["responses"]) == shards
+    assert int(counts["responses"]) == he_shards  # API-backed (the demo's humaneval): one job per shard
+    assert int(counts["responses_hf"]) == 1  # every in-process shard in one job: the target loads once
     assert int(counts["tokens"]) == shards
     assert int(counts["hidden"]) == 1  # one capture job for every shard: the target loads once (rules/hidden.smk)
     assert int(counts["bench_prompts"]) == 2

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from tiny_world import TINY_TRAIN, target_world, world_drafter, write_hidden_v1_shard
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-from aerie.capture import AuxHiddenCapture
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import load_batch, make_windows
 from aerie.drafter.layers import DrafterKVCache, TTTCache
 from aerie.drafter.loop import train_drafter
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter.model import Eagle3Drafter
 from aerie.drafter.ttt import ttt_unroll
 from aerie.formats.hidden import HiddenShard
 
@@ -48,29 +47,6 @@ PROMPT_LEN = 8
 # fixtures: target, hidden shards, draft vocab
 
 
-def _write_shard(path: Path, seqs: list[dict], aux_layer_ids: list[int], target_dir: Path) -> None:
-    offsets = [0]
-    for s in seqs:
-        offsets.append(offsets[-1] + len(s["ids"]))
-    tensors = {
-        "input_ids": torch.cat([s["ids"] for s in seqs]).to(torch.int32),
-        "loss_mask": torch.cat([s["mask"] for s in seqs]).to(torch.uint8),
-        "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
-        "aux_hidden_states": torch.cat([s["aux"] for s in seqs]).to(torch.bfloat16),
-        "final_hidden_states": torch.cat([s["final"] for s in seqs]).to(torch.bfloat16),
-    }
-    meta = {
-        "format": "aerie.hidden/1",
-        "aux_layer_ids": json.dumps(aux_layer_ids),
-        "num_hidden_layers": str(TARGET["num_hidden_layers"]),
-        "hidden_size": str(TARGET["hidden_size"]),
-        "vocab_size": str(TARGET["vocab_size"]),
-        "target": str(target_dir),
-        "sample_ids": json.dumps([s["id"] for s in seqs]),
-    }
-    save_file(tensors, str(path), metadata=meta)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("drafter")
@@ -78,61 +54,17 @@ def world(tmp_path_factory) -> dict:
     target = LlamaForCausalLM(LlamaConfig(**TARGET)).eval()
     with torch.no_grad():  # sharpen the head: confident next-token distributions, like a trained LM's
         target.lm_head.weight.mul_(5.0)
-    target_dir = root / "target"
-    target.save_pretrained(target_dir)
-
     # Greedy generation, all prompts at once (equal prompt lengths): the data the target itself produces.
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, TARGET["vocab_size"], (NUM_SEQS, PROMPT_LEN), generator=gen)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        with AuxHiddenCapture(target, AUX_LAYER_IDS) as cap:
-            final = target.model(input_ids=ids).last_hidden_state  # after the final norm
-            aux = cap.aux_hidden_states()
-    mask = torch.zeros(ids.shape[1], dtype=torch.bool)
-    mask[PROMPT_LEN:] = True
-    seqs = [{"id": f"toy/{i}", "ids": ids[i], "mask": mask, "aux": aux[i], "final": final[i]} for i in range(NUM_SEQS)]
-
-    shards = [root / "shard-00000.safetensors", root / "shard-00001.safetensors"]
-    _write_shard(shards[0], seqs[: NUM_SEQS // 2], AUX_LAYER_IDS, target_dir)
-    _write_shard(shards[1], seqs[NUM_SEQS // 2 :], AUX_LAYER_IDS, target_dir)
-
-    counts = torch.zeros(TARGET["vocab_size"], dtype=torch.int64)
-    for s in seqs:
-        counts += torch.bincount(s["ids"][s["mask"]], minlength=TARGET["vocab_size"])
-    top = torch.argsort(counts, descending=True, stable=True)[:DRAFT_VOCAB]
-    draft_ids = torch.sort(top).values  # draft ids ordered by target id
-    t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
-    t2d[draft_ids] = True
-    d2t = draft_ids - torch.arange(DRAFT_VOCAB)
-    vocab_path = root / "draft_vocab.safetensors"
-    save_file(
-        {"d2t": d2t, "t2d": t2d, "token_counts": counts},
-        str(vocab_path),
-        metadata={
-            "format": "aerie.draft-vocab/1",
-            "draft_vocab_size": str(DRAFT_VOCAB),
-            "target_vocab_size": str(TARGET["vocab_size"]),
-            "coverage": str(float(counts[draft_ids].sum() / counts.sum())),
-        },
+    return target_world(
+        root,
+        target,
+        aux_layer_ids=AUX_LAYER_IDS,
+        draft_vocab=DRAFT_VOCAB,
+        num_seqs=NUM_SEQS,
+        prompt_len=PROMPT_LEN,
+        new_tokens=NEW_TOKENS,
+        id_prefix="toy",
     )
-    return {
-        "root": root,
-        "target": target,
-        "target_dir": target_dir,
-        "shards": shards,
-        "vocab": vocab_path,
-        "seqs": seqs,
-        "d2t": d2t,
-        "t2d": t2d,
-    }
-
-
-def _drafter(world, seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target(world["target"].config, DRAFT_VOCAB, AUX_LAYER_IDS)
-    return Eagle3Drafter.from_target(world["target"], cfg, world["d2t"], world["t2d"]).eval()
 
 
 def _seq_inputs(world, i: int = 0):
@@ -156,7 +88,7 @@ def test_shard_features_reproduce_target_logits(world):
 
 @torch.no_grad()
 def test_cached_incremental_forward_equals_full_forward(world):
-    model = _drafter(world)
+    model = world_drafter(world)
     aux, ids = _seq_inputs(world)
     n = ids.shape[1] - 1
     hidden = model.project_aux(aux[:, :n])  # rows 0..n-1
@@ -181,7 +113,7 @@ def test_cached_incremental_forward_equals_full_forward(world):
 @torch.no_grad()
 def test_ttt_unroll_equals_chained_inference(world):
     """Step k at row t of the training unroll is exactly the k-th chained draft after a prefix ending at t."""
-    model = _drafter(world)
+    model = world_drafter(world)
     aux, ids = _seq_inputs(world, 3)
     K, T = 3, ids.shape[1] - 5
     steps = ttt_unroll(model, aux[:, :T], ids, torch.arange(T)[None], K)
@@ -216,7 +148,7 @@ def _unroll_perturbed(model, aux, ids, K: int, perturb_step: int | None, rows: l
 
 
 def test_ttt_step_rows_see_only_own_chain_and_causal_step0(world):
-    model = _drafter(world)
+    model = world_drafter(world)
     aux, ids = _seq_inputs(world, 5)
     K, T, t = 4, 16, 9
     aux = aux[:, :T]
@@ -241,7 +173,13 @@ def test_ttt_step_rows_see_only_own_chain_and_causal_step0(world):
 
 def test_mismatched_aux_layer_ids_refused(world, tmp_path):
     other = tmp_path / "shard-other.safetensors"
-    _write_shard(other, world["seqs"][:2], [0, 2, 4], world["target_dir"])
+    write_hidden_v1_shard(
+        other,
+        world["seqs"][:2],
+        aux_layer_ids=[0, 2, 4],
+        target_config=world["target"].config,
+        target_dir=world["target_dir"],
+    )
     with pytest.raises(ValueError, match=r"aux_layer_ids.*\[1, 2, 4\].*\[0, 2, 4\]"):
         train_drafter(
             [world["shards"][0], other], world["vocab"], world["target_dir"], tmp_path / "out", TrainConfig(epochs=1)
@@ -265,7 +203,13 @@ def test_long_sequences_are_cut_into_windows_with_lookahead(world, tmp_path):
         "final": torch.randn(n, H, generator=g),
     }
     path = tmp_path / "long.safetensors"
-    _write_shard(path, [world["seqs"][0], seq], AUX_LAYER_IDS, world["target_dir"])
+    write_hidden_v1_shard(
+        path,
+        [world["seqs"][0], seq],
+        aux_layer_ids=AUX_LAYER_IDS,
+        target_config=world["target"].config,
+        target_dir=world["target_dir"],
+    )
     shard = HiddenShard(path)
     s = int(shard.seq_offsets[1])
     windows = make_windows(0, shard, 1, max_len=64, ttt_steps=3)
@@ -281,19 +225,7 @@ def test_long_sequences_are_cut_into_windows_with_lookahead(world, tmp_path):
     assert torch.equal(b.gen[0, :68], mask[:68]) and not b.have[2, 22:].any()
 
 
-TRAIN = dict(
-    ttt_steps=3,
-    epochs=10,
-    learning_rate=3e-3,
-    warmup_ratio=0.05,
-    batch_size=8,
-    max_seq_len=64,
-    eval_fraction=0.2,
-    seed=0,
-    threads=1,
-    log_every=5,
-    grad_clip=1.0,
-)
+TRAIN = dict(TINY_TRAIN, epochs=10)
 
 
 @pytest.fixture(scope="module")

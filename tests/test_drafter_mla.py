@@ -18,12 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from tiny_world import TINY_TRAIN, char_chat_tokenizer, target_world, world_drafter, write_prompts
 from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
 from aerie.bench.speculative import greedy_generate, speculative_generate
-from aerie.capture import AuxHiddenCapture
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.layers import DrafterKVCache
 from aerie.drafter.loop import train_drafter
@@ -192,29 +191,6 @@ def test_mla_attention_matches_transformers_deepseek_v3_with_kimi_yarn():
 # a tiny Kimi-shaped target, its data and a trained MLA drafter
 
 
-def _write_shard(path: Path, seqs: list[dict], target_dir: Path) -> None:
-    offsets = [0]
-    for s in seqs:
-        offsets.append(offsets[-1] + len(s["ids"]))
-    tensors = {
-        "input_ids": torch.cat([s["ids"] for s in seqs]).to(torch.int32),
-        "loss_mask": torch.cat([s["mask"] for s in seqs]).to(torch.uint8),
-        "seq_offsets": torch.tensor(offsets, dtype=torch.int64),
-        "aux_hidden_states": torch.cat([s["aux"] for s in seqs]).to(torch.bfloat16),
-        "final_hidden_states": torch.cat([s["final"] for s in seqs]).to(torch.bfloat16),
-    }
-    meta = {
-        "format": "aerie.hidden/1",
-        "aux_layer_ids": json.dumps(AUX),
-        "num_hidden_layers": str(TARGET["num_hidden_layers"]),
-        "hidden_size": str(TARGET["hidden_size"]),
-        "vocab_size": str(TARGET["vocab_size"]),
-        "target": str(target_dir),
-        "sample_ids": json.dumps([s["id"] for s in seqs]),
-    }
-    save_file(tensors, str(path), metadata=meta)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mla")
@@ -225,67 +201,19 @@ def world(tmp_path_factory) -> dict:
         # a residual stream led by the token embedding: the next token depends mostly on the current one, a
         # pattern 64 short sequences can teach (a random 6-layer MoE's output is otherwise close to noise)
         target.model.embed_tokens.weight.mul_(EMBED_SCALE)
-    target_dir = root / "target"
-    target.save_pretrained(target_dir)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, TARGET["vocab_size"], (NUM_SEQS, PROMPT_LEN), generator=gen)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids = torch.cat([ids, target(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        with AuxHiddenCapture(target, AUX) as cap:
-            final = target.model(input_ids=ids).last_hidden_state
-            aux = cap.aux_hidden_states()
-    mask = torch.zeros(ids.shape[1], dtype=torch.bool)
-    mask[PROMPT_LEN:] = True
-    seqs = [
-        {"id": f"kimi-toy/{i}", "ids": ids[i], "mask": mask, "aux": aux[i], "final": final[i]} for i in range(NUM_SEQS)
-    ]
-    shards = [root / "shard-00000.safetensors", root / "shard-00001.safetensors"]
-    _write_shard(shards[0], seqs[: NUM_SEQS // 2], target_dir)
-    _write_shard(shards[1], seqs[NUM_SEQS // 2 :], target_dir)
-    counts = torch.zeros(TARGET["vocab_size"], dtype=torch.int64)
-    for s in seqs:
-        counts += torch.bincount(s["ids"][s["mask"]], minlength=TARGET["vocab_size"])
-    draft_ids = torch.sort(torch.argsort(counts, descending=True, stable=True)[:DRAFT_VOCAB]).values
-    t2d = torch.zeros(TARGET["vocab_size"], dtype=torch.bool)
-    t2d[draft_ids] = True
-    d2t = draft_ids - torch.arange(DRAFT_VOCAB)
-    vocab = root / "draft_vocab.safetensors"
-    save_file(
-        {"d2t": d2t, "t2d": t2d, "token_counts": counts},
-        str(vocab),
-        metadata={
-            "format": "aerie.draft-vocab/1",
-            "draft_vocab_size": str(DRAFT_VOCAB),
-            "target_vocab_size": str(TARGET["vocab_size"]),
-            "coverage": str(float(counts[draft_ids].sum() / counts.sum())),
-        },
+    return target_world(
+        root,
+        target,
+        aux_layer_ids=AUX,
+        draft_vocab=DRAFT_VOCAB,
+        num_seqs=NUM_SEQS,
+        prompt_len=PROMPT_LEN,
+        new_tokens=NEW_TOKENS,
+        id_prefix="kimi-toy",
     )
-    return {
-        "root": root,
-        "target": target,
-        "target_dir": target_dir,
-        "shards": shards,
-        "vocab": vocab,
-        "seqs": seqs,
-        "d2t": d2t,
-        "t2d": t2d,
-    }
 
 
-TRAIN = dict(
-    ttt_steps=3,
-    epochs=6,
-    learning_rate=3e-3,
-    warmup_ratio=0.05,
-    batch_size=8,
-    max_seq_len=64,
-    eval_fraction=0.2,
-    seed=0,
-    threads=1,
-    log_every=5,
-    grad_clip=1.0,
-)
+TRAIN = dict(TINY_TRAIN, epochs=6)
 
 
 @pytest.fixture(scope="module")
@@ -295,12 +223,6 @@ def trained(world) -> dict:
         world["shards"], world["vocab"], world["target_dir"], out, TrainConfig(**TRAIN), log=lambda _: None
     )
     return {"out": out, "eval": result}
-
-
-def _mla_drafter(world, seed: int = 0, **shape) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target(world["target"].config, DRAFT_VOCAB, AUX, **shape)
-    return Eagle3Drafter.from_target(world["target"], cfg, world["d2t"], world["t2d"]).eval()
 
 
 def test_training_an_mla_drafter_reduces_loss(trained):
@@ -363,7 +285,7 @@ def test_export_reload_round_trip_gives_identical_logits(world, trained, tmp_pat
 def test_mla_cache_and_ttt_unroll_equal_chained_inference(world, eagle31):
     """DrafterKVCache (benchmark) and TTTCache (training) carry the MLA kind unchanged: step k at row t of the
     unroll is the k-th chained draft, and incremental cached forwards equal one full forward."""
-    model = _mla_drafter(world, fc_norm=eagle31, norm_output=eagle31)
+    model = world_drafter(world, fc_norm=eagle31, norm_output=eagle31)
     s = world["seqs"][3]
     aux, ids = s["aux"].bfloat16().float()[None], s["ids"][None]
     K, T = 3, ids.shape[1] - 5
@@ -470,26 +392,9 @@ def test_kimi_drafter_shapes():
 def test_run_benchmark_serves_an_mla_export_with_the_targets_embeddings(tmp_path):
     """run_benchmark loads an MLA export (no embeddings: it takes the target's) next to a DeepseekV3 target with a
     tokenizer and chat template, and decodes losslessly with it and with the untrained reference."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     from aerie.bench.run import run_benchmark
 
-    specials = ["<unk>", "<s>", "<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="<|end|>",
-        chat_template=(
-            "{% for m in messages %}{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-        ),
-    )
+    tok, vocab = char_chat_tokenizer(["<unk>", "<s>", "<|user|>", "<|assistant|>", "<|end|>"])
     torch.manual_seed(0)
     target = DeepseekV3ForCausalLM(
         DeepseekV3Config(**{**TARGET, "vocab_size": len(vocab), "eos_token_id": vocab["<|end|>"]})
@@ -501,21 +406,7 @@ def test_run_benchmark_serves_an_mla_export_with_the_targets_embeddings(tmp_path
     t2d[:draft] = True
     cfg = DrafterConfig.from_target(target.config, draft, AUX)
     Eagle3Drafter.from_target(target, cfg, d2t, t2d).save_pretrained(tmp_path / "drafter")
-    (tmp_path / "bench.jsonl").write_text(
-        "".join(
-            json.dumps(
-                {
-                    "format": "aerie.prompts/1",
-                    "id": f"demo/{i}",
-                    "dataset": "demo",
-                    "messages": [{"role": "user", "content": text}],
-                    "source": {"kind": "test"},
-                }
-            )
-            + "\n"
-            for i, text in enumerate(["sort 3 1 2", "hello there"])
-        )
-    )
+    write_prompts(tmp_path / "bench.jsonl", ["sort 3 1 2", "hello there"])
     threads = torch.get_num_threads()
     try:
         report = run_benchmark(

@@ -11,11 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import aerie.hidden as hidden
 from aerie.artifacts import save_packed
 from aerie.capture import AuxHiddenCapture
 from aerie.formats.tokens import TOKENS_FORMAT
-from aerie.hidden import HiddenStateError, capture_shard
+from aerie.hidden import CaptureChecks, HiddenStateError, backends, capture_shard
 
 AUX = [1, 3, 4]
 
@@ -79,7 +78,7 @@ def test_healthy_capture_passes(world) -> None:
 
 
 def test_capture_silently_off_fails(world, monkeypatch) -> None:
-    real = hidden.open_backend
+    real = backends.open_backend
 
     class CaptureOff:
         """A server with aux capture off: it answers, with zeros where the aux states should be."""
@@ -102,7 +101,7 @@ def test_capture_silently_off_fails(world, monkeypatch) -> None:
         cap, head = real(*args, **kwargs)
         return CaptureOff(cap), head
 
-    monkeypatch.setattr(hidden, "open_backend", broken)
+    monkeypatch.setattr(backends, "open_backend", broken)
     with pytest.raises(HiddenStateError, match=r"aux layer 1 is all zeros \(capture silently off\?\)"):
         capture(world, "off")
     assert not (world["root"] / "off.safetensors").exists()
@@ -149,13 +148,13 @@ def _whole_layer_nan(aux: torch.Tensor) -> torch.Tensor:
     "plant", [_nan_at_one_position, _inf_at_one_position, _minus_inf_at_one_position, _whole_layer_nan]
 )
 def test_nan_or_inf_in_an_aux_layer_fails(world, monkeypatch, plant) -> None:
-    real = hidden.open_backend
+    real = backends.open_backend
 
     def broken(*args, **kwargs):
         cap, head = real(*args, **kwargs)
         return Planted(cap, plant), head
 
-    monkeypatch.setattr(hidden, "open_backend", broken)
+    monkeypatch.setattr(backends, "open_backend", broken)
     with pytest.raises(HiddenStateError, match=r"aux_hidden_states of aux layer 4 contain NaN or inf"):
         capture(world, f"nan-{plant.__name__}")
     assert not (world["root"] / f"nan-{plant.__name__}.safetensors").exists()
@@ -163,7 +162,7 @@ def test_nan_or_inf_in_an_aux_layer_fails(world, monkeypatch, plant) -> None:
 
 def test_nan_never_passes_the_layer_checks() -> None:
     """The zero / constant / identical checks refuse a NaN layer on their own, should NaN ever reach them."""
-    checks = hidden.CaptureChecks([1, 2], 4, "s")
+    checks = CaptureChecks([1, 2], 4, "s")
     checks.absmax = torch.tensor([float("nan"), 1.0])
     checks.varies[:] = True
     checks.identical[:] = False
@@ -181,7 +180,7 @@ def test_off_by_one_hooks_fail_the_convention_check(world, monkeypatch) -> None:
                 self._handles.append(self._layers[i + 1].register_forward_hook(self._hook(i)))
             return self
 
-    monkeypatch.setattr(hidden, "AuxHiddenCapture", OneLate)
+    monkeypatch.setattr(backends, "AuxHiddenCapture", OneLate)
     with pytest.raises(
         HiddenStateError,
         match=r"aux id 1 is not the output of decoder layer 1 .*equals the output "

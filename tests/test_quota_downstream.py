@@ -20,7 +20,7 @@ from aerie.formats.hidden import open_hidden_shards
 from aerie.hidden import capture_shard
 from aerie.prompts import write_prompts
 from aerie.responses import generate_hf
-from aerie.tokens import tokenize_shard
+from aerie.tokens.stage import tokenize_shard
 from aerie.vocab import build_draft_vocab
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

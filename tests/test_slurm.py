@@ -49,7 +49,7 @@ def slurm_overrides() -> list[str]:
     real cluster: this one has one 2-core node, partition ``debug``, no GPU and no accounting.
     ``--default-resources``/``--set-resources`` replace the profile's lists as a whole.
     """
-    rules = ("responses", "tokens", "draft_vocab", "hidden", "drafter", "bench")
+    rules = ("responses", "responses_hf", "tokens", "draft_vocab", "hidden", "drafter", "bench")
     return [
         "--cores",
         str(CORES),

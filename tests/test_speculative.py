@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_world import char_chat_tokenizer, write_prompts
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from aerie.bench.speculative import (
@@ -309,24 +310,7 @@ def test_first_mismatch():
 
 def _save_tiny_target(folder: Path) -> LlamaForCausalLM:
     """A save_pretrained target folder with a character-level tokenizer and a chat template."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="<|end|>",
-        chat_template=(
-            "{% for m in messages %}{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-        ),
-    )
+    tok, vocab = char_chat_tokenizer(["<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"])
     model = _tiny_llama(seed=3, eos_token_id=vocab["<|end|>"])
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -340,21 +324,7 @@ def bench_files(tmp_path_factory) -> Path:
     target = _save_tiny_target(folder / "target")
     _tiny_drafter(target).save_pretrained(folder / "drafter")
     texts = ["sort 3 1 2", "what is 12+30?", "hello there", "unused: cut by max_prompts"]
-    (folder / "bench.jsonl").write_text(
-        "".join(
-            json.dumps(
-                {
-                    "format": "aerie.prompts/1",
-                    "id": f"demo/{i}",
-                    "dataset": "demo",
-                    "messages": [{"role": "user", "content": t}],
-                    "source": {"kind": "test"},
-                }
-            )
-            + "\n"
-            for i, t in enumerate(texts)
-        )
-    )
+    write_prompts(folder / "bench.jsonl", texts)
     return folder
 
 

@@ -19,7 +19,8 @@ from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_p
 from aerie.responses import generate_hf, split_generated
 from aerie.target.chat import read_chat_format, special_token_id
 from aerie.target.config import default_aux_layer_ids, resolve_aux_layer_ids
-from aerie.tokens import rebuild_output_ids, tokenize_shard
+from aerie.tokens.rebuild import rebuild_output_ids
+from aerie.tokens.stage import tokenize_shard
 from aerie.vocab import build_draft_vocab, select_draft_vocab
 
 

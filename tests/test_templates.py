@@ -10,6 +10,7 @@ also checked against the family's documented format.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from template_families import EXPECTED, FAMILIES, Family, family_records, family
 
 from aerie.artifacts import split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, read_tokens_shard
-from aerie.target.chat import ChatTemplateError, TurnRefused, render_turn
-from aerie.tokens import tokenize_shard
+from aerie.target.template import ChatTemplateError
+from aerie.target.turns import TurnRefused, render_turn
+from aerie.tokens.stage import tokenize_shard
 
 # The token that ends each family's answer turn (its documented format); GLM writes none: the model stops
 # on the next turn's opener, <|user|> (or <|observation|> after tool calls).
@@ -34,6 +36,30 @@ TURN_END = {
 }
 TOOL_CALL_END = {"gpt-oss": "<|call|>", "GLM 4.6": "<|observation|>"}
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
+
+# Git blob ids of the published files the fixtures are copied from (tests/fixtures/templates/README.md names the
+# repository, commit and path of each): a fixture that an editor re-saved (a trailing newline, CRLF) or that
+# someone retyped no longer matches, and no longer proves anything about the published template.
+UPSTREAM_BLOBS = {
+    "DeepSeek-V3.2.jinja": "98d56589f0ede0b6e925007f9c68264bae9cff27",
+    "GLM-4.6.jinja": "4a09db53c8ade84034d943e4ca36d89f16f938e8",
+    "Kimi-K3.jinja": "48de47fc9029bf1d2bd611de8613c79f4a3b80ea",
+    "MiniMax-M2.jinja": "9302ccedb217e95fcdbf55b6cfda952420d82875",
+    "Qwen-Qwen3-0.6B.jinja": "699ff8df401fe4788525e9c1f9b86a99eadd6230",
+    "deepseek-ai-DeepSeek-V3.1.jinja": "e5656196a3f0f379499b2a3aee8805332cd297ea",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "33089ace1be88f22a10fe861ad49718d5d886090",
+    "openai-gpt-oss-120b.jinja": "dc7bb11927d29f653ba2740f2db2c688fd77592f",
+    # ggml-org/llama.cpp's text, not checked against a git object (see the README); pinned against drift
+    "moonshotai-Kimi-K2-Thinking.jinja": "26f99b7d19f7453ab3840fea8b9bb7177a53bc35",
+}
+
+
+def test_fixtures_are_the_published_bytes() -> None:
+    folder = Path(__file__).parent / "fixtures" / "templates"
+    assert {f.template for f in FAMILIES} <= set(UPSTREAM_BLOBS)
+    for name, blob in UPSTREAM_BLOBS.items():
+        data = (folder / name).read_bytes()
+        assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, name
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,10 @@ from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 from aerie.artifacts import load_packed, split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, check_loss_mask
 from aerie.responses import RESPONSES_FORMAT, split_generated
-from aerie.target.chat import read_chat_format, render_prompt_ids
-from aerie.tokens import (
-    classify_mismatch,
-    rebuild_output_ids,
-    tokenize_shard,
-)
+from aerie.target.chat import read_chat_format
+from aerie.target.template import render_prompt_ids
+from aerie.tokens.rebuild import classify_mismatch, rebuild_output_ids
+from aerie.tokens.stage import tokenize_shard
 
 DATASETS = Path(__file__).parent / "fixtures" / "datasets"
 
@@ -603,7 +601,7 @@ def test_drop_gate_is_the_fraction_beyond_chance() -> None:
     the fraction itself; a shard that keeps nothing always fails."""
     from math import comb
 
-    from aerie.tokens import binomial_tail, too_many_dropped
+    from aerie.tokens.stage import binomial_tail, too_many_dropped
 
     for n, p in ((8, 0.3), (40, 0.25), (3, 0.5)):
         for k in range(n + 2):

@@ -8,12 +8,14 @@ every exit path.
 Targets with custom code (Kimi K2.5, the rehearsal target: ``auto_map`` in config.json, loaded with
 ``trust_remote_code``) are served through ``python -m aerie.api.serve serve MODEL_DIR ...``: transformers
 5's ``serve`` ignores ``auto_map`` when it picks the model class (see ``expose_remote_architecture``), so this
-launcher makes the folder's own classes the ones it finds, then runs the unchanged ``transformers serve``.
+launcher makes the folder's own classes the ones it finds, then runs ``transformers serve`` with its sampling
+seeded per request (``seed_each_request``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -22,8 +24,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import requests
+
+DEFAULT_REQUEST_SEED_FLAG = "--default-request-seed"  # the launcher's own option; not passed to transformers
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,8 +44,11 @@ def transformers_serve_command(
     device: str = "cpu",
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    default_request_seed: int | None = None,
 ) -> list[str]:
-    """``transformers serve`` for one model folder; custom-code folders go through this module's launcher."""
+    """``transformers serve`` for one model folder; custom-code folders and seeded sampling go through this
+    module's launcher. ``default_request_seed``: requests without a ``seed`` are sampled as if they carried
+    this one (see ``seed_each_request``): each answer is then a function of its request alone."""
     args = [
         "serve",
         str(model_path),
@@ -55,8 +63,11 @@ def transformers_serve_command(
         "--log-level",
         "warning",
     ]
-    if trust_remote_code:
-        return [sys.executable, "-m", "aerie.api.serve", *args, "--trust-remote-code"]
+    if trust_remote_code or default_request_seed is not None:
+        launcher = [sys.executable, "-m", "aerie.api.serve", *args]
+        if default_request_seed is not None:
+            launcher += [DEFAULT_REQUEST_SEED_FLAG, str(default_request_seed)]
+        return launcher + (["--trust-remote-code"] if trust_remote_code else [])
     # `python -m` of the CLI module: the same interpreter (and venv) as this job, no PATH lookup.
     return [sys.executable, "-m", "transformers.cli.transformers", *args]
 
@@ -91,6 +102,93 @@ def expose_remote_architecture(model_path: str | Path) -> str | None:
     AutoModelForMultimodalLM.register(type(config), cls, exist_ok=True)
     setattr(transformers, names[0], cls)
     return names[0]
+
+
+def request_seed(seed: int, prompt_ids: list[int]) -> int:
+    """The torch seed for one request: its ``seed`` mixed with its prompt ids, so that one seed sent with every
+    request (as aerie's ``responses.send_seed`` does) still gives different prompts independent draws."""
+    digest = hashlib.sha256(f"{seed}\n{prompt_ids}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+class _SeededGenerate:
+    """The served model with ``generate`` seeded first; everything else is the model's own."""
+
+    def __init__(self, model: Any, seed: int):
+        self._model, self._seed = model, seed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        torch.manual_seed(self._seed)  # on the inference thread, which runs one generate at a time
+        return self._model.generate(*args, **kwargs)
+
+
+def seed_each_request(default_seed: int | None = None) -> None:
+    """Make a sampled answer of ``transformers serve`` a function of its request alone.
+
+    transformers 5's server seeds the process-wide torch RNG when a request arrives (``set_torch_seed`` in
+    ``BaseHandler._build_generation_config``, on the event-loop thread), but generates one request at a time later,
+    on its inference thread. With several requests in flight a request's ``seed`` therefore seeds whichever
+    generation runs next, and an arrival reseeds the one running: answers depend on timing. This moves the seeding
+    to the inference thread, right before each ``generate``, from the request's ``seed`` (``default_seed`` when
+    it has none; unseeded when both are None) mixed with its prompt ids (``request_seed``). A retried request then
+    gets the same answer whatever else is in flight. Covers the sequential generation path, the one the
+    launcher serves (continuous batching is never enabled by it).
+    """
+    from transformers.cli.serving import utils as serving
+
+    base, manager = getattr(serving, "BaseHandler", None), getattr(serving, "GenerateManager", None)
+    if base is None or manager is None or not hasattr(base, "_build_generation_config"):
+        import transformers
+
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: transformers.cli.serving.utils has no BaseHandler."
+            "_build_generation_config / GenerateManager, which aerie.api.serve seeds per request (written for 5.24)"
+        )
+    seeds: dict[int, int] = {}  # id(generation config) -> the request's seed, until its generate starts
+    build, non_streaming, streaming = (
+        base._build_generation_config,
+        manager.generate_non_streaming,
+        manager.generate_streaming,
+    )
+
+    def build_generation_config(self: Any, body: dict, model_generation_config: Any, use_cb: bool = False) -> Any:
+        seed = body["seed"] if body.get("seed") is not None else default_seed
+        config = build(self, {k: v for k, v in body.items() if k != "seed"}, model_generation_config, use_cb=use_cb)
+        if seed is not None:
+            seeds[id(config)] = int(seed)
+        return config
+
+    def seeded(model: Any, inputs: dict, gen_config: Any) -> Any:
+        seed = seeds.pop(id(gen_config), None)
+        if seed is None:
+            return model
+        return _SeededGenerate(model, request_seed(seed, inputs["input_ids"][0].tolist()))
+
+    async def generate_non_streaming(
+        self: Any, model: Any, processor: Any, inputs: dict, gen_config: Any, request_id: str
+    ) -> Any:
+        return await non_streaming(self, seeded(model, inputs, gen_config), processor, inputs, gen_config, request_id)
+
+    def generate_streaming(
+        self: Any,
+        model: Any,
+        processor: Any,
+        inputs: dict,
+        gen_config: Any,
+        request_id: str,
+        response_parser: Any = None,
+    ) -> Any:
+        model = seeded(model, inputs, gen_config)
+        return streaming(self, model, processor, inputs, gen_config, request_id, response_parser=response_parser)
+
+    base._build_generation_config = build_generation_config
+    manager.generate_non_streaming = generate_non_streaming
+    manager.generate_streaming = generate_streaming
 
 
 def _tail(path: Path, n: int = 20) -> str:
@@ -155,11 +253,23 @@ def serve_on_loopback(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m aerie.api.serve serve MODEL_DIR [transformers serve options] --trust-remote-code``."""
+    """``python -m aerie.api.serve serve MODEL_DIR [transformers serve options] [--default-request-seed N]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = (
+        f"usage: python -m aerie.api.serve serve MODEL_DIR [transformers serve options] [{DEFAULT_REQUEST_SEED_FLAG} N]"
+    )
     if len(argv) < 2 or argv[0] != "serve":
-        raise SystemExit("usage: python -m aerie.api.serve serve MODEL_DIR [transformers serve options]")
+        raise SystemExit(usage)
+    default_seed = None
+    if DEFAULT_REQUEST_SEED_FLAG in argv:
+        at = argv.index(DEFAULT_REQUEST_SEED_FLAG)
+        try:
+            default_seed = int(argv[at + 1])
+        except (IndexError, ValueError):
+            raise SystemExit(f"{DEFAULT_REQUEST_SEED_FLAG} takes an integer\n{usage}") from None
+        del argv[at : at + 2]
     expose_remote_architecture(argv[1])
+    seed_each_request(default_seed)
     from transformers.cli.transformers import app
 
     app(argv, prog_name="transformers")

@@ -17,6 +17,7 @@ from aerie.api.client import (
     ClientLimits,
     LedgerWatcher,
     MoneyGuard,
+    RegenerationStopped,
     read_completion,
     regenerate_shard,
 )
@@ -145,15 +146,31 @@ def start_account(
     return state, watcher
 
 
+def responses_results_dir(out_path: Path, dataset: str) -> Path:
+    """The results folder of a responses shard, ``<results>/<dataset>/responses/shard-NNNNN.jsonl``: where the
+    journals of every dataset are (the budget counts them all). A shard elsewhere is refused, naming the layout."""
+    out = Path(out_path)
+    if out.parent.name != "responses" or out.parent.parent.name != dataset:
+        raise ValueError(
+            f"{out}: not a responses shard of dataset {dataset!r} (<results>/{dataset}/responses/shard-NNNNN.jsonl), "
+            "so the journals the budget counts cannot be found"
+        )
+    return out.parent.parent.parent
+
+
 def regenerate_api_shard(
     prompts_path: Path,
     out_path: Path,
     config: dict[str, Any],
     dataset: str,
-    results_dir: Path,
+    results_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run one shard through the dataset's API backend (starting a loopback server if configured)."""
+    """Run one shard through the dataset's API backend (starting a loopback server if configured).
+
+    ``results_dir``: where every dataset's journals are; by default the one ``out_path`` lies in."""
+    if results_dir is None:
+        results_dir = responses_results_dir(out_path, dataset)
     responses = responses_config(config, dataset)
     target = config["target"]
     prompts = read_prompts(prompts_path)
@@ -191,8 +208,9 @@ def regenerate_api_shard(
     render_ids = split_ids = eos_ids = None
     if responses["backend"] == "sglang":
         from aerie.responses import split_generated
-        from aerie.target.chat import read_chat_format, render_prompt_ids
+        from aerie.target.chat import read_chat_format
         from aerie.target.model import load_tokenizer, read_generation_config
+        from aerie.target.template import render_prompt_ids
 
         tok = load_tokenizer(target["path"], target.get("trust_remote_code", False))
         fmt = read_chat_format(tok, read_generation_config(target["path"]))
@@ -236,6 +254,18 @@ def regenerate_api_shard(
                 log=log,
             )
         )
+
+
+def run_api_responses_job(
+    prompts_path: Path, out_path: Path, config: dict[str, Any], dataset: str, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Rule ``responses`` (API backends): ``regenerate_api_shard``; a shard stopped short (budget, quota, key
+    limit, failed requests) ends the job with the reason, logged and as its exit message."""
+    try:
+        return regenerate_api_shard(prompts_path, out_path, config, dataset, log=log)
+    except (RegenerationStopped, RuntimeError) as e:
+        log(f"{out_path}: not finished: {e}")
+        raise SystemExit(f"responses {out_path}: {e}") from None
 
 
 @dataclass

@@ -32,8 +32,8 @@ from aerie.bench.speculative import (
     speculative_generate,
 )
 from aerie.prompts import read_prompts
-from aerie.target.chat import render_prompt_ids
 from aerie.target.model import end_of_turn_ids, load_target, set_threads
+from aerie.target.template import render_prompt_ids
 
 BENCH_FORMAT = "aerie.bench/2"
 REFERENCES = ("untrained", "ngram")  # drafters the trained one must beat

@@ -12,10 +12,12 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
+from aerie.artifacts import publish_folder
 from aerie.demo_target.config import DemoTargetConfig
 from aerie.demo_target.pretrain import (
     TOKENIZER_SEED_OFFSET,
@@ -69,7 +71,20 @@ def build_demo_target(out_dir: str | Path, cfg: DemoTargetConfig, log: Callable[
     tokenizer.save_pretrained(tmp, save_jinja_files=False)
 
     report = {
-        "format": REPORT_FORMAT,
+        **report_opening(REPORT_FORMAT, cfg),
+        "tokenizer": {"vocab_size": len(tokenizer), "special_token_ids": ids, "seconds": round(tokenizer_seconds, 2)},
+        "model": {"architecture": "LlamaForCausalLM", "parameters": n_params, "dtype": "float32"},
+        "train": train_stats,
+        "metrics": metrics,
+    }
+    return publish_target(tmp, out_dir, report, REPORT_FILE, cfg.threads, t_start, log)
+
+
+def report_opening(report_format: str, cfg: Any) -> dict:
+    """The first fields of a target's build report: its format, the whole build config (a dataclass) and the
+    pre-training corpus (the demo's task language, ``cfg.families`` from ``cfg.seed``)."""
+    return {
+        "format": report_format,
         "config": dataclasses.asdict(cfg),
         "corpus": {
             "kind": "synthetic tasks (aerie.demo_target.tasks)",
@@ -77,42 +92,38 @@ def build_demo_target(out_dir: str | Path, cfg: DemoTargetConfig, log: Callable[
             "train_seed": cfg.seed,
             "loss_on": "assistant completion tokens (reasoning, </think>, answer, <|im_end|>)",
         },
-        "tokenizer": {"vocab_size": len(tokenizer), "special_token_ids": ids, "seconds": round(tokenizer_seconds, 2)},
-        "model": {"architecture": "LlamaForCausalLM", "parameters": n_params, "dtype": "float32"},
-        "train": train_stats,
-        "metrics": metrics,
-        "torch": torch.__version__,
-        "threads": cfg.threads,
-        "seconds": round(time.perf_counter() - t_start, 2),
     }
-    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
-    # Publish: move any old folder aside, rename the new one in, then delete the old one.
-    old = out_dir.with_name(out_dir.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old.exists():
-        shutil.rmtree(old)
+
+def publish_target(
+    tmp: Path, out_dir: Path, report: dict, report_file: str, threads: int, started: float, log: Callable[[str], None]
+) -> dict:
+    """Finish a target folder built at ``tmp``: stamp its build report (torch version, threads, seconds since
+    ``started``), write it into the folder as ``report_file``, publish the folder as ``out_dir`` (never partial:
+    ``publish_folder``) and return the report."""
+    report.update(torch=torch.__version__, threads=threads, seconds=round(time.perf_counter() - started, 2))
+    (tmp / report_file).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    publish_folder(tmp, out_dir)
     log(f"wrote {out_dir} in {report['seconds']:.0f}s")
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the aerie demo target (tiny Llama on synthetic tasks).")
+def parse_build_args(description: str, argv: list[str] | None = None) -> tuple[Path, dict[str, int]]:
+    """The target builders' command line: ``OUT_DIR [--steps N] [--seed N] [--threads N]``, as the output folder
+    and the config fields to override (``train_steps``, ``seed``, ``threads``; unset ones keep the defaults)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--steps", type=int, help="pre-training steps (default: DemoTargetConfig.train_steps)")
+    parser.add_argument("--steps", type=int, help="pre-training steps (default: the config's train_steps)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
-    overrides = {
-        k: v
-        for k, v in {"train_steps": args.steps, "seed": args.seed, "threads": args.threads}.items()
-        if v is not None
-    }
-    report = build_demo_target(args.out_dir, dataclasses.replace(DemoTargetConfig(), **overrides))
+    given = {"train_steps": args.steps, "seed": args.seed, "threads": args.threads}
+    return args.out_dir, {k: v for k, v in given.items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    out_dir, overrides = parse_build_args("Build the aerie demo target (tiny Llama on synthetic tasks).", argv)
+    report = build_demo_target(out_dir, dataclasses.replace(DemoTargetConfig(), **overrides))
     m = {k: v for k, v in report["metrics"].items() if k != "samples"}
     print(json.dumps(m, indent=2))
 

@@ -10,7 +10,6 @@ minutes on the demo's task language with the demo's training loop and evaluation
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import itertools
@@ -25,6 +24,7 @@ import torch
 from transformers import DeepseekV3Config, GenerationConfig
 
 from aerie.capture import base_decoder
+from aerie.demo_target.build import parse_build_args, publish_target, report_opening
 from aerie.demo_target.pretrain import TOKENIZER_SEED_OFFSET, evaluate, pretrain
 from aerie.demo_target.tokenizer import SYSTEM_PROMPTS, special_token_ids, tokenizer_corpus
 from aerie.rehearsal_target import remote_code
@@ -183,18 +183,6 @@ def tokenizer_texts(cfg: RehearsalTargetConfig):
     )
 
 
-def publish(tmp: Path, out_dir: Path) -> None:
-    """Move any old folder aside, rename the new one in, then delete the old one: ``out_dir`` is never partial."""
-    old = out_dir.with_name(out_dir.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def build_rehearsal_target(out_dir: str | Path, cfg: RehearsalTargetConfig, log: Callable[[str], None] = print) -> dict:
     """Train the tokenizer and model, evaluate, and publish a save_pretrained folder (with its custom code)."""
     from transformers import AutoModelForCausalLM
@@ -245,14 +233,7 @@ def build_rehearsal_target(out_dir: str | Path, cfg: RehearsalTargetConfig, log:
     del reloaded
 
     report = {
-        "format": REPORT_FORMAT,
-        "config": dataclasses.asdict(cfg),
-        "corpus": {
-            "kind": "synthetic tasks (aerie.demo_target.tasks)",
-            "families": list(cfg.families),
-            "train_seed": cfg.seed,
-            "loss_on": "assistant completion tokens (reasoning, </think>, answer, <|im_end|>)",
-        },
+        **report_opening(REPORT_FORMAT, cfg),
         "tokenizer": {
             "class": "TikTokenTokenizer (tokenization_kimi.py, trust_remote_code)",
             "bpe_ranks": len(ranks),
@@ -268,32 +249,17 @@ def build_rehearsal_target(out_dir: str | Path, cfg: RehearsalTargetConfig, log:
         },
         "train": train_stats,
         "metrics": metrics,
-        "torch": torch.__version__,
-        "threads": cfg.threads,
-        "seconds": round(time.perf_counter() - t_start, 2),
     }
-    (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    publish(tmp, out_dir)
-    log(f"wrote {out_dir} in {report['seconds']:.0f}s")
-    return report
+    return publish_target(tmp, out_dir, report, REPORT_FILE, cfg.threads, t_start, log)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Build the Kimi-shaped rehearsal target (tiny DeepseekV3 in "
-        "Kimi K2.5's wrapper, tiktoken tokenizer, synthetic tasks)."
+    out_dir, overrides = parse_build_args(
+        "Build the Kimi-shaped rehearsal target (tiny DeepseekV3 in Kimi K2.5's wrapper, tiktoken tokenizer, "
+        "synthetic tasks).",
+        argv,
     )
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--steps", type=int, help="pre-training steps (default: RehearsalTargetConfig.train_steps)")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--threads", type=int)
-    args = parser.parse_args(argv)
-    overrides = {
-        k: v
-        for k, v in {"train_steps": args.steps, "seed": args.seed, "threads": args.threads}.items()
-        if v is not None
-    }
-    report = build_rehearsal_target(args.out_dir, dataclasses.replace(RehearsalTargetConfig(), **overrides))
+    report = build_rehearsal_target(out_dir, dataclasses.replace(RehearsalTargetConfig(), **overrides))
     print(json.dumps({k: v for k, v in report["metrics"].items() if k != "samples"}, indent=2))
 
 

@@ -4,5 +4,9 @@
   architectures, and the aux-layer id rules SGLang imposes. Pure Python: parse time imports only this.
 - ``aerie.target.heads``: its embeddings, output head and final norm read from the safetensors files.
 - ``aerie.target.model``: the tokenizer and model loaded by path, devices, dtypes, threads.
-- ``aerie.target.chat``: prompt rendering with its own chat template, and how a generated turn is framed.
+- ``aerie.target.template``: rendering a conversation with its own chat template (prompt ids, tool-call
+  arguments as the template expects them, template errors that name the failing feature).
+- ``aerie.target.chat``: its chat format probed from the template (turn end, stop ids, think tokens).
+- ``aerie.target.turns``: the template's own text of a generated turn (what the tokens stage trains on).
+- ``aerie.target.text_encoder``: text -> ids with added tokens as single ids, whatever the tokenizer's state.
 """

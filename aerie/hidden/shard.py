@@ -1,0 +1,253 @@
+"""One tokens shard -> one checked hidden shard (format ``aerie.hidden/2``, aerie.formats.hidden).
+
+The session's backend captures the shard's sequences a length-sorted batch at a time; each batch is checked
+on the full-precision states (aerie.hidden.checks) and compressed at once to the storage layout, so only the
+stored form of the shard is ever held whole. Nothing of one shard carries over to the next: the bytes equal
+those of a target loaded for that shard alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aerie.artifacts import split_packed
+from aerie.formats.hidden import FP8, LAYOUTS, quantize_aux, write_hidden_shard
+from aerie.formats.tokens import mask_facts, read_tokens_shard
+from aerie.hidden.backends import TargetSession, length_batches
+from aerie.hidden.checks import CaptureChecks, HiddenStateError, check_agreement
+
+
+def lm_head_topk(
+    final: torch.Tensor, lm_head: torch.Tensor, k: int, max_elements: int = 1 << 26
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, H] final states -> (ids int64 [n, k], log-probs fp32 [n, k]) of the target's top-k next tokens.
+
+    Logits are computed in fp32 on lm_head's device, in row chunks (and, for a bf16 head, vocab chunks) so no
+    temporary exceeds ``max_elements`` floats: Kimi's [163840, 7168] head is never copied whole to fp32. The
+    log-probabilities are normalised over the full vocabulary, so their exp sums to the top-k mass."""
+    V, H = lm_head.shape
+    rows = max(1, max_elements // V)
+    vocab_chunk = V if lm_head.dtype == torch.float32 else max(1, max_elements // H)
+    ids_out, lp_out = [torch.zeros(0, k, dtype=torch.long)], [torch.zeros(0, k)]
+    for r in range(0, len(final), rows):
+        x = final[r : r + rows].to(lm_head.device, torch.float32)
+        logits = torch.cat([x @ lm_head[v : v + vocab_chunk].float().T for v in range(0, V, vocab_chunk)], -1)
+        top = logits.topk(k, dim=-1)  # sorted by logit, descending
+        lp_out.append((top.values - logits.logsumexp(-1, keepdim=True)).cpu())
+        ids_out.append(top.indices.cpu())
+    return torch.cat(ids_out), torch.cat(lp_out)
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """How shards are captured, checked and stored (config ``hidden.*``; ``target.*`` for the load): the keyword
+    arguments of :func:`capture_shard` and :func:`aerie.hidden.run.capture_shards`."""
+
+    aux_layer_ids: Sequence[int] | None  # None: the target's default ids (aerie.target.config)
+    layout: str = "compact"
+    target_topk: int = 32
+    backend: str = "hf"
+    backend_options: dict[str, Any] | None = None  # hidden.sglang, for the sglang backend
+    batch_tokens: int = 8192
+    storage_dtype: str = "bfloat16"
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    threads: int | None = None
+    min_next_token_agreement: float = 0.0
+    min_next_token_in_topk: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"hidden.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+
+    def open_session(self, target_path: str, log: Callable[[str], None]) -> TargetSession:
+        """Set the capture threads and open a session on the target; nothing loads before the first shard."""
+        from aerie.target.model import set_threads
+
+        set_threads(self.threads)
+        return TargetSession(
+            target_path,
+            aux_layer_ids=self.aux_layer_ids,
+            backend=self.backend,
+            backend_options=self.backend_options,
+            batch_tokens=self.batch_tokens,
+            device=self.device,
+            dtype=self.dtype,
+            trust_remote_code=self.trust_remote_code,
+            log=log,
+        )
+
+
+@torch.no_grad()
+def capture_shard(
+    tokens_path: Path, out_path: Path, target_path: str, *, log: Callable[[str], None] = print, **settings: Any
+) -> dict[str, Any]:
+    """Capture the aux + final states of every sequence of one tokens shard with a target loaded for it alone,
+    check them, write one shard; ``settings`` are the fields of :class:`CaptureSettings`. The pipeline captures
+    all shards with one load: :func:`aerie.hidden.run.capture_shards`."""
+    options = CaptureSettings(**settings)
+    with options.open_session(target_path, log) as session:
+        return capture_into(session, tokens_path, out_path, options, log=log)
+
+
+@torch.no_grad()
+def capture_into(
+    session: TargetSession,
+    tokens_path: Path,
+    out_path: Path,
+    settings: CaptureSettings,
+    *,
+    extra_facts: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Capture one tokens shard with the session's target (loading it if this is the first shard), check it
+    on the full-precision states, write it atomically to ``out_path``. Nothing of one shard carries over to
+    the next: the bytes equal those of a session opened for this shard alone."""
+    layout, storage_dtype = settings.layout, settings.storage_dtype
+    tensors, meta = read_tokens_shard(tokens_path)  # a shifted or partial loss mask stops here
+    num_layers, layer_ids, backend, target_path = (
+        session.num_layers,
+        session.layer_ids,
+        session.backend_name,
+        session.target_path,
+    )
+    A = len(layer_ids)
+    seqs = split_packed(tensors["input_ids"], tensors["seq_offsets"])
+    masks = split_packed(tensors["loss_mask"], tensors["seq_offsets"])
+    cap, lm_head = session.open()
+    batch_tokens = session.options["batch_tokens"]
+    started = time.perf_counter()  # after the load: "seconds" is what this shard's capture took
+    H = cap.hidden_size
+    k = min(settings.target_topk, cap.vocab_size)
+    checks = CaptureChecks(layer_ids, H, str(out_path))
+    agree = in_topk = total = 0
+    mass_sum, mass_rows = 0.0, 0
+    # Capture a batch of sequences at a time and compress it at once: only the stored form of the shard
+    # is ever held whole. Ascending length keeps padding low; outputs go back in the shard's order.
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    per_seq: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
+    for group in length_batches([len(seqs[i]) for i in order], batch_tokens):
+        idx = [order[g] for g in group]
+        outs = cap.capture([seqs[s] for s in idx])
+        if len(outs) != len(idx):
+            raise HiddenStateError(
+                f"{out_path}: backend {backend} returned {len(outs)} results for {len(idx)} sequences"
+            )
+        for s, (aux, final) in zip(idx, outs):
+            n = len(seqs[s])
+            if aux.shape != (n, A * H) or final.shape != (n, H):
+                raise HiddenStateError(
+                    f"{out_path}: sequence {s}: backend returned aux {tuple(aux.shape)}, "
+                    f"final {tuple(final.shape)} for {n} tokens (expected ({n}, {A * H}), "
+                    f"({n}, {H}))"
+                )
+            checks.update(aux, final)
+            # Next-token agreement: lm_head(final at t) should give token t+1 wherever t+1 was generated.
+            top_ids, top_lp = lm_head_topk(final, lm_head, k)
+            gen_next = masks[s][1:].bool()
+            recorded = seqs[s][1:][gen_next].long()
+            agree += int((top_ids[:-1, 0][gen_next] == recorded).sum())
+            # Sampled data (temperature > 0): the sampled token should still be among the target's top k.
+            in_topk += int((top_ids[:-1][gen_next] == recorded[:, None]).any(-1).sum())
+            total += int(gen_next.sum())
+            if layout == "compact":
+                q, scale = quantize_aux(aux, A)
+                mass = top_lp[:-1][gen_next].exp().sum(-1)
+                mass_sum, mass_rows = mass_sum + float(mass.sum()), mass_rows + len(mass)
+                per_seq[s] = {
+                    "aux_hidden_states": q,
+                    "aux_scales": scale,
+                    "target_topk_ids": top_ids.to(torch.int32),
+                    "target_topk_logprobs": top_lp.half(),
+                }
+            else:
+                store = getattr(torch, storage_dtype)
+                per_seq[s] = {"aux_hidden_states": aux.to(store), "final_hidden_states": final.to(store)}
+    if checks.rows:  # an empty shard (a dataset that reached its quota) has no states to judge
+        checks.finish()
+
+    if checks.rows != tensors["input_ids"].shape[0]:
+        raise HiddenStateError(
+            f"{out_path}: captured {checks.rows} positions, tokens shard has {tensors['input_ids'].shape[0]}"
+        )
+    agreement = agree / total if total else 1.0
+    topk_rate = in_topk / total if total else 1.0
+    check_agreement(
+        str(out_path),
+        agreement,
+        topk_rate,
+        k,
+        settings.min_next_token_agreement,
+        settings.min_next_token_in_topk,
+    )
+    if per_seq:
+        stored = {name: torch.cat([p[name] for p in per_seq]) for name in per_seq[0]}
+    elif layout == "compact":  # zero sequences: the same tensors with no rows, so every reader stays simple
+        stored = {
+            "aux_hidden_states": torch.zeros(0, A * H, dtype=FP8),
+            "aux_scales": torch.zeros(0, A),
+            "target_topk_ids": torch.zeros(0, k, dtype=torch.int32),
+            "target_topk_logprobs": torch.zeros(0, k, dtype=torch.float16),
+        }
+    else:
+        store = getattr(torch, storage_dtype)
+        stored = {
+            "aux_hidden_states": torch.zeros(0, A * H, dtype=store),
+            "final_hidden_states": torch.zeros(0, H, dtype=store),
+        }
+
+    facts: dict[str, Any] = {
+        "layout": layout,
+        "aux_layer_ids": layer_ids,
+        "num_hidden_layers": num_layers,
+        "hidden_size": H,
+        "vocab_size": cap.vocab_size,
+        "target": str(target_path),
+        "backend": backend,
+        "sample_ids": meta.get("sample_ids", []),
+        # the tokens shard's mask facts, so readers can check the mask again (aerie.formats.tokens.check_tokens_shard)
+        **mask_facts(meta),
+        "next_token_agreement": round(agreement, 6),
+        "next_token_in_topk": round(topk_rate, 6),
+        "next_token_agreement_positions": total,
+        **(extra_facts or {}),
+    }
+    if layout == "compact":
+        facts.update(
+            aux_dtype="float8_e4m3fn",
+            target_topk=k,
+            target_topk_mass=round(mass_sum / mass_rows, 6) if mass_rows else None,
+        )
+    else:
+        facts["storage_dtype"] = storage_dtype
+    write_hidden_shard(
+        out_path,
+        {
+            "input_ids": tensors["input_ids"],
+            "loss_mask": tensors["loss_mask"],
+            "seq_offsets": tensors["seq_offsets"],
+            **stored,
+        },
+        facts,
+    )
+    summary = {
+        "sequences": len(seqs),
+        "tokens": checks.rows,
+        "layout": layout,
+        "aux_layer_ids": layer_ids,
+        "next_token_agreement": agreement,
+        "next_token_in_topk": topk_rate,
+        "bytes": out_path.stat().st_size,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    if layout == "compact":
+        summary["target_topk_mass"] = facts["target_topk_mass"]
+    log(f"{out_path.name}: {summary}")
+    return summary

@@ -1,0 +1,264 @@
+"""The template's own rendering of a generated turn: what the tokens stage trains on after the prompt.
+
+One job: ``render_turn`` renders prompt + the finished assistant message and returns the text after the
+prompt (``TurnText``), with where the model's reasoning and content lie in it and how the template changed
+them. Nothing is hard-coded per model: Qwen3's ``<think>\\nR\\n</think>\\n\\nC``, GLM's
+``\\n<think>R</think>\\nC``, gpt-oss's channels and Kimi K3's tags all come out of the template itself.
+Where the template cannot express the turn it is refused (``TurnRefused``, with the counted reason) or, for
+one named case, falls back to framing learned from a turn the template does render.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from aerie.target.template import (
+    ChatTemplateError,
+    TemplateRaised,
+    messages_for_template,
+    render_text,
+    tool_calls_for_template,
+)
+
+SENTINEL_REASONING = "\u2063aerie-reasoning\u2063"  # U+2063: not whitespace, survives strip()/trim
+SENTINEL_CONTENT = "\u2063aerie-content\u2063"
+PROBE_CALL = {"id": "call_aerie_probe_0", "type": "function", "function": {"name": "aerie_probe", "arguments": {}}}
+
+
+class TurnRefused(Exception):
+    """The template cannot express this record's turn; ``reason`` is the counted drop reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class TurnText:
+    """The template's text of one generated turn, split where the model's own text lies."""
+
+    prompt: str  # the prompt with its generation prompt, as the server renders it
+    generated: str  # the template's text after the prompt for the finished turn (trailing text included)
+    regions: list[tuple[str, int, int]]  # ("reasoning" | "content", start, end): the model's text in ``generated``
+    path: str  # "exact" (the template renders this turn) or "fallback" (reasoning framing from a tool-call turn)
+    generation_prompt: str  # what add_generation_prompt added for this record ("" when none)
+    layout_known: bool = True  # False: the template changed the text in a way the regions cannot show
+    normalised: list[dict[str, str]] = field(default_factory=list)  # API text vs the template's text
+    arguments_as_string: bool = False  # tool-call arguments had to be passed as JSON strings
+
+    @property
+    def text_end(self) -> int:
+        """Where the model's last text ends in ``generated``: the end-of-turn framing follows."""
+        return max((e for _, _, e in self.regions), default=0)
+
+
+def _assistant(
+    reasoning: str | None, content: str | None, calls: list[dict[str, Any]] | None, thinking_key: bool
+) -> dict[str, Any]:
+    m: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        m["reasoning_content"] = reasoning
+        if thinking_key:  # gpt-oss reads the analysis channel from `thinking`
+            m["thinking"] = reasoning
+    if calls:
+        m["tool_calls"] = calls
+    return m
+
+
+def _template_source(tokenizer) -> str:
+    t = getattr(tokenizer, "chat_template", None)
+    return t if isinstance(t, str) else json.dumps(t) if t else ""
+
+
+def _snippet(text: str, at: int, width: int = 40) -> str:
+    return repr(text[max(0, at - width) : at + width])
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def render_turn(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    reasoning: str | None,
+    content: str | None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    think_start_text: str | None = "<think>",
+) -> TurnText:
+    """The template's own text of the generated turn after the prompt, or TurnRefused saying why not.
+
+    Renders prompt + the assistant message (``reasoning_content``, ``content``, ``tool_calls`` with
+    arguments as dicts, strings only where the template requires them) without a generation prompt,
+    requires that it begins with the prompt rendered with this record's generation prompt, tools and
+    template kwargs, and returns the suffix. A second render with sentinel texts shows where the model's
+    reasoning and content lie in it (the rest is the template's framing) and whether the template changed
+    them (strip/trim): such differences are listed in ``normalised``.
+    """
+    kw = dict(template_kwargs or {})
+    thinking_key = "reasoning_content" not in _template_source(tokenizer)
+
+    def render(msgs: list[dict[str, Any]], agp: bool) -> str:
+        return render_text(tokenizer, msgs, add_generation_prompt=agp, tools=tools, **kw)
+
+    def finished(r: str | None, c: str | None, cs: list[dict[str, Any]] | None) -> str:
+        return render(msgs + [_assistant(r, c, cs, thinking_key)], False)
+
+    # Tool-call arguments as dicts (what most templates iterate), in the history too; as JSON strings only
+    # when the template fails on dicts (DeepSeek V3.1 joins them as text).
+    has_calls = bool(tool_calls) or any(m.get("tool_calls") for m in messages)
+    for as_string in (False, True):
+        msgs = messages_for_template(messages, as_string)
+        calls = tool_calls_for_template(tool_calls, as_string)
+        try:
+            prompt = render(msgs, True)
+            bare = render(msgs, False)
+            full = finished(reasoning, content, calls)
+            break
+        except (ChatTemplateError, TemplateRaised):
+            if as_string or not has_calls:
+                raise
+    generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
+    sr = SENTINEL_REASONING if reasoning else reasoning
+    sc = SENTINEL_CONTENT if content else content
+    path, layout, generated = "exact", None, ""
+    if full.startswith(prompt):
+        generated = full[len(prompt) :]
+        framed = finished(sr, sc, calls)
+        layout = framed[len(prompt) :] if framed.startswith(prompt) else None
+    if not full.startswith(prompt) or (reasoning and layout is not None and SENTINEL_REASONING not in layout):
+        # The template drops reasoning it treats as history (Kimi K2: a final answer turns the whole
+        # tool-call loop before it into history): frame the turn as it frames a tool-call turn, or refuse.
+        framing = _framing_from_tool_call_turn(finished, prompt, reasoning, content, calls, as_string)
+        if framing is None:
+            raise _refusal(prompt, full, generation_prompt, reasoning, think_start_text)
+        layout, generated = framing
+        path = "fallback"
+    turn = TurnText(
+        prompt=prompt,
+        generated=generated,
+        regions=[],
+        path=path,
+        generation_prompt=generation_prompt,
+        arguments_as_string=as_string,
+    )
+    _locate_text(turn, layout, reasoning, content)
+    return turn
+
+
+def _refusal(
+    prompt: str, full: str, generation_prompt: str, reasoning: str | None, think_start_text: str | None
+) -> TurnRefused:
+    """Why the template cannot express this turn, as a counted reason and a message naming the behaviour."""
+    if full.startswith(prompt):
+        return TurnRefused(
+            "template_drops_reasoning",
+            (
+                "the template does not render the reasoning of this turn (it keeps reasoning only for turns it "
+                "treats as current, or never renders reasoning_content) and renders no tool-call turn whose "
+                "reasoning framing could be learned: training on its rendering would drop the model's reasoning"
+            ),
+        )
+    at = _first_difference(full, prompt)
+    opened = bool(think_start_text) and generation_prompt.rstrip().endswith(think_start_text.rstrip())
+    if not reasoning and opened:
+        return TurnRefused(
+            "no_reasoning_block_opened",
+            (
+                f"the generation prompt opens the reasoning block ({generation_prompt!r}) but the record has no "
+                f"reasoning and the template renders the turn without that block: training it would put the "
+                f"answer in the reasoning position"
+            ),
+        )
+    return TurnRefused(
+        "prefix_mismatch",
+        (
+            f"the template's rendering of the finished turn does not begin with the prompt it renders with the "
+            f"generation prompt: from character {at} the prompt has {_snippet(prompt, at)} and the finished turn "
+            f"{_snippet(full, at)} (e.g. a user turn that already ends with the assistant opener, doubled by the "
+            f"generation prompt, or a final turn rendered without the block the generation prompt opens)"
+        ),
+    )
+
+
+def _framing_from_tool_call_turn(
+    finished,
+    prompt: str,
+    reasoning: str | None,
+    content: str | None,
+    calls: list[dict[str, Any]] | None,
+    as_string: bool,
+) -> tuple[str, str] | None:
+    """(layout, generated) framed the way the template frames the reasoning of a tool-call turn (which it
+    renders as current), with this turn's own ending; None when no such framing can be learned."""
+    try:
+        tool_turn = finished(SENTINEL_REASONING, SENTINEL_CONTENT, tool_calls_for_template([PROBE_CALL], as_string))
+        own = finished(SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT, calls)
+    except (ChatTemplateError, TemplateRaised):
+        return None
+    body = tool_turn[len(prompt) :] if tool_turn.startswith(prompt) else ""
+    if SENTINEL_REASONING not in body or SENTINEL_CONTENT not in body.split(SENTINEL_REASONING, 1)[1]:
+        return None
+    before, after = body.split(SENTINEL_CONTENT, 1)[0].split(SENTINEL_REASONING, 1)
+    head, _, tail = own.rpartition(SENTINEL_CONTENT)
+    # This turn's own render must show the same framing (reasoning kept or emptied) right before its content.
+    if not (head.endswith(before + after) or head.endswith(before + SENTINEL_REASONING + after)):
+        return None
+    r = SENTINEL_REASONING if reasoning else ""
+    c = SENTINEL_CONTENT if content else ""
+    return before + r + after + c + tail, before + (reasoning or "") + after + (content or "") + tail
+
+
+def _locate_text(turn: TurnText, layout: str | None, reasoning: str | None, content: str | None) -> None:
+    """Fill ``turn.regions`` (and ``normalised``) from the sentinel layout of the generated text."""
+    texts = {"reasoning": reasoning, "content": content}
+    sentinels = {"reasoning": SENTINEL_REASONING, "content": SENTINEL_CONTENT}
+    if layout is None:
+        turn.layout_known = False
+        return
+    found = sorted((layout.index(sentinels[k]), k) for k in sentinels if texts[k] and sentinels[k] in layout)
+    if any(layout.count(sentinels[k]) != 1 for _, k in found):
+        turn.layout_known = False
+        return
+    pieces, rest = [], layout
+    for _, k in found:
+        head, rest = rest.split(sentinels[k], 1)
+        pieces.append(head)
+    pieces.append(rest)
+    # Fast path: the template wrote the API's text verbatim.
+    pos, regions, verbatim = 0, [], True
+    for i, (_, k) in enumerate(found):
+        if not turn.generated.startswith(pieces[i], pos):
+            verbatim = False
+            break
+        pos += len(pieces[i])
+        text = texts[k] or ""
+        if not turn.generated.startswith(text, pos):
+            verbatim = False
+            break
+        regions.append((k, pos, pos + len(text)))
+        pos += len(text)
+    if verbatim and turn.generated[pos:] == pieces[-1]:
+        turn.regions = regions
+        return
+    pattern = "".join(re.escape(p) + "(.*?)" for p in pieces[:-1]) + re.escape(pieces[-1])
+    m = re.fullmatch(pattern, turn.generated, flags=re.DOTALL)
+    if m is None:
+        turn.layout_known = False
+        turn.normalised.append({"field": "turn", "api": "", "template": turn.generated[:80]})
+        return
+    for g, (_, k) in enumerate(found, start=1):
+        turn.regions.append((k, m.start(g), m.end(g)))
+        if m.group(g) != texts[k]:
+            api, tpl = texts[k] or "", m.group(g)
+            kind = "stripped" if api.strip() == tpl.strip() else "changed"
+            turn.normalised.append({"field": k, "kind": kind, "api": _edges(api), "template": _edges(tpl)})
+
+
+def _edges(text: str, width: int = 24) -> str:
+    return repr(text) if len(text) <= 2 * width else repr(text[:width]) + " ... " + repr(text[-width:])

@@ -1,0 +1,30 @@
+"""Stage 3: responses -> token ids + loss masks (format ``aerie.tokens/3``), with a fidelity report.
+
+The training sequence is the prompt rendered by the target's own chat template with the generation
+prompt (and the request's tools, system prompt and ``chat_template_kwargs``), followed by what the target
+generated. The generated part of a text-only record is the template's own rendering of the finished turn
+(``aerie.target.turns.render_turn``): prompt + assistant message rendered without a generation prompt must
+begin with the prompt, and the rest is encoded in one piece (special tokens single ids, nothing merged
+across the prompt boundary) and cut after the stop token the model samples (the template's turn end, or
+the opener of the next turn for templates that write none). So Qwen3's ``<think>\\nR\\n</think>\\n\\nC``,
+GLM's ``\\n<think>R</think>\\nC<|user|>``, gpt-oss's channels and Kimi K3's tags need no code of their own.
+Each record's prompt length is its loss-mask boundary.
+
+Where the template cannot express the turn the record is refused with a counted reason, or - only for
+a template that drops the final turn's reasoning but renders reasoning in a tool-call turn (Kimi K2's
+history rule) - framed as that tool-call turn frames it (path ``fallback``). Every other anomaly is a
+counted decision too: special-token text written by the model (``tokens.special_token_text``), a stop
+token inside the text (always dropped), truncated and filtered answers (never given a turn end),
+degenerate loops, text the template normalises (strip/trim), per provider.
+
+When the backend kept the exact sampled ids (in-process ``hf``, SGLang ``/generate``) they are trained
+on, and the text rebuild is compared with them: every mismatch is classified.
+
+Modules, one job each (imported where used; nothing is re-exported here):
+- ``stage``: ``tokenize_shard``, the rule's one call: read the responses records, decide per record, the
+  drop gate (``too_many_dropped``), pack the kept sequences and write the shard and its report;
+- ``rebuild``: the generated ids of one record from the template's text of its turn (``rebuild_generated``),
+  and why a text rebuild differs from the ids the model sampled (``classify_mismatch``);
+- ``fidelity``: the shard's fidelity report (counts, examples, mismatch classes, per-provider rates) and the
+  providers that differ from the others across shards (``provider_stats``, ``provider_outliers``).
+"""

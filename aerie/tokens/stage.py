@@ -1,0 +1,421 @@
+"""The tokens stage for one shard: responses records in, packed token ids + loss masks and a report out.
+
+One job: ``tokenize_shard``, the rule's one call. It reads and checks each ``aerie.responses/1`` record,
+decides whether it is trained on (finish reason, flags, text, the template's rendering of its turn through
+``aerie.target.turns.render_turn``, the rebuild in ``aerie.tokens.rebuild``, degenerate loops, length),
+applies the drop gate (``too_many_dropped``: a shard fails only on drops beyond chance), packs the kept
+sequences into one flat buffer with their loss masks and writes the ``aerie.tokens/3`` shard
+(``aerie.formats.tokens``) and its fidelity report (``aerie.tokens.fidelity``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aerie.artifacts import FormatError, atomic_write_json, read_jsonl
+from aerie.bench.degenerate import degenerate_flags
+from aerie.formats.responses import RESPONSES_FORMAT
+from aerie.formats.tokens import FidelityError, write_tokens_shard
+from aerie.target.chat import PROBE_USER, next_turn_opener, read_chat_format
+from aerie.target.model import load_tokenizer, read_generation_config
+from aerie.target.template import TemplateRaised, tool_calls_for_template
+from aerie.target.text_encoder import TextEncoder
+from aerie.target.turns import TurnRefused, render_turn
+from aerie.tokens.fidelity import MAX_EXAMPLES, MISMATCH_CLASSES, ShardReport
+from aerie.tokens.rebuild import Drop, classify_mismatch, first_diff, mismatch_example, rebuild_generated
+
+SPECIAL_TOKEN_TEXT_POLICIES = ("keep", "plain", "drop")
+FILTERED_FINISH_REASONS = ("content_filter", "error")
+
+
+def _valid_text(*texts: str | None) -> bool:
+    """False for text a tokenizer cannot encode (a lone surrogate from JSON ``"\\ud800"``)."""
+    try:
+        for t in texts:
+            if t:
+                t.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _reasoning_tokens(usage: dict[str, Any] | None) -> int:
+    details = (usage or {}).get("completion_tokens_details") or {}
+    return int(details.get("reasoning_tokens") or 0)
+
+
+def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
+    return dict((record.get("params") or {}).get("chat_template_kwargs") or {})
+
+
+# A shard fails on drops only when they exceed the tolerated fraction by more than chance explains: with a
+# quota-cut shard of 2 samples one truncated answer is 50 %, which says nothing about the provider.
+DROP_GATE_SIGNIFICANCE = 0.05
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in log space (no overflow for shards of any size)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        for i in range(k, n + 1)
+    ]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+def too_many_dropped(dropped: int, samples: int, max_fraction: float) -> bool:
+    """The tokens stage's drop gate: True when a shard must fail.
+
+    A shard fails when it keeps nothing, or when more than ``max_fraction`` of its samples were dropped and
+    that excess is unlikely under a true drop rate of ``max_fraction`` (one-sided binomial test at
+    ``DROP_GATE_SIGNIFICANCE``). Large shards fail at about the fraction itself (1,000 samples at 0.25: 273
+    or more drops); tiny ones need clearer evidence (2 samples: one drop passes, two fail: nothing kept).
+    """
+    if samples == 0:
+        return False
+    if dropped >= samples:
+        return True
+    if dropped <= max_fraction * samples:
+        return False
+    return binomial_tail(dropped, samples, max_fraction) < DROP_GATE_SIGNIFICANCE
+
+
+def _drop_gate_error(
+    rep: ShardReport, responses_path: Path, samples: int, max_dropped_fraction: float
+) -> FidelityError:
+    """The drop gate's failure: each reason with examples, and what to do about the commonest."""
+    total_dropped = sum(rep.dropped.values())
+    reasons = ", ".join(f"{k}: {v} (e.g. {', '.join(rep.drop_examples[k][:3])})" for k, v in rep.dropped.most_common())
+    hint = ""
+    if rep.dropped.keys() & {"no_reasoning", "reasoning_missing"}:
+        hint = (
+            " - the server returned no reasoning for a thinking model: the provider drops it or its reasoning "
+            "parser is off; pick a provider that returns reasoning (responses.provider) or enable it"
+        )
+    elif rep.dropped.keys() & set(rep.refusal_messages):
+        top = next(k for k, _ in rep.dropped.most_common() if k in rep.refusal_messages)
+        hint = f" - the chat template cannot express these turns ({top}): {rep.refusal_messages[top]}"
+    elif rep.dropped.keys() & {"truncated_response", "over_max_seq_len"}:
+        hint = " - raise responses.max_new_tokens / tokens.max_seq_len, or set tokens.drop_truncated: false"
+    err = FidelityError(
+        f"{responses_path}: {total_dropped} of {samples} samples dropped (more than "
+        f"tokens.max_dropped_fraction {max_dropped_fraction} allows, beyond chance): {reasons}{hint}"
+    )
+    err.report = {
+        "samples": samples,
+        "kept": 0,
+        "dropped": dict(rep.dropped),  # type: ignore[attr-defined]
+        "rebuild_paths": {k: rep.paths[k] for k in ("exact", "fallback", "refused")},
+        "mismatch_classes": {k: rep.mismatch_classes[k] for k in MISMATCH_CLASSES},
+    }
+    return err
+
+
+def tokenize_shard(
+    responses_path: Path,
+    out_path: Path,
+    report_path: Path,
+    target_path: str,
+    *,
+    max_seq_len: int,
+    overlong: str = "truncate",
+    drop_truncated: bool = True,
+    drop_filtered: bool = True,
+    drop_degenerate: bool = True,
+    special_token_text: str = "keep",
+    max_dropped_fraction: float = 0.25,
+    trust_remote_code: bool = False,
+    log: Callable[[str], None] = print,
+    tokenizer=None,
+) -> dict[str, Any]:
+    """Build packed ``input_ids`` / ``loss_mask`` for one responses shard and its fidelity report.
+
+    Fails (FidelityError, nothing written) when more than ``max_dropped_fraction`` of the samples are
+    dropped beyond chance (``too_many_dropped``), e.g. a provider that returns no reasoning or a template that
+    cannot express the turns.
+    ``tokenizer`` overrides loading it from the target. The other settings are ``tokens.*`` (docs/formats.md).
+    """
+    if special_token_text not in SPECIAL_TOKEN_TEXT_POLICIES:
+        raise ValueError(
+            f"tokens.special_token_text must be one of {SPECIAL_TOKEN_TEXT_POLICIES}, not {special_token_text!r}"
+        )
+    tok = tokenizer if tokenizer is not None else load_tokenizer(target_path, trust_remote_code)
+    fmt = read_chat_format(tok, read_generation_config(target_path))
+    enc = TextEncoder(tok)  # private backend copies: no state left by earlier transformers calls
+    stop_ids = set(fmt.stop_ids)
+    think_start_text = enc.decode([fmt.think_start_id]) if fmt.think_start_id is not None else None
+    openers: dict[tuple, int | None] = {}
+    rep = ShardReport()
+    all_ids, lengths, prompt_lengths, kept_ids, cut = array("i"), [], [], [], []
+    gen_prompts: dict[tuple[int, ...], int] = {}
+    gen_prompt_index: list[int] = []
+    records = read_jsonl(responses_path)
+    dataset = ""
+    for n, r in enumerate(records, start=1):
+        where = f"{responses_path}:{n}"
+        if r.get("format") != RESPONSES_FORMAT:
+            raise FormatError(f"{where}: not an {RESPONSES_FORMAT} record (format={r.get('format')!r})")
+        for key in ("id", "messages", "content", "finish_reason"):
+            if key not in r:
+                raise FormatError(f"{where}: missing field '{key}'")
+        sid = str(r["id"])
+        dataset = dataset or str(r.get("dataset") or "")
+        provider = str(r.get("provider") or r.get("backend") or "unknown")
+        stats = rep.providers[provider]
+        stats.samples += 1
+        reasoning, content = r.get("reasoning"), r["content"] or ""
+        finish = str(r["finish_reason"])
+        rep.finish_reasons[finish] += 1
+        # Empty and missing reasoning are different facts: a provider that strips it vs a model that wrote none.
+        if reasoning is None:
+            rep.counts["no_reasoning"] += 1
+        elif not reasoning.strip():
+            rep.counts["empty_reasoning"] += 1
+        else:
+            rep.counts["reasoning_present"] += 1
+            stats.reasoning_present += 1
+        if finish == "length":
+            stats.truncated += 1
+            if drop_truncated:
+                rep.drop("truncated_response", sid, provider)
+                continue
+        if finish in FILTERED_FINISH_REASONS and drop_filtered:
+            rep.drop(f"finish_{finish}", sid, provider)  # a filtered or failed answer is not the model's turn
+            continue
+        finished = finish not in ("length", *FILTERED_FINISH_REASONS)
+        # API responses flagged at regeneration (empty answer, reasoning missing) are not trained on.
+        bad = [f for f in r.get("flags", []) if f in ("empty", "no_reasoning")]
+        if bad:
+            rep.drop(bad[0], sid, provider)
+            continue
+        if not _valid_text(reasoning, content):
+            rep.drop("invalid_text", sid, provider)
+            continue
+        exact = r.get("output_token_ids")
+        if exact is None:
+            # Text only: the ids must come from the text, so text that lost information is not trained on.
+            if not reasoning and _reasoning_tokens(r.get("usage")) > 0:
+                rep.drop("reasoning_missing", sid, provider)  # the server counted reasoning tokens it did not return
+                continue
+            if "\ufffd" in (reasoning or "") or "\ufffd" in content:
+                rep.drop("replacement_characters", sid, provider)
+                continue
+
+        tools = r.get("tools") or None
+        kwargs = _template_kwargs(r)
+        try:
+            turn = render_turn(
+                tok,
+                r["messages"],
+                reasoning,
+                content,
+                r.get("tool_calls"),
+                tools,
+                kwargs,
+                think_start_text=think_start_text,
+            )
+        except (TurnRefused, TemplateRaised) as refused:
+            rep.paths["refused"] += 1
+            reason = getattr(refused, "reason", "template_raised")
+            if exact is None:
+                rep.drop(reason, sid, provider, str(refused))
+                continue
+            turn = None  # exact ids: trained as sampled, the template's view of the turn is only reported
+            if reason not in rep.refusal_messages:
+                rep.refusal_messages[reason] = str(refused)
+        prompt_ids = enc.encode(turn.prompt) if turn is not None else [int(i) for i in r["prompt_token_ids"]]
+        if r.get("prompt_token_ids") is not None and r["prompt_token_ids"] != prompt_ids:
+            # The ids the model actually saw differ from our rendering: the template or tokenizer changed.
+            raise FormatError(
+                f"{where}: prompt ids recorded at generation differ from the chat template's rendering at "
+                f"position {first_diff(prompt_ids, r['prompt_token_ids'])}; was the target or its template changed?"
+            )
+        if len(r["messages"]) > 1 and any(m.get("role") == "assistant" for m in r["messages"]):
+            rep.counts["multi_turn"] += 1
+        if r.get("tool_calls"):
+            rep.counts["tool_calls"] += 1
+        rebuilt = None
+        if turn is not None:
+            rep.paths[turn.path] += 1
+            rep.counts["tool_arguments_as_string"] += turn.arguments_as_string
+            for change in turn.normalised[:1]:  # one count per sample, the first change as the example
+                stats.mismatched += exact is None
+                rep.mismatch("template_normalised", {"id": sid, **change})
+
+            record_calls = r.get("tool_calls")
+
+            def opener(calls=record_calls, kw=kwargs, tl=tools) -> int | None:
+                # Learned on a one-question probe: the record's own history may change when a turn follows.
+                key = (bool(calls), repr(sorted(kw.items())), bool(tl))
+                if key not in openers:
+                    layout = {
+                        "role": "assistant",
+                        "content": "x",
+                        **({"tool_calls": tool_calls_for_template(calls, False)} if calls else {}),
+                    }
+                    openers[key] = next_turn_opener(
+                        tok, [{"role": "user", "content": PROBE_USER}], layout, enc.special_ids, tl, kw
+                    )
+                return openers[key]
+
+            try:
+                rb = rebuild_generated(
+                    enc,
+                    turn,
+                    stop_ids,
+                    finished=finished,
+                    policy=special_token_text,
+                    opener=opener,
+                    api_texts={"reasoning": reasoning, "content": content},
+                )
+            except Drop as dropped:
+                if exact is None:
+                    rep.drop(dropped.reason, sid, provider, str(dropped))
+                    continue
+                rb = None
+            if rb is not None:
+                rebuilt = rb.ids
+                if rb.special_text:
+                    rep.counts["special_token_text"] += 1
+                    if len(rep.special_text_examples) < MAX_EXAMPLES:
+                        rep.special_text_examples.append(
+                            {"id": sid, "tokens": [f"{f}: {t}" for f, t in rb.special_text[:5]]}
+                        )
+                if rb.ids and rb.ids[-1] not in stop_ids and finished:
+                    stop_ids.add(rb.ids[-1])  # the next turn's opener (GLM): it ends the turn in this shard
+        if exact is not None:
+            rep.counts["exact_ids_available"] += 1
+            exact = [int(i) for i in exact]
+            if not stop_ids.isdisjoint(exact[:-1]):  # a turn end mid-sequence: never trained
+                rep.drop("stop_token_in_text", sid, provider, "a stop token inside the sampled ids, before their end")
+                continue
+            stats.checked += 1
+            if rebuilt == exact:
+                rep.counts["retokenized_equal"] += 1
+            elif rebuilt is not None:
+                cls = classify_mismatch(tok, fmt, exact, rebuilt, reasoning, content)
+                stats.mismatched += 1
+                rep.mismatch(cls, {"id": sid, **mismatch_example(tok, exact, rebuilt)})
+            output_ids = exact
+        else:
+            stats.checked += 1
+            output_ids = rebuilt
+            usage = r.get("usage") or {}
+            # Text-only APIs: the server's own token counts are a cheap check of the prompt and the rebuild.
+            if usage.get("completion_tokens") is not None:
+                rep.counts["usage_length_checked"] += 1
+                delta = int(usage["completion_tokens"]) - len(rebuilt)
+                rep.usage_deltas[delta] += 1
+                rep.counts["usage_length_equal"] += delta == 0
+                if delta and len(rep.usage_mismatches) < MAX_EXAMPLES:
+                    rep.usage_mismatches.append(
+                        {"id": sid, "server": int(usage["completion_tokens"]), "rebuilt": len(rebuilt)}
+                    )
+            if usage.get("prompt_tokens") is not None:
+                rep.counts["prompt_length_checked"] += 1
+                if int(usage["prompt_tokens"]) == len(prompt_ids):
+                    rep.counts["prompt_length_equal"] += 1
+                elif len(rep.prompt_mismatches) < MAX_EXAMPLES:
+                    rep.prompt_mismatches.append(
+                        {"id": sid, "server": int(usage["prompt_tokens"]), "rendered": len(prompt_ids)}
+                    )
+        ended = bool(output_ids) and output_ids[-1] in stop_ids
+        if not ended and finished:
+            raise FormatError(f"{where}: finish_reason is {finish!r} but the output does not end the turn")
+        # A looping answer is trivially predictable: it would teach the drafter, and flatter it, on loops.
+        if degenerate_flags(output_ids[:-1] if ended else output_ids):
+            stats.degenerate += 1
+            rep.counts["degenerate"] += 1
+            if drop_degenerate:
+                rep.drop("degenerate_output", sid, provider)
+                continue
+
+        n_prompt, n_total = len(prompt_ids), len(prompt_ids) + len(output_ids)
+        if n_total > max_seq_len:
+            if overlong == "drop" or n_prompt >= max_seq_len:
+                rep.drop("over_max_seq_len", sid, provider)
+                continue
+            rep.counts["truncated_to_max_seq_len"] += 1
+            ended = False
+        if not output_ids:
+            rep.drop("empty", sid, provider)
+            continue
+        n = min(n_total, max_seq_len)
+        if not ended:
+            cut.append(len(lengths))
+        # One flat int32 buffer for the shard: no per-sample tensor, the mask is built from the lengths.
+        all_ids.extend(prompt_ids)
+        all_ids.extend(output_ids[: n - n_prompt])
+        lengths.append(n)
+        prompt_lengths.append(n_prompt)
+        gp = enc.encode(turn.generation_prompt) if turn is not None else []
+        gp = tuple(gp) if prompt_ids[len(prompt_ids) - len(gp) :] == gp else ()
+        gen_prompt_index.append(gen_prompts.setdefault(gp, len(gen_prompts)))
+        kept_ids.append(sid)
+        stats.kept += 1
+        stats.lengths.append(n - n_prompt)
+        rep.counts["prompt_tokens"] += n_prompt
+        rep.counts["generated_tokens"] += n - n_prompt
+
+    total_dropped = sum(rep.dropped.values())
+    if records and (not lengths or too_many_dropped(total_dropped, len(records), max_dropped_fraction)):
+        raise _drop_gate_error(rep, responses_path, len(records), max_dropped_fraction)
+    # No records at all is a valid shard: its dataset reached its output-token quota before the shard began
+    # (aerie.api: the shard is published empty with its completion record). It yields an empty tokens shard.
+    tensors = _packed(all_ids, lengths, prompt_lengths)
+    prompts_table = [list(gp) for gp, _ in sorted(gen_prompts.items(), key=lambda kv: kv[1])]
+    meta = {
+        "sample_ids": kept_ids,
+        "target": str(target_path),
+        "tokenizer_sha256": _tokenizer_sha(target_path),
+        "num_dropped": total_dropped,
+        "prompt_lengths": prompt_lengths,
+        "generation_prompts": prompts_table,
+        "generation_prompt_index": gen_prompt_index,
+        # /2 readers: the generation prompt when every sequence shares one, else [] (no check of it)
+        "generation_prompt_ids": prompts_table[0] if len(prompts_table) == 1 else [],
+        "stop_ids": sorted(stop_ids),
+        "cut_sequences": cut,
+    }
+    # Self-checked before publishing: a mask bug in this stage must never reach training.
+    write_tokens_shard(out_path, tensors, meta)
+
+    report = rep.as_dict(
+        dataset, samples=len(records), kept=len(kept_ids), special_token_text_policy=special_token_text
+    )
+    atomic_write_json(report_path, report)
+    rep.log_summary(report, out_path.name, report_path, log)
+    return report
+
+
+def _packed(all_ids: array, lengths: list[int], prompt_lengths: list[int]) -> dict[str, torch.Tensor]:
+    """The shard's tensors from one flat buffer of ids and each sequence's length and prompt length."""
+    input_ids = torch.frombuffer(all_ids, dtype=torch.int32).clone() if lengths else torch.zeros(0, dtype=torch.int32)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    # 1 from each sequence's first generated position to its end: position - start >= prompt length
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.repeat_interleave(offsets[:-1], counts)
+    positions = torch.arange(len(input_ids), dtype=torch.int64) - starts
+    prompt_starts = torch.repeat_interleave(torch.tensor(prompt_lengths, dtype=torch.int64), counts)
+    loss_mask = (positions >= prompt_starts).to(torch.uint8)
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "seq_offsets": offsets}
+
+
+def _tokenizer_sha(target_path: str) -> str:
+    tokenizer_file = Path(target_path) / "tokenizer.json"
+    return hashlib.sha256(tokenizer_file.read_bytes()).hexdigest() if tokenizer_file.exists() else ""
