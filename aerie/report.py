@@ -82,7 +82,7 @@ def load_responses(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
 def load_quotas(paths: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
     """Per dataset, from the completion records beside API responses shards (aerie.responses-completion/1):
     prompts, samples kept, prompts not requested because the output-token quota was reached, the quota."""
-    from aerie.api.client import read_completion
+    from aerie.formats.responses import read_completion
 
     out: dict[str, dict[str, Any]] = {}
     for path in paths:

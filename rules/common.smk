@@ -130,8 +130,8 @@ def get_responses_gpus(wildcards):
 
 
 def cost_preview():
-    """The pending API work per dataset, cut at each quota (aerie.api.shard.CostPreview; None without API datasets)."""
-    from aerie.api.shard import cost_preview as preview
+    """The pending API work per dataset, cut at each quota (aerie.api.preview.CostPreview; None without API datasets)."""
+    from aerie.api.preview import cost_preview as preview
 
     try:
         return preview(config, PLANS, Path("results"))

@@ -19,10 +19,11 @@ from aerie.api.backends import (
     parse_sglang_generate,
     request_body,
 )
-from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, read_completion, regenerate_shard
+from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, regenerate_shard
 from aerie.api.emulator import DEFAULT_PROVIDERS, EmulatorSettings, serve_in_thread
 from aerie.api.journal import Journal, intents_path, journal_path, messages_key, read_journal, unseen_intents
 from aerie.artifacts import FormatError, read_jsonl
+from aerie.formats.responses import read_completion
 
 MODEL = "moonshotai/kimi-k2.5"
 

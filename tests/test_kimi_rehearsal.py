@@ -73,7 +73,7 @@ ALLOWED_DIFFERENCES = {
 # the quota may hold a single sample, and one truncated answer would leave it empty: the drop gate fails it.)
 CAPPED = "code"
 # Requests without a seed are sampled by the rehearsal's server as if they carried this one (per request, mixed
-# with the prompt: aerie.api.serve.seed_each_request), so the answers do not depend on timing or retries.
+# with the prompt: aerie.api.serve.honour_request_sampling), so the answers do not depend on timing or retries.
 SERVER_SEED = 11
 # Cores for the rehearsal's Snakemake runs: CI has 2 quiet cores. On a shared machine, set 1: two torch threads
 # that wait for a busy core run many times slower than one (shared/notes/demo-target.md).
@@ -160,8 +160,8 @@ def write_prompt_files(folder: Path) -> dict[str, int]:
 
 def preview_usd(workdir: Path, configfile: Path) -> float:
     """The pending dollars of the cost preview `snakemake -n` prints, unrounded: the same function
-    (aerie.api.shard.cost_preview) on the config as the Snakefile validates it (schema defaults filled)."""
-    from aerie.api.shard import cost_preview
+    (aerie.api.preview.cost_preview) on the config as the Snakefile validates it (schema defaults filled)."""
+    from aerie.api.preview import cost_preview
     from aerie.config_file import ConfigSources
     from aerie.plan import check_config, plan_datasets, validate_config
 

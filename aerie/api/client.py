@@ -57,10 +57,7 @@ from aerie.api.journal import (
     unseen_intents,
 )
 from aerie.artifacts import atomic_write_bytes
-from aerie.formats.responses import RESPONSES_FORMAT
-
-COMPLETION_FORMAT = "aerie.responses-completion/1"
-QUOTA_REASON = "max_output_tokens"
+from aerie.formats.responses import COMPLETION_FORMAT, QUOTA_REASON, RESPONSES_FORMAT, write_completion
 
 
 @dataclass
@@ -387,27 +384,10 @@ async def regenerate_shard(
         )
     summary["completion"] = completion
     # The completion record first: a published shard always has it beside it.
-    atomic_write_bytes(completion_path(out_path), (json.dumps(completion, indent=1) + "\n").encode())
+    write_completion(out_path, completion)
     # The journal lines verbatim, in prompt order: nothing is serialized twice.
     atomic_write_bytes(out_path, b"".join(state.lines[i] for i in kept))
     return summary
-
-
-def completion_path(shard_output: str | Path) -> Path:
-    """``shard-00000.jsonl`` -> ``shard-00000.completion.json`` (aerie.responses-completion/1)."""
-    p = Path(shard_output)
-    return p.with_name(p.name.removesuffix(".jsonl") + ".completion.json")
-
-
-def read_completion(shard_output: str | Path) -> dict[str, Any] | None:
-    """The completion record beside a responses shard; None when there is none (in-process shards)."""
-    path = completion_path(shard_output)
-    if not path.exists():
-        return None
-    rec = json.loads(path.read_text())
-    if rec.get("format") != COMPLETION_FORMAT:
-        raise ValueError(f"{path}: not an {COMPLETION_FORMAT} record (format={rec.get('format')!r})")
-    return rec
 
 
 async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:

@@ -1,0 +1,184 @@
+"""The cost preview: the pending API work per dataset, capped at each dataset's output-token quota, priced,
+and reconciled with the account (what `snakemake -n` prints and a real start checks, rules/common.smk).
+
+Parse time imports this module: it reads journals, completion records and prices, and never imports the HTTP
+client (aiohttp) or torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aerie.api.backends import API_BACKENDS, BackendSettings
+from aerie.api.money import (
+    AccountState,
+    DatasetEstimate,
+    Prices,
+    account_id,
+    account_ledger_path,
+    account_state,
+    api_key_from_env,
+    estimate_dataset,
+    estimate_shard,
+    format_preview,
+    mean_output_tokens,
+    read_account_ledger,
+    read_account_usage,
+    resolve_prices,
+    run_spend,
+)
+from aerie.formats.responses import read_completion
+from aerie.plan import responses_config
+from aerie.prompts import iter_prompts
+
+
+def backend_settings(responses: dict[str, Any], target_path: str, base_url: str | None = None) -> BackendSettings:
+    """The request settings of a dataset's merged ``responses`` config (their hash keys the journal)."""
+    served = bool(responses.get("serve"))
+    return BackendSettings(
+        backend=responses["backend"],
+        # A server started by the rule serves the target folder under its path.
+        model=str(target_path)
+        if served
+        else responses["model"]
+        if responses["backend"] != "sglang"
+        else responses.get("model") or str(target_path),
+        base_url=base_url or responses.get("base_url") or "",
+        temperature=responses["temperature"],
+        top_p=responses["top_p"],
+        max_new_tokens=responses["max_new_tokens"],
+        seed=responses["seed"] if responses.get("send_seed") else None,
+        provider=responses.get("provider"),
+        reasoning=responses.get("reasoning"),
+        extra_headers=responses.get("extra_headers"),
+    )
+
+
+def api_datasets(config: dict[str, Any]) -> list[str]:
+    """The datasets regenerated through an API (OpenRouter or an OpenAI-compatible server)."""
+    return [name for name in config["datasets"] if responses_config(config, name)["backend"] in API_BACKENDS]
+
+
+@dataclass
+class CostPreview:
+    """What ``snakemake -n`` prints and a real start checks (rules/common.smk)."""
+
+    text: str
+    pending_usd: float
+    budget: float | None
+    spent: float  # journals
+    lost: float  # billed by the account, in no journal
+    datasets: dict[str, DatasetEstimate]
+
+
+def preview_account(
+    config: dict[str, Any], datasets: list[str], results_dir: Path, spent: float, live: bool
+) -> tuple[AccountState | None, str]:
+    """The account reconcile for the preview: live when the key is here, else the ledger's last reading."""
+    accounts = {account_id(responses_config(config, d)) for d in datasets} - {None}
+    if not accounts:
+        return None, ""
+    if len(accounts) > 1:
+        return None, f"{len(accounts)} accounts: per-account reconcile is shown in each job's log"
+    account = accounts.pop()
+    responses = responses_config(config, next(d for d in datasets if account_id(responses_config(config, d))))
+    ledger = read_account_ledger(account_ledger_path(results_dir), account)
+    usage = None
+    key = api_key_from_env(responses)
+    if live and key:
+        try:
+            reading = read_account_usage(responses, key, timeout=10)
+            usage = reading["usage"] if reading else None
+        except RuntimeError as e:
+            if not ledger:
+                return None, f"not readable ({e})"
+    state = account_state(ledger, usage, spent)
+    if state is not None and not ledger:
+        # No job has started: today's usage is only the baseline the first start will record.
+        return None, f"usage ${usage:.2f} now; recorded and reconciled from the first start on"
+    if state is None:
+        return None, "no reading yet (recorded at the first start; set the key's variable to read it live)"
+    return state, ""
+
+
+def _quota_raised(completion: dict[str, Any], quota: int | None) -> bool:
+    recorded = completion.get("max_output_tokens")
+    return recorded is not None and (quota is None or quota > recorded)
+
+
+def cost_preview(
+    config: dict[str, Any], plans: dict[str, Any], results_dir: Path, live: bool = True
+) -> CostPreview | None:
+    """Estimate the pending API work per dataset, cut at each dataset's output-token quota; None when no
+    dataset uses an API.
+
+    Pending = training shards whose declared output does not exist yet, minus the samples their
+    journals already hold.
+    """
+    datasets = api_datasets(config)
+    if not datasets:
+        return None
+    spend = run_spend(results_dir, datasets)
+    estimates: dict[str, DatasetEstimate] = {}
+    notes: list[str] = []
+    prices_seen: Prices | None = None
+    budget = config["responses"].get("budget_usd")
+    priced: dict[str, Prices] = {}  # one endpoints-API call per distinct model/routing, not per dataset
+    for name in datasets:
+        responses = responses_config(config, name)
+        key = json.dumps(
+            [
+                responses.get(k)
+                for k in (
+                    "backend",
+                    "base_url",
+                    "model",
+                    "provider",
+                    "live_prices",
+                    "price_per_million_input_usd",
+                    "price_per_million_output_usd",
+                )
+            ],
+            sort_keys=True,
+        )
+        if key not in priced:
+            priced[key] = resolve_prices(responses, api_key_from_env(responses), live=live and responses["live_prices"])
+        prices = priced[key]
+        prices_seen = prices_seen or prices
+        ds = config["datasets"][name]
+        mean_tokens, basis = mean_output_tokens(responses, spend[name], (name, ds))
+        phash = backend_settings(responses, config["target"]["path"]).params_hash()
+        plan = plans[name]
+        prompts_iter = iter_prompts(name, ds, config["datasets"])
+        rows, cut = [], []
+        for shard in plan.shard_names:
+            out = results_dir / name / "responses" / f"shard-{shard}.jsonl"
+            start, stop = plan.shard_range(int(shard))
+            prompts = list(itertools.islice(prompts_iter, stop - start))
+            if out.exists():
+                done = read_completion(out)
+                if done and done["not_requested"] and _quota_raised(done, ds.get("max_output_tokens")):
+                    cut.append(str(out))
+                continue
+            rows.append(estimate_shard(name, shard, prompts, out, phash, mean_tokens, prices))
+        if cut:
+            # A published shard is never rerun by Snakemake on its own: say how to request the rest.
+            notes.append(
+                f"datasets.{name}.max_output_tokens was raised after {len(cut)} shard(s) were published "
+                f"at the old quota; not counted above. `snakemake --forcerun {' '.join(cut)}` requests "
+                "their remaining prompts (journaled samples are not paid again)"
+            )
+        estimates[name] = estimate_dataset(
+            name, rows, mean_tokens, basis, prices, ds.get("max_output_tokens"), int(spend[name]["completion_tokens"])
+        )
+    spent = sum(s["cost"] for s in spend.values())
+    account, note = preview_account(config, datasets, results_dir, spent, live)
+    text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
+    text += "".join(f"\n  NOTE {n}" for n in notes)
+    return CostPreview(
+        text, sum(e.dollars for e in estimates.values()), budget, spent, account.lost if account else 0.0, estimates
+    )
