@@ -22,12 +22,12 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, snakemake
+from tiny_world import write_random_tokens_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aerie.artifacts import load_packed, save_packed
+from aerie.artifacts import load_packed
 from aerie.capture_store import KEY_FIELD, store_path
 from aerie.formats.hidden import HIDDEN_FORMAT
-from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.hidden import capture_shard
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -55,27 +55,6 @@ def tokens_paths(root: Path) -> list[Path]:
     return [root / "results" / "tasks" / "tokens" / f"shard-{s:05d}.safetensors" for s in range(SHARDS)]
 
 
-def write_tokens(path: Path, seed: int) -> None:
-    ids = torch.randint(3, 200, (SEQS, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
-    mask = torch.zeros(SEQ_LEN, dtype=torch.uint8)
-    mask[SEQ_LEN // 2 :] = 1
-    save_packed(
-        path,
-        {
-            "input_ids": ids.flatten().to(torch.int32),
-            "loss_mask": mask.repeat(SEQS),
-            "seq_offsets": torch.arange(SEQS + 1, dtype=torch.int64) * SEQ_LEN,
-        },
-        {
-            "format": TOKENS_FORMAT,
-            "sample_ids": [f"tasks/{seed}-{i}" for i in range(SEQS)],
-            "generation_prompt_ids": [],
-            "stop_ids": [],
-            "cut_sequences": list(range(SEQS)),
-        },
-    )
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("capture_once") / "target"
@@ -98,7 +77,7 @@ def make_workdir(root: Path, target: Path) -> Path:
     """A workdir whose tokens shards exist (random ids, so the agreement check is off) and a config for them."""
     root.mkdir(parents=True)
     for s, path in enumerate(tokens_paths(root)):
-        write_tokens(path, seed=s)
+        write_random_tokens_shard(path, SEQS, SEQ_LEN, seed=s)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"] = {"path": str(target), "device": "cpu", "dtype": "float32"}
     config["datasets"] = {
@@ -202,7 +181,9 @@ def test_a_changed_tokens_shard_is_recaptured_alone_and_a_forced_rerun_loads_not
     root = tmp_path / "work"
     shutil.copytree(full_run, root, symlinks=True)  # separate files: the original run stays untouched
     changed = tokens_paths(root)[2]
-    write_tokens(changed, seed=100)  # e.g. the tokens job redone after its responses changed
+    write_random_tokens_shard(
+        changed, SEQS, SEQ_LEN, seed=100
+    )  # e.g. the tokens job redone after its responses changed
     assert plan_line(root) == (
         f"aerie capture plan: rule hidden (one job for all {SHARDS} shards) publishes 1 "
         "pending: 1 target load when it runs (one job per shard: 1)"

@@ -15,13 +15,12 @@ import pytest
 import torch
 import yaml
 from conftest import REPO
+from tiny_world import write_random_tokens_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aerie.artifacts import save_packed
 from aerie.capture_store import store_path
 from aerie.config_file import ConfigSources
 from aerie.disk import bytes_per_token, disk_preview
-from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.hidden import ShardTask, capture_shards
 from aerie.plan import validate_config
 from aerie.prompts import plan_dataset
@@ -30,27 +29,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SEQ_LEN = 16
 SEQS = [3, 5, 4]  # sequences of the three shards: each shard's token count differs
-
-
-def write_tokens(path: Path, seqs: int, seed: int) -> None:
-    ids = torch.randint(3, 200, (seqs, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
-    mask = torch.zeros(SEQ_LEN, dtype=torch.uint8)
-    mask[SEQ_LEN // 2 :] = 1
-    save_packed(
-        path,
-        {
-            "input_ids": ids.flatten().to(torch.int32),
-            "loss_mask": mask.repeat(seqs),
-            "seq_offsets": torch.arange(seqs + 1, dtype=torch.int64) * SEQ_LEN,
-        },
-        {
-            "format": TOKENS_FORMAT,
-            "sample_ids": [f"tasks/{seed}-{i}" for i in range(seqs)],
-            "generation_prompt_ids": [],
-            "stop_ids": [],
-            "cut_sequences": list(range(seqs)),
-        },
-    )
 
 
 @pytest.fixture()
@@ -85,7 +63,7 @@ def run(tmp_path: Path) -> dict:
     results = tmp_path / "results"
     tokens = [results / "tasks" / "tokens" / f"shard-{s:05d}.safetensors" for s in range(3)]
     for s, path in enumerate(tokens):
-        write_tokens(path, SEQS[s], seed=s)
+        write_random_tokens_shard(path, SEQS[s], SEQ_LEN, seed=s)
     hidden = [results / "tasks" / "hidden" / p.name for p in tokens]
     return {"config": config, "plans": plans, "results": results, "tokens": tokens, "hidden": hidden}
 

@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import REPO, snakemake
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_world import save_tiny_llama_target
 
 from aerie.artifacts import read_jsonl
 from aerie.capture_store import (
@@ -36,7 +35,6 @@ from aerie.capture_store import (
     store_path,
     stored_generation,
 )
-from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
 from aerie.responses import generate_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -58,26 +56,7 @@ def loads(log: str) -> int:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("responses_loads") / "target"
-    tok = train_tokenizer(tokenizer_corpus(300, seed=1), vocab_size=400)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama_target(tmp_path_factory.mktemp("responses_loads") / "target")
 
 
 def make_config(root: Path, target: Path, **resources: int) -> Path:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from tiny_world import save_tiny_llama_target
+from transformers import AutoModelForCausalLM
 
 from aerie.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
-from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
 from aerie.formats.hidden import HIDDEN_FORMAT
 from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.formats.vocab import load_draft_vocab
@@ -27,26 +27,7 @@ from aerie.vocab import build_draft_vocab, select_draft_vocab
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> Path:
     """A random 6-layer Llama + a Kimi-style tokenizer, saved like a real target."""
-    path = tmp_path_factory.mktemp("target")
-    tok = train_tokenizer(tokenizer_corpus(300, seed=1), vocab_size=400)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_llama_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")

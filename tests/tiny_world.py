@@ -1,10 +1,13 @@
-"""Builders shared by the drafter and speculative-decoding tests (test_drafter, test_drafter_mla, test_speculative).
+"""Builders shared by the tests: tiny targets, their data and drafters.
 
 - :func:`target_world`: a tiny target's own training data, as the pipeline would make it: greedy continuations
   of random prompts, their aux states (aerie.capture's hooks) and final states written as two hidden shards
   in the documented ``aerie.hidden/1`` (full) layout, and a draft vocab of the most frequent generated tokens
   (``aerie.draft-vocab/1``); :func:`world_drafter` an untrained EAGLE-3 drafter for it, :data:`TINY_TRAIN`
   how the tests train one.
+- :func:`save_tiny_llama_target`: a random 6-layer Llama with a trained Kimi-style tokenizer, saved like a real
+  target; :func:`write_random_tokens_shard`: an ``aerie.tokens/3`` shard of random ids, the second half of each
+  sequence supervised (capture and store tests).
 - :func:`char_chat_tokenizer` and :func:`write_prompts`: what a saved target needs for the in-process
   benchmark (a character-level tokenizer with a chat template) and the prompts it runs on.
 
@@ -206,3 +209,55 @@ def write_prompts(path: Path, texts: Sequence[str], dataset: str = "demo") -> No
         for i, text in enumerate(texts)
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def save_tiny_llama_target(path: Path) -> Path:
+    """A random 6-layer Llama (hidden 32) and a Kimi-style tokenizer trained on 300 chat texts, saved at ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
+
+    tok = train_tokenizer(tokenizer_corpus(300, seed=1), vocab_size=400)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_random_tokens_shard(path: Path, seqs: int, seq_len: int, seed: int) -> None:
+    """An ``aerie.tokens/3`` shard of ``seqs`` random sequences of ``seq_len`` ids (second halves supervised)."""
+    from aerie.artifacts import save_packed
+    from aerie.formats.tokens import TOKENS_FORMAT
+
+    ids = torch.randint(3, 200, (seqs, seq_len), generator=torch.Generator().manual_seed(seed))
+    mask = torch.zeros(seq_len, dtype=torch.uint8)
+    mask[seq_len // 2 :] = 1
+    save_packed(
+        path,
+        {
+            "input_ids": ids.flatten().to(torch.int32),
+            "loss_mask": mask.repeat(seqs),
+            "seq_offsets": torch.arange(seqs + 1, dtype=torch.int64) * seq_len,
+        },
+        {
+            "format": TOKENS_FORMAT,
+            "sample_ids": [f"tasks/{seed}-{i}" for i in range(seqs)],
+            "generation_prompt_ids": [],
+            "stop_ids": [],
+            "cut_sequences": list(range(seqs)),
+        },
+    )
