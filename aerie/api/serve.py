@@ -8,8 +8,8 @@ every exit path.
 Targets with custom code (Kimi K2.5, the rehearsal target: ``auto_map`` in config.json, loaded with
 ``trust_remote_code``) are served through ``python -m aerie.api.serve serve MODEL_DIR ...``: transformers
 5's ``serve`` ignores ``auto_map`` when it picks the model class (see ``expose_remote_architecture``), so this
-launcher makes the folder's own classes the ones it finds, then runs ``transformers serve`` with its sampling
-seeded per request (``seed_each_request``).
+launcher makes the folder's own classes the ones it finds, then runs ``transformers serve`` sampling as an API does
+(``honour_request_sampling``: a positive temperature samples, seeded per request).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def transformers_serve_command(
 ) -> list[str]:
     """``transformers serve`` for one model folder; custom-code folders and seeded sampling go through this
     module's launcher. ``default_request_seed``: requests without a ``seed`` are sampled as if they carried
-    this one (see ``seed_each_request``): each answer is then a function of its request alone."""
+    this one (see ``honour_request_sampling``): each answer is then a function of its request alone."""
     args = [
         "serve",
         str(model_path),
@@ -127,10 +127,15 @@ class _SeededGenerate:
         return self._model.generate(*args, **kwargs)
 
 
-def seed_each_request(default_seed: int | None = None) -> None:
-    """Make a sampled answer of ``transformers serve`` a function of its request alone.
+def honour_request_sampling(default_seed: int | None = None) -> None:
+    """Make ``transformers serve`` sample as an API does, each answer a function of its request alone.
 
-    transformers 5's server seeds the process-wide torch RNG when a request arrives (``set_torch_seed`` in
+    Sampling: a request with a positive ``temperature`` is sampled (``do_sample``), as OpenAI-compatible servers and
+    OpenRouter's providers do. transformers 5's server only ever turns sampling off (temperature 0) and otherwise
+    keeps the model's ``generation_config.do_sample``, False unless the folder's generation_config.json says
+    otherwise: such a folder would be decoded greedily whatever temperature and top_p the request asks for.
+
+    Seeds: transformers 5's server seeds the process-wide torch RNG when a request arrives (``set_torch_seed`` in
     ``BaseHandler._build_generation_config``, on the event-loop thread), but generates one request at a time later,
     on its inference thread. With several requests in flight a request's ``seed`` therefore seeds whichever
     generation runs next, and an arrival reseeds the one running: answers depend on timing. This moves the seeding
@@ -159,6 +164,8 @@ def seed_each_request(default_seed: int | None = None) -> None:
     def build_generation_config(self: Any, body: dict, model_generation_config: Any, use_cb: bool = False) -> Any:
         seed = body["seed"] if body.get("seed") is not None else default_seed
         config = build(self, {k: v for k, v in body.items() if k != "seed"}, model_generation_config, use_cb=use_cb)
+        if body.get("temperature") is not None and float(body["temperature"]) > 0:
+            config.do_sample = True
         if seed is not None:
             seeds[id(config)] = int(seed)
         return config
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{DEFAULT_REQUEST_SEED_FLAG} takes an integer\n{usage}") from None
         del argv[at : at + 2]
     expose_remote_architecture(argv[1])
-    seed_each_request(default_seed)
+    honour_request_sampling(default_seed)
     from transformers.cli.transformers import app
 
     app(argv, prog_name="transformers")
