@@ -370,6 +370,24 @@ def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds
     assert len(read_journal(journal_path(out)).finished) >= 60 - 4 - 1  # what the budget left, minus a window
 
 
+def test_a_quota_of_one_wave_keeps_admitting_as_short_answers_come_back(tmp_path: Path) -> None:
+    """Quota = concurrency x expected length (the Kimi config's 7M = 2,000 x 3,500): answers half as long as
+    expected leave room, so admission waits for requests in flight instead of ending the dataset after its
+    first wave; the quota still holds to the token."""
+    out = tmp_path / "shard-00000.jsonl"
+    with serve_in_thread(
+        EmulatorSettings(output_tokens_mean=50, output_tokens_dist="fixed", latency_mean=0.05)
+    ) as base:
+        guard = MoneyGuard(token_cap=800, expected_tokens=100)
+        run(make_prompts(40), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
+    records = read_jsonl(out)
+    tokens = sum(r["usage"]["completion_tokens"] for r in records)
+    assert tokens <= 800, f"{tokens} output tokens for a quota of 800"
+    assert len(records) >= 14, f"{len(records)} samples: admission stopped at the first wave (8 x 100 expected)"
+    completion = read_completion(out)
+    assert completion["reason"] == "max_output_tokens" and completion["samples"] == len(records)
+
+
 def test_output_token_quota_completes_the_dataset_with_the_samples_that_fit(tmp_path: Path) -> None:
     """A quota is not a stop: the shard is published with what fits (never a token over the quota, even
     with 8 requests in flight), the rest recorded as not requested; a later shard of the dataset is empty."""

@@ -413,11 +413,22 @@ async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:
         if not stop.is_set():
             stats.stop_reason, stats.stop_kind = reason, kind
             stop.set()
+            settled[0].set()  # workers waiting for room see the stop at once
             run.log(f"{run.name}: STOPPING: {reason}")
 
-    def admit() -> bool:
-        # What is in flight is counted at the expected per-sample figure: the overshoot is at most the
-        # difference between the expected and the actual cost of the requests in flight.
+    # Admission counts what is in flight at the expected per-sample figure, so the overshoot is at most the
+    # difference between the expected and the actual cost of the requests in flight. A request that would
+    # only fit once some in flight come back (shorter than expected) waits for them; the stop is final only
+    # when nothing is in flight and one more request still does not fit. (Stopping at the first refusal
+    # would end a dataset whose quota equals concurrency x expected length after its first wave.)
+    settled = [asyncio.Event()]  # set (and replaced) each time a request in flight comes back
+
+    def signal_settled() -> None:
+        settled[0].set()
+        settled[0] = asyncio.Event()
+
+    def admit() -> str:
+        """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted)."""
         measured = stats.done >= 20
         per_cost = stats.cost / stats.done if measured else guard.expected_cost
         per_tokens = stats.completion_tokens / stats.done if measured else guard.expected_tokens
@@ -425,24 +436,27 @@ async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:
         if guard.budget_usd is not None:
             spent = guard.spent(stats.cost)
             if spent + (stats.in_flight + 1) * per_cost > guard.budget_usd:
+                if stats.in_flight > 0:
+                    return "wait"
                 lost = f", {_usd(guard.lost_usd)} of it lost to interrupted requests" if guard.lost_usd > 0 else ""
                 halt(
-                    f"budget: ${spent:.2f} spent{lost} of responses.budget_usd ${guard.budget_usd:.2f} "
-                    f"(${stats.in_flight * per_cost:.2f} more in flight); finished samples are kept in the "
-                    "journal - raise the budget and rerun to finish the rest",
+                    f"budget: ${spent:.2f} spent{lost} of responses.budget_usd ${guard.budget_usd:.2f}; "
+                    "finished samples are kept in the journal - raise the budget and rerun to finish the rest",
                     "budget",
                 )
-                return False
+                return "stop"
         if guard.token_cap is not None:
             used = guard.tokens_before + stats.completion_tokens + (others.dataset_tokens if others else 0)
             if used + (stats.in_flight + 1) * per_tokens > guard.token_cap:
+                if stats.in_flight > 0:
+                    return "wait"
                 halt(
                     f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
                     "the dataset is complete with the samples that fit",
                     "quota",
                 )
-                return False
-        return True
+                return "stop"
+        return "go"
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout)
     connector = aiohttp.TCPConnector(
@@ -533,8 +547,10 @@ async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:
                     run.log(f"{run.name}: sample {sample.prompt['id']} failed {attempt} times, last: {message}")
                     return None
                 await asyncio.sleep(_backoff(attempt, limits, wait))
-                if stop.is_set() and kind != "402_in_flight":
-                    # A fatal stop: do not keep hammering; the sample stays pending for the next run.
+                if stop.is_set() and kind != "402_in_flight" and stats.stop_kind != "quota":
+                    # A fatal or budget stop: do not keep hammering; the sample stays pending for the next run.
+                    # (A quota stop retries: this request was admitted within the quota, and the shard is
+                    # published as complete only if every admitted request has its answer.)
                     return None
 
         async def worker() -> None:
@@ -543,20 +559,26 @@ async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:
                     prompt = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                if not admit():
+                verdict = admit()
+                while verdict == "wait" and not stop.is_set():
+                    await settled[0].wait()
+                    verdict = admit()
+                if verdict != "go":
                     return
                 stats.in_flight += 1
+                record = None
                 try:
                     record = await one(make_sample(prompt))
                 finally:
                     stats.in_flight -= 1
-                if record is not None:
-                    run.lines[record["id"]] = run.journal.append(record)
-                    stats.done += 1
-                    stats.cost += record["cost"]
-                    stats.completion_tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)
-                    for flag in record["flags"]:
-                        stats.flags[flag] += 1
+                    if record is not None:
+                        run.lines[record["id"]] = run.journal.append(record)
+                        stats.done += 1
+                        stats.cost += record["cost"]
+                        stats.completion_tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)
+                        for flag in record["flags"]:
+                            stats.flags[flag] += 1
+                    signal_settled()  # after the figures: a waiting worker re-checks against the actual cost
 
         # The account is read on a connection of its own: with every request slot busy, a poll through the
         # main pool would wait for a free one and see the account only when the shard is over.
