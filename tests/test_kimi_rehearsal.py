@@ -64,6 +64,8 @@ ALLOWED_DIFFERENCES = {
     "bench.max_prompts": "count",
     "bench.gate": "a toy drafter trained on a few dozen samples cannot pay off; the speed gate is the demo's to prove",
     "bench.gate.min_speedup": "(as bench.gate)",
+    "bench.gate.must_beat_references": "(as bench.gate): ~35 toy samples put the drafter at prompt lookup's level "
+    "(1.40 vs 1.47 in one 2-core run); the test asserts it beats the untrained drafter instead",
     "resources.*": "count: CI has no GPU",
 }
 # The dataset whose output-token quota the rehearsal reaches. It is one shard whose quota is concurrency x
@@ -352,4 +354,6 @@ def test_kimi_paths_ran_hidden_drafter_and_benchmark(rehearsal) -> None:
     assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]  # the MLA drafter SGLang serves for Kimi
     bench = json.loads((results / "bench" / f"{config['run']}.json").read_text())
     assert bench["prompts"] >= 1 and bench["lossless"] is True and bench["speedup"] > 0
+    # The drafter learned something: it beats the untrained one (acceptance 1.00); prompt lookup is not gated here.
+    assert bench["acceptance_length"] > 1.0 and "beats_references" in bench
     assert (results / "report" / "spend.png").exists() and (workdir / "report.html").stat().st_size > 10_000
