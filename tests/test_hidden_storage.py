@@ -499,9 +499,16 @@ def test_disk_preview_reflects_layout(world, tmp_path):
     plan = types.SimpleNamespace(shard_names=["00000"], shard_range=lambda i: (0, 100))
     lines = {}
     for layout in ("compact", "full"):
-        config = {
-            "target": {"path": str(world["target_dir"])},
-            "hidden": {"aux_layer_ids": AUX, "layout": layout, "target_topk": 32, "storage_dtype": "bfloat16"},
+        config = {  # as the Snakefile passes it: schema defaults filled in
+            "target": {"path": str(world["target_dir"]), "device": "cpu", "dtype": "float32"},
+            "hidden": {
+                "aux_layer_ids": AUX,
+                "layout": layout,
+                "target_topk": 32,
+                "storage_dtype": "bfloat16",
+                "backend": "hf",
+                "batch_tokens": 8192,
+            },
         }
         lines[layout] = disk_preview(config, {"d": plan}, tmp_path, {"d": 10.0})
     assert (
