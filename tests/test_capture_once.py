@@ -22,8 +22,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, snakemake
-from tiny_world import write_random_tokens_shard
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_world import save_random_llama, write_random_tokens_shard
 
 from aerie.artifacts import load_packed
 from aerie.capture_store import KEY_FIELD, store_path
@@ -57,20 +56,7 @@ def tokens_paths(root: Path) -> list[Path]:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("capture_once") / "target"
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=200,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-    ).save_pretrained(path)
-    return path
+    return save_random_llama(tmp_path_factory.mktemp("capture_once") / "target")
 
 
 def make_workdir(root: Path, target: Path) -> Path:

@@ -12,11 +12,9 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import REPO
-from tiny_world import write_random_tokens_shard
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_world import save_random_llama, write_random_tokens_shard
 
 from aerie.capture_store import store_path
 from aerie.config_file import ConfigSources
@@ -33,19 +31,7 @@ SEQS = [3, 5, 4]  # sequences of the three shards: each shard's token count diff
 
 @pytest.fixture()
 def run(tmp_path: Path) -> dict:
-    target = tmp_path / "target"
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=200,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    ).save_pretrained(target)
+    target = save_random_llama(tmp_path / "target", max_position_embeddings=64)
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"] = {"path": str(target), "device": "cpu", "dtype": "float32"}
     config["hidden"].update(aux_layer_ids=[1, 3, 4], batch_tokens=SEQ_LEN, min_next_token_agreement=0.0)

@@ -261,3 +261,22 @@ def write_random_tokens_shard(path: Path, seqs: int, seq_len: int, seed: int) ->
             "cut_sequences": list(range(seqs)),
         },
     )
+
+
+def save_random_llama(path: Path, max_position_embeddings: int = 128) -> Path:
+    """A random 6-layer Llama (hidden 64, vocabulary 200, no tokenizer) saved at ``path``: capture-only tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=200,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_position_embeddings,
+        )
+    ).save_pretrained(path)
+    return path
