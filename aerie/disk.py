@@ -5,7 +5,7 @@ layout (aux + final layer in bf16, what SpecForge stores) costs 56 KiB a token, 
 the default ``compact`` layout (fp8 aux + the target's top-k next tokens) 21 KiB a token, ~0.38x of that.
 The preview counts each pending shard's tokens exactly when its tokens shard exists, and estimates them
 otherwise. It counts what a run adds: a pending shard the capture store already holds (a crashed or stopped
-run finished it: aerie.capture_store) is published as a hard link to that entry, which costs no data bytes.
+run finished it: aerie.shard_store) is published as a hard link to that entry, which costs no data bytes.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def disk_preview(
         hcfg.get("layout", "compact"),
         hcfg.get("target_topk", 32),
     )
-    from aerie.capture_store import capture_reusable, config_key_function
+    from aerie.shard_store import capture_reusable, config_key_function
 
     # Asked only for a pending shard whose store entry exists (hashes its tokens shard when the target is there).
     in_store = capture_reusable(config_key_function(config))

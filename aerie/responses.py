@@ -5,8 +5,8 @@ generates with transformers, so the exact sampled ids are kept. API backends (Op
 OpenAI-compatible server, SGLang ``/generate``) write the same records without or with ids.
 
 Rule ``responses_hf`` is one job for every in-process shard of the run (``generate_hf_shards``): the target is
-loaded once, not once per shard, and each finished shard is kept in the generation store
-(aerie.capture_store) so a rerun after a crash generates only the missing shards, still with one load.
+loaded once, not once per shard, and each finished shard is kept in the generation store by the store job
+(aerie.shard_store.run_store_job) so a rerun after a crash generates only the missing shards, still with one load.
 """
 
 from __future__ import annotations
@@ -22,6 +22,17 @@ from typing import Any
 import torch
 
 from aerie.artifacts import write_jsonl
+from aerie.shard_store import (
+    GENERATION_STORE_DIR,
+    StoreStage,
+    file_sha256,
+    generation_key,
+    generation_settings,
+    run_store_job,
+    stored_generation,
+    target_identity,
+    write_generation_record,
+)
 from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.prompts import read_prompts
 from aerie.target.chat import ChatFormat, read_chat_format
@@ -229,7 +240,24 @@ def generate_hf(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the in-process responses job: every shard of a run with one target load (aerie.capture_store)
+# the in-process responses job: every shard of a run with one target load (aerie.shard_store)
+
+
+GENERATION_STAGE = StoreStage(
+    store_dir=GENERATION_STORE_DIR,
+    produced="generated",
+    seconds="generate_seconds",
+    reused="reused from the generation store ({store}: same prompts, target and settings), nothing generated",
+    producing="generating from {task.prompts}",
+    stopped=(
+        "generation stopped at {out} ({n} of {shards}): {generated} generated and {reused} reused before it stay "
+        "in the generation store for the next attempt"
+    ),
+    summary=(
+        "aerie responses: {shards} in-process shards, {generated} generated, {reused} reused from the generation "
+        "store; target loads in this job: {target_loads} ({load_seconds}s loading, {generate_seconds}s generating)"
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -255,93 +283,56 @@ def generate_hf_shards(
 ) -> dict[str, Any]:
     """Generate every shard with at most one target load; each shard keeps its own file and log.
 
-    A shard is generated into the generation store and hard-linked to its output (aerie.capture_store). A
-    store entry whose record carries the shard's generation key - same prompts bytes, target and settings -
-    and whose bytes are the recorded ones is reused without any work; so a rerun after a crash or a failed
-    shard generates only what is missing, and loads the target only if something is. The first shard that
-    fails stops the job (GPU hours are not free): the shards finished before it stay in the store."""
-    from aerie.capture_store import (
-        GENERATION_STORE_DIR,
-        file_sha256,
-        generation_key,
-        generation_settings,
-        publish,
-        shard_logger,
-        store_path,
-        stored_generation,
-        target_identity,
-        write_generation_record,
-    )
-
+    The store job (aerie.shard_store.run_store_job) generates a shard into the generation store, records
+    its key beside it and hard-links it to its output. A store entry whose record carries the shard's
+    generation key - same prompts bytes, target and settings - and whose bytes are the recorded ones is
+    reused without any work; so a rerun after a crash or a failed shard generates only what is missing, and
+    loads the target only if something is. The first shard that fails stops the job: the shards finished
+    before it stay in the store."""
     set_threads(threads)
-    started = time.perf_counter()
     target = target_identity(target_path)
-    generated: list[str] = []
-    reused: list[str] = []
-    generate_seconds = 0.0
-    with GenerationSession(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log) as s:
-        for n, task in enumerate(shards, 1):
-            shard_log = shard_logger(task.log, log)
-            store = store_path(task.out, GENERATION_STORE_DIR)
-            p = task.settings
-            try:
-                settings = generation_settings(
-                    model=target_path,
-                    temperature=p["temperature"],
-                    top_p=p["top_p"],
-                    max_new_tokens=p["max_new_tokens"],
-                    batch_size=p["batch_size"],
-                    seed=p["seed"],
-                    device=device,
-                    dtype=dtype,
-                )
-                key = generation_key(file_sha256(task.prompts), target, settings)
-                if stored_generation(store, key) is not None:
-                    shard_log(
-                        f"{task.out} [{n}/{len(shards)}]: reused from the generation store ({store}: same prompts, "
-                        "target and settings), nothing generated"
-                    )
-                    reused.append(str(task.out))
-                else:
-                    shard_log(f"{task.out} [{n}/{len(shards)}]: generating from {task.prompts}")
-                    summary = generate_into(
-                        s,
-                        task.prompts,
-                        store,
-                        # As configured (not the key's normalised values): the records carry them as they are.
-                        temperature=p["temperature"],
-                        top_p=p["top_p"],
-                        max_new_tokens=p["max_new_tokens"],
-                        batch_size=p["batch_size"],
-                        seed=p["seed"],
-                        log=shard_log,
-                    )
-                    write_generation_record(store, key, summary)
-                    generate_seconds += summary["seconds"]
-                    generated.append(str(task.out))
-                publish(store, task.out)
-            except Exception as e:
-                shard_log(f"{task.out}: FAILED: {type(e).__name__}: {e}")
-                log(
-                    f"generation stopped at {task.out} ({n} of {len(shards)}): {len(generated)} generated and "
-                    f"{len(reused)} reused before it stay in the generation store for the next attempt"
-                )
-                raise
-    result = {
-        "shards": len(shards),
-        "generated": len(generated),
-        "reused": len(reused),
-        "target_loads": s.loads,
-        "load_seconds": round(s.load_seconds, 2),
-        "generate_seconds": round(generate_seconds, 2),
-        "seconds": round(time.perf_counter() - started, 2),
-    }
-    log(
-        f"aerie responses: {result['shards']} in-process shards, {result['generated']} generated, "
-        f"{result['reused']} reused from the generation store; target loads in this job: {s.loads} "
-        f"({result['load_seconds']}s loading, {result['generate_seconds']}s generating)"
-    )
-    return result
+
+    def key_of(task: ResponsesTask) -> str:
+        p = task.settings
+        settings = generation_settings(
+            model=target_path,
+            temperature=p["temperature"],
+            top_p=p["top_p"],
+            max_new_tokens=p["max_new_tokens"],
+            batch_size=p["batch_size"],
+            seed=p["seed"],
+            device=device,
+            dtype=dtype,
+        )
+        return generation_key(file_sha256(task.prompts), target, settings)
+
+    def reuse(task: ResponsesTask, store: Path, key: str) -> bool:
+        return stored_generation(store, key) is not None
+
+    def produce(task: ResponsesTask, store: Path, key: str, shard_log: Callable[[str], None]) -> float:
+        p = task.settings
+        summary = generate_into(
+            session,
+            task.prompts,
+            store,
+            # As configured (not the key's normalised values): the records carry them as they are.
+            temperature=p["temperature"],
+            top_p=p["top_p"],
+            max_new_tokens=p["max_new_tokens"],
+            batch_size=p["batch_size"],
+            seed=p["seed"],
+            log=shard_log,
+        )
+        # After the entry: a job killed between the two leaves an entry without a record, generated again.
+        write_generation_record(store, key, summary)
+        return summary["seconds"]
+
+    with GenerationSession(
+        target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log
+    ) as session:
+        return run_store_job(
+            shards, GENERATION_STAGE, key=key_of, reuse=reuse, produce=produce, session=session, log=log
+        )
 
 
 def generate_hf_job(

@@ -15,26 +15,14 @@ process that loads once and captures every shard. Both write bit-identical shard
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from load_counting import compare_modes, report, worker_program
 
-WORKER = """
-import json, sys, time
-t0 = time.perf_counter()
-from pathlib import Path
-import torch
-torch.set_num_threads(1)
-from aerie.hidden import ShardTask, capture_shard, capture_shards
-imported = time.perf_counter() - t0
-args = json.loads(sys.argv[1])
-logs = []
+WORKER = worker_program(
+    "from aerie.hidden import ShardTask, capture_shard, capture_shards",
+    """
 kw = dict(aux_layer_ids=None, layout="compact", batch_tokens=args["batch_tokens"], device="cpu", dtype="float32",
           trust_remote_code=True, threads=1, log=logs.append)
 if args["mode"] == "per-run":
@@ -43,11 +31,10 @@ if args["mode"] == "per-run":
 else:
     (t, o), = args["shards"]
     r = capture_shard(Path(t), Path(o), args["target"], **kw)
-    load = [float(l.split("loaded in ")[1].split("s")[0]) for l in logs if "target loaded in" in l]
-    out = {"loads": len(load), "load_s": sum(load), "capture_s": r["seconds"]}
-out["import_s"] = round(imported, 2)
-print("RESULT " + json.dumps(out))
-"""
+    loads, load_s = logged_loads()
+    out = {"loads": loads, "load_s": load_s, "capture_s": r["seconds"]}
+""",
+)
 
 
 def build_target(out: Path) -> dict:
@@ -97,21 +84,6 @@ def write_tokens(path: Path, seed: int, seqs: int, seq_len: int, vocab: int) -> 
     )
 
 
-def run_worker(args: dict) -> dict:
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return {**json.loads(line[7:]), "wall_s": time.perf_counter() - started}
-
-
 def same_files(a: Path, b: Path) -> bool:
     import torch
 
@@ -144,30 +116,18 @@ def main() -> None:
     tokens[0].parent.mkdir()
     for s, path in enumerate(tokens):
         write_tokens(path, s, a.seqs, a.seq_len, 163_840)
-    rows = []
-    for n in a.shards:
-        row = {"shards": n, "tokens": n * a.seqs * a.seq_len}
-        for mode in ("per-shard", "per-run"):
-            out_dir = a.workdir / f"{mode}-{n}" / "hidden"
-            out_dir.mkdir(parents=True)
-            outs = [out_dir / p.name for p in tokens[:n]]
-            common = {"target": str(target), "batch_tokens": a.batch_tokens, "mode": mode}
-            if mode == "per-run":
-                results = [run_worker({**common, "shards": [[str(t), str(o)] for t, o in zip(tokens, outs)]})]
-            else:
-                results = [run_worker({**common, "shards": [[str(t), str(o)]]}) for t, o in zip(tokens, outs)]
-            row[mode] = {
-                k: round(sum(r[k] for r in results), 2) for k in ("loads", "wall_s", "import_s", "load_s", "capture_s")
-            }
-            print(f"N={n} {mode}: {row[mode]}", flush=True)
-        row["bit_identical"] = all(
-            same_files(a.workdir / f"per-shard-{n}" / "hidden" / p.name, a.workdir / f"per-run-{n}" / "hidden" / p.name)
-            for p in tokens[:n]
-        )
-        rows.append(row)
-    print(json.dumps({"target": facts, "rows": rows}, indent=1))
-    if a.out:
-        a.out.write_text(json.dumps({"target": facts, "rows": rows}, indent=1) + "\n")
+    rows = compare_modes(
+        WORKER,
+        {"target": str(target), "batch_tokens": a.batch_tokens},
+        tokens,
+        a.shards,
+        a.workdir,
+        stage="hidden",
+        fields=("loads", "wall_s", "import_s", "load_s", "capture_s"),
+        size=lambda n: {"tokens": n * a.seqs * a.seq_len},
+        same=("bit_identical", same_files),
+    )
+    report(facts, rows, a.out)
 
 
 if __name__ == "__main__":

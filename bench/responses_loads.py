@@ -16,26 +16,15 @@ shard. Both write the same shards (every record field but the measured ``latency
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from load_counting import compare_modes, report, worker_program
 
-WORKER = """
-import json, sys, time
-t0 = time.perf_counter()
-from pathlib import Path
-import torch
-torch.set_num_threads(1)
-from aerie.responses import ResponsesTask, generate_hf, generate_hf_shards
-imported = time.perf_counter() - t0
-args = json.loads(sys.argv[1])
-logs = []
+WORKER = worker_program(
+    "from aerie.responses import ResponsesTask, generate_hf, generate_hf_shards",
+    """
 settings = args["settings"]
 kw = dict(device="cpu", dtype="float32", trust_remote_code=True, threads=1, log=logs.append)
 if args["mode"] == "per-run":
@@ -45,11 +34,10 @@ if args["mode"] == "per-run":
 else:
     (p, o), = args["shards"]
     r = generate_hf(Path(p), Path(o), args["target"], **settings, **kw)
-    load = [float(l.split("loaded in ")[1].split("s")[0]) for l in logs if "target loaded in" in l]
-    out = {"loads": len(load), "load_s": sum(load), "generate_s": r["seconds"]}
-out["import_s"] = round(imported, 2)
-print("RESULT " + json.dumps(out))
-"""
+    loads, load_s = logged_loads()
+    out = {"loads": loads, "load_s": load_s, "generate_s": r["seconds"]}
+""",
+)
 
 
 def build_target(out: Path, train_steps: int) -> dict:
@@ -64,21 +52,6 @@ def build_target(out: Path, train_steps: int) -> dict:
     build_rehearsal_target(out, cfg, log=lambda _: None)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     return {"weight_bytes": size, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size}
-
-
-def run_worker(args: dict) -> dict:
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return {**json.loads(line[7:]), "wall_s": time.perf_counter() - started}
 
 
 def same_records(a: Path, b: Path) -> bool:
@@ -120,28 +93,18 @@ def main() -> None:
         "batch_size": a.prompts,
         "seed": 0,
     }
-    rows = []
-    for n in a.shards:
-        row = {"shards": n, "prompts": n * a.prompts}
-        for mode in ("per-shard", "per-run"):
-            out_dir = a.workdir / f"{mode}-{n}" / "responses"
-            out_dir.mkdir(parents=True)
-            outs = [out_dir / p.name for p in prompts[:n]]
-            common = {"target": str(target), "settings": settings, "mode": mode}
-            if mode == "per-run":
-                results = [run_worker({**common, "shards": [[str(p), str(o)] for p, o in zip(prompts, outs)]})]
-            else:
-                results = [run_worker({**common, "shards": [[str(p), str(o)]]}) for p, o in zip(prompts, outs)]
-            row[mode] = {
-                k: round(sum(r[k] for r in results), 2) for k in ("loads", "wall_s", "import_s", "load_s", "generate_s")
-            }
-            print(f"N={n} {mode}: {row[mode]}", flush=True)
-        before, after = (a.workdir / f"{mode}-{n}" / "responses" for mode in ("per-shard", "per-run"))
-        row["same_records"] = all(same_records(before / p.name, after / p.name) for p in prompts[:n])
-        rows.append(row)
-    print(json.dumps({"target": facts, "rows": rows}, indent=1))
-    if a.out:
-        a.out.write_text(json.dumps({"target": facts, "rows": rows}, indent=1) + "\n")
+    rows = compare_modes(
+        WORKER,
+        {"target": str(target), "settings": settings},
+        prompts,
+        a.shards,
+        a.workdir,
+        stage="responses",
+        fields=("loads", "wall_s", "import_s", "load_s", "generate_s"),
+        size=lambda n: {"prompts": n * a.prompts},
+        same=("same_records", same_records),
+    )
+    report(facts, rows, a.out)
 
 
 if __name__ == "__main__":

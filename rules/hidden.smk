@@ -5,7 +5,7 @@
 # under SLURM) instead of once per shard: ~0.6 TB of weights for Kimi K2.5, minutes of loading against a
 # capture of ~40M tokens (bench/RESULTS.md). Snakemake deletes every declared output of a job before it
 # runs and after it fails, so each shard is captured into an undeclared store first
-# (results/<dataset>/hidden/captured/, aerie/capture_store.py) and hard-linked to its output: a rerun after
+# (results/<dataset>/hidden/captured/, aerie/shard_store.py) and hard-linked to its output: a rerun after
 # a crash or a failed shard reuses the finished ones (same tokens bytes, target and settings) and captures
 # only the rest, still with one load; each shard keeps its own checks and its own log
 # (results/logs/<dataset>/hidden/shard-NNNNN.log). Weighed and not chosen (docs/formats.md, "Capture
@@ -47,7 +47,7 @@ rule hidden:
 
 # `snakemake -n` says how many times the plan loads the target for capture.
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.capture_store import capture_plan, capture_plan_text, config_key_function
+    from aerie.shard_store import capture_plan, capture_plan_text, config_key_function
 
     print(
         capture_plan_text(

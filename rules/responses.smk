@@ -3,7 +3,7 @@
 #
 # In-process generation (backend hf) is one job for every such shard of the run (rule responses_hf), so the
 # target is loaded once per run (on one host: one sbatch job under SLURM) instead of once per shard, the
-# design of rule hidden (rules/hidden.smk, aerie/capture_store.py): each shard is generated into an
+# design of rule hidden (rules/hidden.smk, aerie/shard_store.py): each shard is generated into an
 # undeclared store (results/<dataset>/responses/generated/) and hard-linked to its output, so a rerun after
 # a crash or a failed shard reuses the finished ones (same prompts bytes, target and settings) and generates
 # only the rest, still with one load; each shard keeps its own log (results/logs/<dataset>/responses/).
@@ -91,7 +91,7 @@ if IN_PROCESS_RESPONSES:
 
 # `snakemake -n` says how many times the plan loads the target for responses.
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.capture_store import responses_loads_text
+    from aerie.shard_store import responses_loads_text
 
     _text = responses_loads_text(
         config["target"],

@@ -25,7 +25,7 @@ from conftest import REPO, snakemake
 from tiny_world import save_random_llama, write_random_tokens_shard
 
 from aerie.artifacts import load_packed
-from aerie.capture_store import KEY_FIELD, store_path
+from aerie.shard_store import KEY_FIELD, store_path
 from aerie.formats.hidden import HIDDEN_FORMAT
 from aerie.hidden import capture_shard
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO
 from tiny_world import save_random_llama, write_random_tokens_shard
 
-from aerie.capture_store import store_path
+from aerie.shard_store import store_path
 from aerie.config_file import ConfigSources
 from aerie.disk import bytes_per_token, disk_preview
 from aerie.hidden import ShardTask, capture_shards
@@ -122,12 +122,12 @@ def test_without_the_target_an_entry_counts_when_newer_than_its_tokens(run) -> N
 
 
 def test_the_store_module_stays_torch_free() -> None:
-    """``snakemake -n`` imports aerie.capture_store for the plan lines and the disk preview."""
+    """``snakemake -n`` imports aerie.shard_store for the plan lines and the disk preview."""
     import subprocess
     import sys
 
     code = (
-        "import sys, aerie.capture_store, aerie.disk\n"
+        "import sys, aerie.shard_store, aerie.disk\n"
         "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -28,7 +28,7 @@ from conftest import REPO, snakemake
 from tiny_world import save_tiny_llama_target
 
 from aerie.artifacts import read_jsonl
-from aerie.capture_store import (
+from aerie.shard_store import (
     GENERATION_STORE_DIR,
     generation_record_path,
     responses_loads_text,

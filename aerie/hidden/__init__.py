@@ -8,7 +8,7 @@ layers neither all zero, constant nor identical to each other, one state per tok
 ``lm_head(final)`` reproducing the recorded next token on generated positions (greedy data).
 
 The target is loaded once per run, not once per shard (:func:`capture_shards`, rule ``hidden``): every shard
-is captured into the capture store (aerie.capture_store) and hard-linked to its output, so a rerun after a
+is captured into the capture store (aerie.shard_store) and hard-linked to its output, so a rerun after a
 crash reuses the finished shards and captures only the rest, with one load.
 
 Two storage layouts (``hidden.layout``, both documented in docs/formats.md):

@@ -1,4 +1,6 @@
-"""The capture store: finished hidden shards kept across attempts of the one capture job of a run.
+"""Shard stores: finished shards of a one-load job (capture, in-process responses) kept across its attempts.
+
+The capture store holds finished hidden shards across attempts of the one capture job of a run.
 
 Loading a 1T-parameter target costs more than capturing with it (bench/RESULTS.md), so rule ``hidden`` is one
 job that loads the target once and captures every shard of the run (aerie.hidden.capture_shards). Snakemake
@@ -18,8 +20,10 @@ The same mechanism serves the other stage that loads the target: in-process resp
 hf``, rule ``responses_hf``, aerie.responses.generate_hf_shards) keep each finished shard in the generation
 store, ``results/<dataset>/responses/generated/shard-NNNNN.jsonl``, beside a small record binding it to its
 generation key (a JSONL shard has no header to carry one; the shard's bytes stay those of a shard generated
-alone). Both stages share ``store_path``, ``publish``, ``shard_logger``, ``target_identity`` and
-``pending_plan``; the keys and the ``snakemake -n`` lines are per stage.
+alone). Both stages run the one store job, ``run_store_job`` (key, reuse or produce, publish, the shard's
+log, the job's summary), handing it their own key, reuse check and producer; the keys, records and
+``snakemake -n`` lines are per stage, the rest (``store_path``, ``publish``, ``target_identity``,
+``pending_plan``) is shared.
 
 Torch-free: ``snakemake -n`` uses it to say how many target loads the plan contains.
 """
@@ -33,8 +37,9 @@ import os
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 STORE_DIR = "captured"
 KEY_FIELD = "capture_key"
@@ -272,6 +277,107 @@ def shard_logger(path: Path | None, job_log: Callable[[str], None]) -> Callable[
             f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n")
 
     return log
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the store job: one loop for every stage that keeps finished shards in a store (rules hidden, responses_hf)
+
+
+class StoreTask(Protocol):
+    """What the store job reads of a stage's shard task (aerie.hidden.ShardTask, aerie.responses.ResponsesTask)."""
+
+    @property
+    def out(self) -> Path: ...
+
+    @property
+    def log(self) -> Path | None: ...
+
+
+class CountsLoads(Protocol):
+    """The stage's target session: loaded lazily on the first shard produced, its loads counted."""
+
+    loads: int
+    load_seconds: float
+
+
+Task = TypeVar("Task", bound=StoreTask)
+
+
+@dataclass(frozen=True)
+class StoreStage:
+    """What differs between the stages that share the store job: their store's folder, the names of their
+    counts in the job's result, and the lines they log (``str.format`` templates; users and tests read them).
+
+    ``reused`` is formatted with ``store`` (the entry's path), ``producing`` with ``task``; ``stopped`` and
+    ``summary`` with the job's result so far (``shards``, ``reused``, ``<produced>``, ``<seconds>``, and for
+    ``stopped`` ``out`` and ``n``, the failing shard and its 1-based position; for ``summary`` the loads)."""
+
+    store_dir: str
+    produced: str  # the result's count of shards produced, e.g. "captured"
+    seconds: str  # the result's seconds spent producing them, e.g. "capture_seconds"
+    reused: str
+    producing: str
+    stopped: str
+    summary: str
+
+
+def run_store_job(
+    tasks: Sequence[Task],
+    stage: StoreStage,
+    *,
+    key: Callable[[Task], str],
+    reuse: Callable[[Task, Path, str], bool],
+    produce: Callable[[Task, Path, str, Callable[[str], None]], float],
+    session: CountsLoads,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Publish every task's shard, each from its store entry, producing only the entries no attempt finished.
+
+    Per task, in order: its store key ``key(task)``; ``reuse(task, entry, key)`` says whether the entry at
+    ``store_path(task.out, stage.store_dir)`` is a finished shard for this key (it may raise: a reused shard
+    is checked like a produced one); if not, ``produce(task, entry, key, shard_log)`` writes the entry (and
+    whatever binds it to the key) and returns its seconds of work; then the entry is published under the
+    task's declared name (``publish``). The entry is complete before it is published, so a job killed at any
+    point leaves finished entries only, and the next attempt reuses them. The first task that fails stops
+    the job (a problem is rarely confined to one shard, and GPU hours are not free): the error is logged to
+    the shard's log, the entries finished before it stay in the store, and the error is raised again.
+
+    Returns the counts (``shards``, ``stage.produced``, ``reused``), the session's ``target_loads`` and
+    ``load_seconds``, ``stage.seconds`` and the job's ``seconds``; logs ``stage.summary`` of them."""
+    started = time.perf_counter()
+    produced: list[str] = []
+    reused: list[str] = []
+    produce_seconds = 0.0
+    for n, task in enumerate(tasks, 1):
+        shard_log = shard_logger(task.log, log)
+        store = store_path(task.out, stage.store_dir)
+        try:
+            entry_key = key(task)
+            if reuse(task, store, entry_key):
+                shard_log(f"{task.out} [{n}/{len(tasks)}]: " + stage.reused.format(store=store))
+                reused.append(str(task.out))
+            else:
+                shard_log(f"{task.out} [{n}/{len(tasks)}]: " + stage.producing.format(task=task))
+                store.parent.mkdir(parents=True, exist_ok=True)
+                produce_seconds += produce(task, store, entry_key, shard_log)
+                produced.append(str(task.out))
+            publish(store, task.out)
+        except Exception as e:
+            shard_log(f"{task.out}: FAILED: {type(e).__name__}: {e}")
+            counts = {"shards": len(tasks), stage.produced: len(produced), "reused": len(reused)}
+            log(stage.stopped.format(out=task.out, n=n, **counts))
+            raise
+    result = {
+        "shards": len(tasks),
+        stage.produced: len(produced),
+        "reused": len(reused),
+        "target_loads": session.loads,
+        "load_seconds": round(session.load_seconds, 2),
+        stage.seconds: round(produce_seconds, 2),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log(stage.summary.format(**result))
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------
