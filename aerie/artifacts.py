@@ -4,6 +4,10 @@ Every output is published by ``atomic_publish``: written to a temporary name in 
 fsynced, given the user's umask mode and renamed into place, so an interrupted job never leaves a
 half-written file that a later run would take for finished work. The formats themselves live in
 aerie.formats and are documented in docs/formats.md.
+
+Every safetensors file aerie writes goes through ``write_safetensors``: its bytes depend only on the tensors and
+the metadata, never on the process (the safetensors library writes ``__metadata__`` in a per-process hash order),
+so two runs of a deterministic job publish byte-identical files. Reading stays with the safetensors library.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import gzip
 import json
 import os
 import shutil
+import struct
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,13 +104,81 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
-    """Save a packed shard: tensors + metadata (non-string values JSON-encoded), atomically."""
-    path = Path(path)
-    from safetensors.torch import save_file
+# The safetensors format's dtype names (its spec: README of huggingface/safetensors), by torch dtype name.
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_WRITE_CHUNK = 64 << 20  # bytes per write call: bounded, and far above any per-call overhead
 
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -> None:
+    """Write ``tensors`` and string ``metadata`` to ``path`` as a safetensors file whose bytes are a function of
+    the content alone (not atomic by itself: publish through ``atomic_publish``).
+
+    The layout is the format's (8-byte little-endian header length, a JSON header, the tensors' raw bytes) with
+    every choice fixed: ``__metadata__`` first with its keys sorted, then the tensors in data order, which is by
+    element size (largest first, so every tensor starts aligned to its element size) then name; compact JSON;
+    the header padded with spaces to a multiple of 8 bytes. Tensors are streamed to the file one at a time from
+    their own memory (a copy only where one is not contiguous or not on the CPU), never joined into one buffer.
+    """
+    import torch
+
+    if sys.byteorder != "little":  # safetensors stores little-endian; aerie runs on x86-64 and arm64 only
+        raise RuntimeError(f"{path}: writing safetensors needs a little-endian machine, this one is {sys.byteorder}")
+    meta = dict(metadata or {})
+    bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"{path}: safetensors metadata must map str to str; not so for {bad}")
+    items: list[tuple[str, torch.Tensor, str]] = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__":
+            raise ValueError(f"{path}: invalid tensor name {name!r}")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"{path}: tensor {name!r} is not a dense torch.Tensor")
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise TypeError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        items.append((name, t.detach().cpu().contiguous(), dtype))
+    items.sort(key=lambda item: (-item[1].element_size(), item[0]))
+
+    header: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))} if meta else {}
+    offset = 0
+    for name, t, dtype in items:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data then starts at a multiple of 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t, _ in items:
+            if t.numel() == 0:
+                continue
+            data = t.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
+            for start in range(0, len(data), _WRITE_CHUNK):
+                f.write(data[start : start + _WRITE_CHUNK])
+
+
+def save_packed(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> None:
+    """Save a packed shard: tensors + metadata (non-string values JSON-encoded), atomically and byte-deterministic
+    (``write_safetensors``)."""
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
-    atomic_publish(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta))
+    atomic_publish(path, lambda tmp: write_safetensors(tmp, tensors, meta))
 
 
 def load_packed(

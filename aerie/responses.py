@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from aerie.artifacts import write_jsonl
+from aerie.formats.responses import RESPONSES_FORMAT
+from aerie.prompts import read_prompts
 from aerie.shard_store import (
     GENERATION_STORE_DIR,
     StoreStage,
@@ -33,8 +35,6 @@ from aerie.shard_store import (
     target_identity,
     write_generation_record,
 )
-from aerie.formats.responses import RESPONSES_FORMAT
-from aerie.prompts import read_prompts
 from aerie.target.chat import ChatFormat, read_chat_format
 from aerie.target.model import load_target, set_threads
 from aerie.target.template import render_prompt_ids

@@ -25,9 +25,9 @@ from conftest import REPO, snakemake
 from tiny_world import save_random_llama, write_random_tokens_shard
 
 from aerie.artifacts import load_packed
-from aerie.shard_store import KEY_FIELD, store_path
 from aerie.formats.hidden import HIDDEN_FORMAT
 from aerie.hidden import capture_shard
+from aerie.shard_store import KEY_FIELD, store_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

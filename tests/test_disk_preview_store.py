@@ -16,12 +16,12 @@ import yaml
 from conftest import REPO
 from tiny_world import save_random_llama, write_random_tokens_shard
 
-from aerie.shard_store import store_path
 from aerie.config_file import ConfigSources
 from aerie.disk import bytes_per_token, disk_preview
 from aerie.hidden import ShardTask, capture_shards
 from aerie.plan import validate_config
 from aerie.prompts import plan_dataset
+from aerie.shard_store import store_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

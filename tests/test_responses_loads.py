@@ -28,6 +28,7 @@ from conftest import REPO, snakemake
 from tiny_world import save_tiny_llama_target
 
 from aerie.artifacts import read_jsonl
+from aerie.responses import generate_hf
 from aerie.shard_store import (
     GENERATION_STORE_DIR,
     generation_record_path,
@@ -35,7 +36,6 @@ from aerie.shard_store import (
     store_path,
     stored_generation,
 )
-from aerie.responses import generate_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from aerie.artifacts import save_packed, write_jsonl
+from aerie.hidden.run import CAPTURE_STAGE, ShardTask
+from aerie.responses import GENERATION_STAGE, ResponsesTask
 from aerie.shard_store import (
     KEY_FIELD,
     file_sha256,
@@ -31,8 +33,6 @@ from aerie.shard_store import (
     stored_generation,
     write_generation_record,
 )
-from aerie.hidden.run import CAPTURE_STAGE, ShardTask
-from aerie.responses import GENERATION_STAGE, ResponsesTask
 
 SHARDS = 4
 

@@ -315,7 +315,7 @@ def train_drafter(
                     "train_config": asdict(cfg),
                     "epoch": epoch,
                     "tokens_trained": progress.tokens,
-                    "seconds": round(elapsed_before + time.time() - t_start, 3),
+                    # no wall-clock figure here (eval.json has them): a deterministic run exports identical bytes
                     "simulated_acceptance_length": evaluation.get("simulated_acceptance_length"),
                     "heldout_loss": evaluation.get("heldout_loss"),
                 }

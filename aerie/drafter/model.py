@@ -38,10 +38,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from aerie.artifacts import atomic_publish
+from aerie.artifacts import atomic_publish, write_safetensors
 from aerie.drafter.layers import MLP, DrafterKVCache, RMSNorm, TTTCache
 from aerie.drafter.llama_layer import LlamaAttention
 from aerie.drafter.mla_layer import MLAAttention
@@ -512,7 +512,7 @@ class Eagle3Drafter(nn.Module):
             tensors[name] = t.contiguous()
         stored = dtype if dtype is not None else self.fc.weight.dtype
         meta = {"format": FORMAT}
-        atomic_publish(folder / "model.safetensors", lambda p: save_file(tensors, p, metadata=meta))
+        atomic_publish(folder / "model.safetensors", lambda p: write_safetensors(p, tensors, meta))
         config = self.cfg.to_hf_config(_DTYPE_NAMES[stored], dict(extra or {}))
         atomic_publish(folder / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from aerie.hidden.checks import check_agreement
+from aerie.hidden.shard import CaptureSettings, capture_into
 from aerie.shard_store import (
     KEY_FIELD,
     STORE_DIR,
@@ -25,8 +27,6 @@ from aerie.shard_store import (
     stored_facts,
     target_identity,
 )
-from aerie.hidden.checks import check_agreement
-from aerie.hidden.shard import CaptureSettings, capture_into
 
 CAPTURE_STAGE = StoreStage(
     store_dir=STORE_DIR,
