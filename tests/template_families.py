@@ -321,42 +321,53 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "fallback": ["basic", "system", "multi_turn", "after_tool", "edge_whitespace", "unicode", "gsm8k"]
     },
     "Kimi K3": {},
+    # DeepSeek V3.1 without thinking: the generation prompt closes the reasoning block (`</think>`), so a record
+    # with reasoning contradicts its own prompt; after a tool result there is no generation prompt at all.
     "DeepSeek V3.1 (non-thinking)": {
         "refused": {
-            "template_drops_reasoning": [
+            "prompt_closes_reasoning": [
                 "basic",
                 "system",
                 "multi_turn",
                 "tool_call",
-                "after_tool",
                 "edge_whitespace",
                 "unicode",
                 "gsm8k",
-            ]
-        }
-    },
-    "DeepSeek V3.1 (thinking)": {
-        "refused": {
-            "prefix_mismatch": ["basic", "system", "multi_turn", "tool_call", "edge_whitespace", "unicode", "gsm8k"],
-            "no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"],
+            ],
             "template_drops_reasoning": ["after_tool"],
         }
     },
+    # DeepSeek V3.1 thinking: the prompt opens `<think>`, the template renders the turn `</think>content`: the
+    # reasoning goes where the two meet (fallback "reasoning_markers"), as the model writes it.
+    "DeepSeek V3.1 (thinking)": {
+        "fallback": [
+            "basic",
+            "system",
+            "multi_turn",
+            "tool_call",
+            "empty_reasoning",
+            "edge_whitespace",
+            "unicode",
+            "gsm8k",
+        ],
+        "refused": {"no_reasoning_block_opened": ["missing_reasoning"], "template_drops_reasoning": ["after_tool"]},
+    },
+    # DeepSeek V3.2 chat mode: the prompt holds the emptied block `<think></think>`, the turn renders
+    # `</think>content`: the model writes `content` (fallback "reasoning_markers"); reasoning cannot follow it.
     "DeepSeek V3.2 (non-thinking)": {
+        "fallback": ["empty_reasoning", "missing_reasoning"],
         "refused": {
-            "prefix_mismatch": [
+            "prompt_closes_reasoning": [
                 "basic",
                 "system",
                 "multi_turn",
                 "tool_call",
                 "after_tool",
-                "empty_reasoning",
-                "missing_reasoning",
                 "edge_whitespace",
                 "unicode",
                 "gsm8k",
             ]
-        }
+        },
     },
     "DeepSeek V3.2 (thinking)": {},
     "Qwen3": {"normalised": ["edge_whitespace"]},

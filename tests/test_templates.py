@@ -36,6 +36,25 @@ TURN_END = {
 }
 TOOL_CALL_END = {"gpt-oss": "<|call|>", "GLM 4.6": "<|observation|>"}
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
+# What the model itself writes after its prompt, where the template cannot render the turn as the model wrote it
+# (fallback "reasoning_markers"), from DeepSeek's documented formats: V3.1 in thinking mode is prompted up to
+# `<｜Assistant｜><think>` and writes `reasoning</think>content<｜end▁of▁sentence｜>` (tool calls in place of the
+# content); V3.2 in chat mode is prompted up to `<｜Assistant｜><think></think>` and writes
+# `content<｜end▁of▁sentence｜>`.
+MODEL_WRITES = {
+    "DeepSeek V3.1 (thinking)": lambda rec, calls: f"{rec['reasoning']}</think>{rec['content']}{calls}{DEEPSEEK_EOS}",
+    "DeepSeek V3.2 (non-thinking)": lambda rec, calls: f"{rec['content']}{DEEPSEEK_EOS}",
+}
+
+
+def deepseek_v31_calls(rec: dict) -> str:
+    """V3.1's documented tool-call block (its model card): name, then the arguments as the model wrote them."""
+    calls = "".join(
+        f"<｜tool▁call▁begin｜>{c['function']['name']}<｜tool▁sep｜>{c['function']['arguments']}<｜tool▁call▁end｜>"
+        for c in rec.get("tool_calls") or []
+    )
+    return f"<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>" if calls else ""
+
 
 # Git blob ids of the published files the fixtures are copied from (tests/fixtures/templates/README.md names the
 # repository, commit and path of each): a fixture that an editor re-saved (a trailing newline, CRLF) or that
@@ -160,6 +179,12 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp
         generated = ids.tolist()[prompt_len:]
         if sid not in fallback:
             assert generated == expected_generated(tok, fam, by_id[sid]), sid
+        elif fam.name in MODEL_WRITES:  # the reasoning-markers fallback: exactly what the model writes
+            text = MODEL_WRITES[fam.name](by_id[sid], deepseek_v31_calls(by_id[sid]))
+            assert generated == tok.encode(text, add_special_tokens=False), (sid, text)
+    if fallback:
+        want = "reasoning_markers" if fam.name in MODEL_WRITES else "tool_call_turn_framing"
+        assert report["fallback_reasons"] == {want: len(fallback)}
         if sid == "basic" and fam.basic is not None:
             assert tok.decode(generated, skip_special_tokens=False) == fam.basic
 

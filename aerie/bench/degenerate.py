@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 LOOP_WINDOW = 32  # tokens at the end of an output checked for a cycle
 LOOP_MAX_PERIOD = 8  # longest cycle searched for
 REPEAT_NGRAM = 4
@@ -31,12 +33,40 @@ def loop_period(ids: Sequence[int] | None, window: int = LOOP_WINDOW, max_period
     return None
 
 
+def distinct_ngrams(ids: Sequence[int], n: int = REPEAT_NGRAM) -> int:
+    """How many different n-grams ``ids`` holds (0 when it is shorter than ``n``).
+
+    Exact, in C: each n-gram is packed into int64 columns (two ids < 2**31 per column, no hashing, so no
+    collision can merge two n-grams), the columns are sorted together and the changes between neighbours
+    counted. A Python set of tuples gives the same count ~4x slower (2-3 ms on a 3,500-token answer, paid on
+    every record of the tokens stage); it is kept for ids outside [0, 2**31).
+    """
+    if n < 1:
+        raise ValueError(f"n-gram length must be at least 1, not {n}")
+    total = len(ids) - n + 1
+    if total <= 0:
+        return 0
+    a = np.asarray(ids, dtype=np.int64)
+    if a.ndim != 1 or int(a.min()) < 0 or int(a.max()) >= 1 << 31:
+        return len(set(zip(*(list(ids[i:]) for i in range(n)))))
+    cols = [(a[i : i + total] << 32) | a[i + 1 : i + 1 + total] for i in range(0, n - 1, 2)]
+    if n % 2:
+        cols.append(a[n - 1 : n - 1 + total])
+    order = np.lexsort(cols[::-1])
+    changed = np.zeros(total - 1, dtype=bool)
+    for col in cols:
+        s = col[order]
+        changed |= s[1:] != s[:-1]
+    return 1 + int(np.count_nonzero(changed))
+
+
 def repeated_ngram_rate(ids: Sequence[int], n: int = REPEAT_NGRAM) -> float:
-    """Share of the output's n-grams that already occurred earlier in it (0 for short outputs)."""
-    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
-    if not grams:
+    """Share of the output's n-grams that already occurred earlier in it (0 for short outputs):
+    1 - distinct n-grams / n-grams."""
+    total = len(ids) - n + 1
+    if total <= 0:
         return 0.0
-    return 1.0 - len(set(grams)) / len(grams)
+    return 1.0 - distinct_ngrams(ids, n) / total
 
 
 def degenerate_flags(ids: Sequence[int]) -> list[str]:

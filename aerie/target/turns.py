@@ -4,8 +4,10 @@ One job: ``render_turn`` renders prompt + the finished assistant message and ret
 prompt (``TurnText``), with where the model's reasoning and content lie in it and how the template changed
 them. Nothing is hard-coded per model: Qwen3's ``<think>\\nR\\n</think>\\n\\nC``, GLM's
 ``\\n<think>R</think>\\nC``, gpt-oss's channels and Kimi K3's tags all come out of the template itself.
-Where the template cannot express the turn it is refused (``TurnRefused``, with the counted reason) or, for
-one named case, falls back to framing learned from a turn the template does render.
+Where the template cannot express the turn it is refused (``TurnRefused``, with the counted reason) or, in
+two cases, falls back to framing learned from the template's own renders: the reasoning framing of a
+tool-call turn (``FALLBACK_TOOL_CALL_FRAMING``), or the reasoning markers where the generation prompt and
+the turn's render meet (``FALLBACK_REASONING_MARKERS``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from aerie.target.template import (
 
 SENTINEL_REASONING = "\u2063aerie-reasoning\u2063"  # U+2063: not whitespace, survives strip()/trim
 SENTINEL_CONTENT = "\u2063aerie-content\u2063"
+# Why a turn is framed by the fallback (counted per shard): the reasoning framing of a tool-call turn the template
+# renders as current (Kimi K2's history rule), or the reasoning markers where the generation prompt and the
+# template's render of the turn meet (DeepSeek V3.1 thinking: the prompt opens `<think>`, the turn renders
+# `</think>content`; DeepSeek V3.2 chat: the prompt holds `<think></think>`, the turn renders `</think>content`).
+FALLBACK_TOOL_CALL_FRAMING = "tool_call_turn_framing"
+FALLBACK_REASONING_MARKERS = "reasoning_markers"
 PROBE_CALL = {"id": "call_aerie_probe_0", "type": "function", "function": {"name": "aerie_probe", "arguments": {}}}
 
 
@@ -43,11 +51,12 @@ class TurnText:
     prompt: str  # the prompt with its generation prompt, as the server renders it
     generated: str  # the template's text after the prompt for the finished turn (trailing text included)
     regions: list[tuple[str, int, int]]  # ("reasoning" | "content", start, end): the model's text in ``generated``
-    path: str  # "exact" (the template renders this turn) or "fallback" (reasoning framing from a tool-call turn)
+    path: str  # "exact" (the template renders this turn) or "fallback" (framing learned from the template's renders)
     generation_prompt: str  # what add_generation_prompt added for this record ("" when none)
     layout_known: bool = True  # False: the template changed the text in a way the regions cannot show
     normalised: list[dict[str, str]] = field(default_factory=list)  # API text vs the template's text
     arguments_as_string: bool = False  # tool-call arguments had to be passed as JSON strings
+    fallback_reason: str = ""  # path "fallback": FALLBACK_TOOL_CALL_FRAMING or FALLBACK_REASONING_MARKERS
 
     @property
     def text_end(self) -> int:
@@ -90,6 +99,7 @@ def render_turn(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     think_start_text: str | None = "<think>",
+    think_end_text: str | None = "</think>",
 ) -> TurnText:
     """The template's own text of the generated turn after the prompt, or TurnRefused saying why not.
 
@@ -98,7 +108,8 @@ def render_turn(
     requires that it begins with the prompt rendered with this record's generation prompt, tools and
     template kwargs, and returns the suffix. A second render with sentinel texts shows where the model's
     reasoning and content lie in it (the rest is the template's framing) and whether the template changed
-    them (strip/trim): such differences are listed in ``normalised``.
+    them (strip/trim): such differences are listed in ``normalised``. ``think_start_text`` /
+    ``think_end_text``: the tokenizer's reasoning markers (None when it has none), for the fallbacks.
     """
     kw = dict(template_kwargs or {})
     thinking_key = "reasoning_content" not in _template_source(tokenizer)
@@ -126,7 +137,8 @@ def render_turn(
     generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
     sr = SENTINEL_REASONING if reasoning else reasoning
     sc = SENTINEL_CONTENT if content else content
-    path, layout, generated = "exact", None, ""
+    path, layout, generated, why = "exact", None, "", ""
+    framed = None
     if full.startswith(prompt):
         generated = full[len(prompt) :]
         framed = finished(sr, sc, calls)
@@ -134,7 +146,15 @@ def render_turn(
     if not full.startswith(prompt) or (reasoning and layout is not None and SENTINEL_REASONING not in layout):
         # The template drops reasoning it treats as history (Kimi K2: a final answer turns the whole
         # tool-call loop before it into history): frame the turn as it frames a tool-call turn, or refuse.
-        framing = _framing_from_tool_call_turn(finished, prompt, reasoning, content, calls, as_string)
+        # This turn with sentinel texts: the render above when it has content (one template render saved).
+        own = framed if content and framed is not None else None
+        framing = _framing_from_tool_call_turn(finished, prompt, reasoning, content, calls, as_string, own)
+        why = FALLBACK_TOOL_CALL_FRAMING
+        if framing is None:
+            framing = _framing_from_reasoning_markers(
+                finished, bare, generation_prompt, full, reasoning, content, calls, think_start_text, think_end_text
+            )
+            why = FALLBACK_REASONING_MARKERS
         if framing is None:
             raise _refusal(prompt, full, generation_prompt, reasoning, think_start_text)
         layout, generated = framing
@@ -146,6 +166,7 @@ def render_turn(
         path=path,
         generation_prompt=generation_prompt,
         arguments_as_string=as_string,
+        fallback_reason=why if path == "fallback" else "",
     )
     _locate_text(turn, layout, reasoning, content)
     return turn
@@ -193,12 +214,15 @@ def _framing_from_tool_call_turn(
     content: str | None,
     calls: list[dict[str, Any]] | None,
     as_string: bool,
+    own: str | None = None,
 ) -> tuple[str, str] | None:
     """(layout, generated) framed the way the template frames the reasoning of a tool-call turn (which it
-    renders as current), with this turn's own ending; None when no such framing can be learned."""
+    renders as current), with this turn's own ending; None when no such framing can be learned. ``own``: this
+    turn rendered with sentinel reasoning and content, when the caller already has it."""
     try:
         tool_turn = finished(SENTINEL_REASONING, SENTINEL_CONTENT, tool_calls_for_template([PROBE_CALL], as_string))
-        own = finished(SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT, calls)
+        if own is None:
+            own = finished(SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT, calls)
     except (ChatTemplateError, TemplateRaised):
         return None
     body = tool_turn[len(prompt) :] if tool_turn.startswith(prompt) else ""
@@ -212,6 +236,62 @@ def _framing_from_tool_call_turn(
     r = SENTINEL_REASONING if reasoning else ""
     c = SENTINEL_CONTENT if content else ""
     return before + r + after + c + tail, before + (reasoning or "") + after + (content or "") + tail
+
+
+def _framing_from_reasoning_markers(
+    finished,
+    bare: str,
+    generation_prompt: str,
+    full: str,
+    reasoning: str | None,
+    content: str | None,
+    calls: list[dict[str, Any]] | None,
+    start: str | None,
+    end: str | None,
+) -> tuple[str, str] | None:
+    """(layout, generated) where the template renders a finished turn with its reasoning block already closed
+    (``opener + end + content``) but the generation prompt is ``opener + start`` (the block left open for the
+    model) or ``opener + [start] + end`` (an emptied block: the model answers at once). The model's text is
+    then what the template's own render holds after that meeting point: ``reasoning + end + content ...`` after
+    an open block, ``content ...`` after an emptied one. None when the renders do not meet this way or the
+    template renders the reasoning itself; TurnRefused when the record's reasoning contradicts its prompt.
+    """
+    if not start or not end or not generation_prompt or not full.startswith(bare):
+        return None
+    opened = generation_prompt.endswith(start)
+    if opened:
+        opener = generation_prompt[: -len(start)]
+    elif generation_prompt.endswith(end):
+        opener = generation_prompt[: -len(end)]
+        opener = opener[: -len(start)] if opener.endswith(start) else opener
+    else:
+        return None
+    turn = full[len(bare) :]
+    if not turn.startswith(opener + end):
+        return None
+    try:
+        framed = finished(
+            SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT if content else content, calls
+        )
+    except (ChatTemplateError, TemplateRaised):
+        return None
+    if not framed.startswith(bare + opener + end) or SENTINEL_REASONING in framed[len(bare) :]:
+        return None  # the template renders the reasoning (or the turn) some other way: not this case
+    after, after_layout = turn[len(opener) :], framed[len(bare) + len(opener) :]
+    if opened:
+        if reasoning is None:
+            return None  # no reasoning returned for a block the prompt opened: refused (no_reasoning_block_opened)
+        return (SENTINEL_REASONING if reasoning else "") + after_layout, reasoning + after
+    if reasoning:
+        raise TurnRefused(
+            "prompt_closes_reasoning",
+            (
+                f"the generation prompt closes the reasoning block ({generation_prompt!r}: a non-thinking mode) but "
+                f"the record has reasoning, which the model cannot have written after that prompt: check the "
+                f"request's chat_template_kwargs (e.g. thinking) against the provider's mode"
+            ),
+        )
+    return after_layout[len(end) :], after[len(end) :]
 
 
 def _locate_text(turn: TurnText, layout: str | None, reasoning: str | None, content: str | None) -> None:

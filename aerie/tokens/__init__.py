@@ -10,9 +10,12 @@ the opener of the next turn for templates that write none). So Qwen3's ``<think>
 GLM's ``\\n<think>R</think>\\nC<|user|>``, gpt-oss's channels and Kimi K3's tags need no code of their own.
 Each record's prompt length is its loss-mask boundary.
 
-Where the template cannot express the turn the record is refused with a counted reason, or - only for
-a template that drops the final turn's reasoning but renders reasoning in a tool-call turn (Kimi K2's
-history rule) - framed as that tool-call turn frames it (path ``fallback``). Every other anomaly is a
+Where the template cannot express the turn the record is refused with a counted reason, or framed by one
+of two fallbacks learned from the template's own renders (path ``fallback``, counted per reason): a
+template that drops the final turn's reasoning but renders reasoning in a tool-call turn (Kimi K2's
+history rule) frames it as that tool-call turn does; a generation prompt that leaves the reasoning block
+open or emptied where the turn renders ``</think>content`` (DeepSeek V3.1 thinking, V3.2 chat) puts the
+model's text where the two renders meet. Every other anomaly is a
 counted decision too: special-token text written by the model (``tokens.special_token_text``), a stop
 token inside the text (always dropped), truncated and filtered answers (never given a turn end),
 degenerate loops, text the template normalises (strip/trim), per provider.

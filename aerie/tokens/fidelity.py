@@ -87,6 +87,7 @@ class ShardReport:
         self.prompt_mismatches: list[dict[str, Any]] = []
         self.usage_mismatches: list[dict[str, Any]] = []
         self.paths: Counter[str] = Counter()
+        self.fallback_reasons: Counter[str] = Counter()  # why each path "fallback" record was framed that way
         self.finish_reasons: Counter[str] = Counter()
         self.special_text_examples: list[dict[str, Any]] = []
         self.providers: dict[str, _ProviderStats] = defaultdict(_ProviderStats)
@@ -116,6 +117,7 @@ class ShardReport:
             "drop_examples": dict(self.drop_examples),
             "refusal_messages": self.refusal_messages,
             "rebuild_paths": {k: self.paths[k] for k in ("exact", "fallback", "refused")},
+            "fallback_reasons": dict(self.fallback_reasons),
             "finish_reasons": dict(self.finish_reasons),
             "reasoning_present": c["reasoning_present"],
             "empty_reasoning": c["empty_reasoning"],

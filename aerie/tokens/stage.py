@@ -158,6 +158,7 @@ def tokenize_shard(
     enc = TextEncoder(tok)  # private backend copies: no state left by earlier transformers calls
     stop_ids = set(fmt.stop_ids)
     think_start_text = enc.decode([fmt.think_start_id]) if fmt.think_start_id is not None else None
+    think_end_text = enc.decode([fmt.think_end_id]) if fmt.think_end_id is not None else None
     openers: dict[tuple, int | None] = {}
     rep = ShardReport()
     all_ids, lengths, prompt_lengths, kept_ids, cut = array("i"), [], [], [], []
@@ -227,6 +228,7 @@ def tokenize_shard(
                 tools,
                 kwargs,
                 think_start_text=think_start_text,
+                think_end_text=think_end_text,
             )
         except (TurnRefused, TemplateRaised) as refused:
             rep.paths["refused"] += 1
@@ -251,6 +253,8 @@ def tokenize_shard(
         rebuilt = None
         if turn is not None:
             rep.paths[turn.path] += 1
+            if turn.fallback_reason:
+                rep.fallback_reasons[turn.fallback_reason] += 1
             rep.counts["tool_arguments_as_string"] += turn.arguments_as_string
             for change in turn.normalised[:1]:  # one count per sample, the first change as the example
                 stats.mismatched += exact is None
