@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_world import save_random_llama
+from transformers import LlamaForCausalLM
 
 from aerie.artifacts import save_packed
 from aerie.capture import AuxHiddenCapture
@@ -22,19 +23,7 @@ AUX = [1, 3, 4]
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("planted")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=200,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=6,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-    )
-    model.save_pretrained(root / "target")
+    model = LlamaForCausalLM.from_pretrained(save_random_llama(root / "target"))
     ids = torch.randint(3, 200, (6, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for _ in range(12):  # the target's own greedy continuation: next-token agreement 1.0
