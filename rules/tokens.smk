@@ -14,6 +14,7 @@ rule tokens:
         "results/benchmarks/{dataset}/tokens/shard-{shard}.tsv"
     conda:
         "../envs/aerie.yaml"
+    threads: config["tokens"]["threads"]
     params:
         tokens=config["tokens"],
         target=config["target"],

@@ -1,6 +1,10 @@
 """Rule tokens: exact token ids + loss masks for one responses shard (aerie.tokens)."""
 
+import os
 from pathlib import Path
+
+# The tokenizer's thread pool (read once, at its first batch): the job's threads, not every core of the host.
+os.environ.setdefault("RAYON_NUM_THREADS", str(snakemake.threads))
 
 from aerie.rulelog import open_rule_log
 from aerie.tokens.stage import tokenize_shard

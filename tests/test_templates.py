@@ -223,3 +223,56 @@ def test_template_errors_name_the_feature_the_file_and_what_to_do(tmp_path) -> N
         render_turn(tok, msgs, None, "yo")
     with pytest.raises(ChatTemplateError, match=r"chat_template.jinja or tokenizer_config.json"):
         render_turn(tok, msgs, None, "yo")
+
+
+def test_shard_does_not_depend_on_how_records_are_chunked(targets, tmp_path, monkeypatch) -> None:
+    """The stage renders one chunk of records while a worker thread encodes the previous one: every chunking
+    (one record a chunk, a few, the whole shard) writes the same bytes and report, and the batch encode is
+    what the rebuild uses (each kept record's prompt and turn go through it)."""
+    from aerie.target.text_encoder import TextEncoder
+
+    real_many, real_encode = TextEncoder.encode_many, TextEncoder.encode
+    batches: list[list[str]] = []
+    missed: list[str] = []  # batch-encoded texts the rebuild encoded again instead of taking the batch's ids
+
+    def counted(self, texts):
+        batches.append(list(texts))
+        return real_many(self, batches[-1])
+
+    def encode(self, text):
+        if text not in self._known and any(text in b for b in batches):
+            missed.append(text)
+        return real_encode(self, text)
+
+    monkeypatch.setattr(TextEncoder, "encode_many", counted)
+    monkeypatch.setattr(TextEncoder, "encode", encode)
+    for name in ("Kimi K2-Thinking", "DeepSeek V3.1 (thinking)", "GLM 4.6", "gpt-oss"):
+        fam = next(f for f in FAMILIES if f.name == name)
+        records = family_records(fam)
+        # Dropped before rendering, in the middle: no render, no encode, same counts.
+        records.insert(2, {**records[0], "id": "cut", "finish_reason": "length"})
+        outputs = []
+        for chunk_chars in (1, 200, 1 << 20):
+            batches.clear()
+            out = tmp_path / f"{name.replace(' ', '_')}-{chunk_chars}"
+            out.mkdir()
+            write_jsonl(out / "r.jsonl", records)
+            report = tokenize_shard(
+                out / "r.jsonl",
+                out / "t.safetensors",
+                out / "t.json",
+                str(targets[name]),
+                max_seq_len=1 << 20,
+                max_dropped_fraction=1.0,
+                log=lambda m: None,
+                chunk_chars=chunk_chars,
+            )
+            outputs.append(((out / "t.safetensors").read_bytes(), (out / "t.json").read_text()))
+            encoded = {t for b in batches for t in b}
+            assert report["kept"] > 0 and len(encoded) >= report["kept"], (name, chunk_chars)
+            assert not missed, (name, chunk_chars, missed[:1])
+            if chunk_chars == 1:
+                assert len(batches) == len(records), name  # one chunk a record
+            elif chunk_chars == 1 << 20:
+                assert len(batches) == 1, name
+        assert all(o == outputs[0] for o in outputs[1:]), name

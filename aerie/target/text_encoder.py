@@ -1,12 +1,14 @@
 """Text -> token ids with the target's added tokens matched as single ids, or as plain text on request.
 
 One job: encoding the template's text exactly, whatever state earlier transformers calls left on the
-tokenizer (``TextEncoder``). The tokens stage encodes every turn through it.
+tokenizer (``TextEncoder``). The tokens stage encodes every turn through it, a chunk of texts at a time
+(``encode_many`` in a worker thread, then ``remember``) so that encoding runs beside the template renders.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 
 class TextEncoder:
@@ -40,6 +42,25 @@ class TextEncoder:
                 self._special.encode_special_tokens = False
             self._backend = backend
         self.special_ids = frozenset(int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self._known: dict[str, list[int]] = {}
+
+    def encode_many(self, texts: Iterable[str]) -> dict[str, list[int]]:
+        """Ids of each distinct text, for ``remember``. Safe to call from a worker thread: a fast backend
+        encodes the batch on its own thread pool (``RAYON_NUM_THREADS``, default every core) with the GIL
+        released, so the caller's thread keeps rendering meanwhile. Slow tokenizers: {} (``encode`` does the
+        work when asked, on the caller's thread)."""
+        if not self.fast:
+            return {}
+        distinct = list(dict.fromkeys(t for t in texts if t))
+        if not distinct:
+            return {}
+        batch = getattr(self._special, "encode_batch_fast", None) or self._special.encode_batch  # no offsets: less work
+        return {t: e.ids for t, e in zip(distinct, batch(distinct, add_special_tokens=False))}
+
+    def remember(self, encoded: dict[str, list[int]]) -> None:
+        """``encode`` answers these texts from ``encoded`` (an ``encode_many`` result) until the next call;
+        ``remember({})`` forgets them. The returned lists are shared: callers must not modify them."""
+        self._known = encoded
 
     def _plain_backend(self):
         """A copy of the backend that matches no added token (built on first use: only the ``plain`` policy
@@ -58,6 +79,9 @@ class TextEncoder:
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
+        known = self._known.get(text)
+        if known is not None:
+            return known
         if self.fast:
             return self._special.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False))

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from aerie.target.chat import PROBE_USER, next_turn_opener, read_chat_format
 from aerie.target.model import load_tokenizer, read_generation_config
 from aerie.target.template import TemplateRaised, tool_calls_for_template
 from aerie.target.text_encoder import TextEncoder
-from aerie.target.turns import TurnRefused, render_turn
+from aerie.target.turns import TurnRefused, TurnText, render_turn
 from aerie.tokens.fidelity import MAX_EXAMPLES, MISMATCH_CLASSES, ShardReport
 from aerie.tokens.rebuild import Drop, classify_mismatch, first_diff, mismatch_example, rebuild_generated
 
@@ -53,6 +55,89 @@ def _reasoning_tokens(usage: dict[str, Any] | None) -> int:
 
 def _template_kwargs(record: dict[str, Any]) -> dict[str, Any]:
     return dict((record.get("params") or {}).get("chat_template_kwargs") or {})
+
+
+def _malformed(record: Any) -> str:
+    """What makes this line no responses record ("" for a well-formed one)."""
+    if not isinstance(record, dict) or record.get("format") != RESPONSES_FORMAT:
+        got = record.get("format") if isinstance(record, dict) else type(record).__name__
+        return f"not an {RESPONSES_FORMAT} record (format={got!r})"
+    missing = [k for k in ("id", "messages", "content", "finish_reason") if k not in record]
+    return f"missing field '{missing[0]}'" if missing else ""
+
+
+def _early_drop(record: dict[str, Any], *, drop_truncated: bool, drop_filtered: bool) -> str:
+    """The drop reason a record gets before its turn is rendered ("" when it goes on to the template)."""
+    reasoning, content = record.get("reasoning"), record["content"] or ""
+    finish = str(record["finish_reason"])
+    if finish == "length" and drop_truncated:
+        return "truncated_response"
+    if finish in FILTERED_FINISH_REASONS and drop_filtered:
+        return f"finish_{finish}"  # a filtered or failed answer is not the model's turn
+    # API responses flagged at regeneration (empty answer, reasoning missing) are not trained on.
+    bad = [f for f in record.get("flags", []) if f in ("empty", "no_reasoning")]
+    if bad:
+        return bad[0]
+    if not _valid_text(reasoning, content):
+        return "invalid_text"
+    if record.get("output_token_ids") is None:
+        # Text only: the ids must come from the text, so text that lost information is not trained on.
+        if not reasoning and _reasoning_tokens(record.get("usage")) > 0:
+            return "reasoning_missing"  # the server counted reasoning tokens it did not return
+        if "\ufffd" in (reasoning or "") or "\ufffd" in content:
+            return "replacement_characters"
+    return ""
+
+
+# Records rendered and encoded together: about this many characters of model text (a few hundred thousand
+# tokens), so a chunk's ids stay small beside the shard while each batch is big enough to spread over threads.
+CHUNK_CHARS = 1 << 20
+
+
+def _rendered_ahead(
+    records: list[Any],
+    render: Callable[[Any], TurnText | Exception | None],
+    enc: TextEncoder,
+    *,
+    chunk_chars: int = CHUNK_CHARS,
+) -> Iterator[tuple[Any, TurnText | Exception | None]]:
+    """(record, its rendered turn) in file order, with the turn's prompt and generated text already encoded.
+
+    Records go in chunks: the caller's thread renders chunk k+1 while a worker thread encodes chunk k's
+    texts (``TextEncoder.encode_many``: the tokenizer's own threads, the GIL released), and ``enc`` answers
+    them from memory while the caller handles chunk k. The output does not depend on the chunking.
+    """
+
+    def chunks() -> Iterator[list[Any]]:
+        chunk: list[Any] = []
+        size = 0
+        for r in records:
+            chunk.append(r)
+            if isinstance(r, dict):
+                size += len(r.get("reasoning") or "") + len(str(r.get("content") or ""))
+            if size >= chunk_chars:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    with ThreadPoolExecutor(1, thread_name_prefix="aerie-tokens-encode") as worker:
+        pending: deque[tuple[list[Any], list[Any], Future]] = deque()
+
+        def hand_out() -> Iterator[tuple[Any, TurnText | Exception | None]]:
+            chunk, rendered, encoded = pending.popleft()
+            enc.remember(encoded.result())
+            yield from zip(chunk, rendered)
+            enc.remember({})
+
+        for chunk in chunks():
+            rendered = [render(r) for r in chunk]
+            texts = [t for x in rendered if isinstance(x, TurnText) for t in (x.prompt, x.generated)]
+            pending.append((chunk, rendered, worker.submit(enc.encode_many, texts)))
+            if len(pending) > 1:
+                yield from hand_out()
+        while pending:
+            yield from hand_out()
 
 
 # A shard fails on drops only when they exceed the tolerated fraction by more than chance explains: with a
@@ -141,13 +226,16 @@ def tokenize_shard(
     trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
     tokenizer=None,
+    chunk_chars: int = CHUNK_CHARS,
 ) -> dict[str, Any]:
     """Build packed ``input_ids`` / ``loss_mask`` for one responses shard and its fidelity report.
 
     Fails (FidelityError, nothing written) when more than ``max_dropped_fraction`` of the samples are
     dropped beyond chance (``too_many_dropped``), e.g. a provider that returns no reasoning or a template that
     cannot express the turns.
-    ``tokenizer`` overrides loading it from the target. The other settings are ``tokens.*`` (docs/formats.md).
+    ``tokenizer`` overrides loading it from the target; ``chunk_chars``: how much model text is rendered and
+    encoded together (``_rendered_ahead``; the output is the same for any value). The other settings are
+    ``tokens.*`` (docs/formats.md).
     """
     if special_token_text not in SPECIAL_TOKEN_TEXT_POLICIES:
         raise ValueError(
@@ -166,13 +254,32 @@ def tokenize_shard(
     gen_prompt_index: list[int] = []
     records = read_jsonl(responses_path)
     dataset = ""
-    for n, r in enumerate(records, start=1):
+
+    def render(r: dict[str, Any]) -> TurnText | Exception | None:
+        """The template's text of this record's turn (or why not), None for a record dropped before rendering.
+        Runs a chunk ahead of the loop below: errors are returned, raised by the loop at their record."""
+        if _malformed(r) or _early_drop(r, drop_truncated=drop_truncated, drop_filtered=drop_filtered):
+            return None
+        try:
+            return render_turn(
+                tok,
+                r["messages"],
+                r.get("reasoning"),
+                r["content"] or "",
+                r.get("tool_calls"),
+                r.get("tools") or None,
+                _template_kwargs(r),
+                think_start_text=think_start_text,
+                think_end_text=think_end_text,
+            )
+        except Exception as err:  # noqa: BLE001 - any failure belongs to its record, in order
+            return err
+
+    for n, (r, rendered) in enumerate(_rendered_ahead(records, render, enc, chunk_chars=chunk_chars), start=1):
         where = f"{responses_path}:{n}"
-        if r.get("format") != RESPONSES_FORMAT:
-            raise FormatError(f"{where}: not an {RESPONSES_FORMAT} record (format={r.get('format')!r})")
-        for key in ("id", "messages", "content", "finish_reason"):
-            if key not in r:
-                raise FormatError(f"{where}: missing field '{key}'")
+        problem = _malformed(r)
+        if problem:
+            raise FormatError(f"{where}: {problem}")
         sid = str(r["id"])
         dataset = dataset or str(r.get("dataset") or "")
         provider = str(r.get("provider") or r.get("backend") or "unknown")
@@ -191,45 +298,21 @@ def tokenize_shard(
             stats.reasoning_present += 1
         if finish == "length":
             stats.truncated += 1
-            if drop_truncated:
-                rep.drop("truncated_response", sid, provider)
-                continue
-        if finish in FILTERED_FINISH_REASONS and drop_filtered:
-            rep.drop(f"finish_{finish}", sid, provider)  # a filtered or failed answer is not the model's turn
+        early = _early_drop(r, drop_truncated=drop_truncated, drop_filtered=drop_filtered)
+        if early:
+            rep.drop(early, sid, provider)
             continue
         finished = finish not in ("length", *FILTERED_FINISH_REASONS)
-        # API responses flagged at regeneration (empty answer, reasoning missing) are not trained on.
-        bad = [f for f in r.get("flags", []) if f in ("empty", "no_reasoning")]
-        if bad:
-            rep.drop(bad[0], sid, provider)
-            continue
-        if not _valid_text(reasoning, content):
-            rep.drop("invalid_text", sid, provider)
-            continue
         exact = r.get("output_token_ids")
-        if exact is None:
-            # Text only: the ids must come from the text, so text that lost information is not trained on.
-            if not reasoning and _reasoning_tokens(r.get("usage")) > 0:
-                rep.drop("reasoning_missing", sid, provider)  # the server counted reasoning tokens it did not return
-                continue
-            if "\ufffd" in (reasoning or "") or "\ufffd" in content:
-                rep.drop("replacement_characters", sid, provider)
-                continue
 
         tools = r.get("tools") or None
         kwargs = _template_kwargs(r)
         try:
-            turn = render_turn(
-                tok,
-                r["messages"],
-                reasoning,
-                content,
-                r.get("tool_calls"),
-                tools,
-                kwargs,
-                think_start_text=think_start_text,
-                think_end_text=think_end_text,
-            )
+            if isinstance(rendered, Exception):
+                raise rendered
+            turn = rendered if rendered is not None else render(r)  # None: only if the two checks ever disagree
+            if isinstance(turn, Exception):
+                raise turn
         except (TurnRefused, TemplateRaised) as refused:
             rep.paths["refused"] += 1
             reason = getattr(refused, "reason", "template_raised")
