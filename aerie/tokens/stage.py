@@ -309,10 +309,8 @@ def tokenize_shard(
         kwargs = _template_kwargs(r)
         try:
             if isinstance(rendered, Exception):
-                raise rendered
-            turn = rendered if rendered is not None else render(r)  # None: only if the two checks ever disagree
-            if isinstance(turn, Exception):
-                raise turn
+                raise rendered  # found a chunk ahead; counted or raised here, at its record
+            turn = rendered  # rendered ahead: the same two checks above let it through
         except (TurnRefused, TemplateRaised) as refused:
             rep.paths["refused"] += 1
             reason = getattr(refused, "reason", "template_raised")
