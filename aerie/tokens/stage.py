@@ -96,11 +96,11 @@ CHUNK_CHARS = 1 << 20
 
 def _rendered_ahead(
     records: list[Any],
-    render: Callable[[Any], TurnText | Exception | None],
+    render: Callable[[Any], TurnText | Exception | str | None],
     enc: TextEncoder,
     *,
     chunk_chars: int = CHUNK_CHARS,
-) -> Iterator[tuple[Any, TurnText | Exception | None]]:
+) -> Iterator[tuple[Any, TurnText | Exception | str | None]]:
     """(record, its rendered turn) in file order, with the turn's prompt and generated text already encoded.
 
     Records go in chunks: the caller's thread renders chunk k+1 while a worker thread encodes chunk k's
@@ -124,7 +124,7 @@ def _rendered_ahead(
     with ThreadPoolExecutor(1, thread_name_prefix="aerie-tokens-encode") as worker:
         pending: deque[tuple[list[Any], list[Any], Future]] = deque()
 
-        def hand_out() -> Iterator[tuple[Any, TurnText | Exception | None]]:
+        def hand_out() -> Iterator[tuple[Any, TurnText | Exception | str | None]]:
             chunk, rendered, encoded = pending.popleft()
             enc.remember(encoded.result())
             yield from zip(chunk, rendered)
@@ -255,11 +255,15 @@ def tokenize_shard(
     records = read_jsonl(responses_path)
     dataset = ""
 
-    def render(r: dict[str, Any]) -> TurnText | Exception | None:
-        """The template's text of this record's turn (or why not), None for a record dropped before rendering.
-        Runs a chunk ahead of the loop below: errors are returned, raised by the loop at their record."""
-        if _malformed(r) or _early_drop(r, drop_truncated=drop_truncated, drop_filtered=drop_filtered):
+    def render(r: dict[str, Any]) -> TurnText | Exception | str | None:
+        """The template's text of this record's turn or why not: the exception, the drop reason of a record
+        dropped before rendering, None for a malformed line. Runs a chunk ahead of the loop below, which
+        counts or raises each at its record."""
+        if _malformed(r):
             return None
+        early = _early_drop(r, drop_truncated=drop_truncated, drop_filtered=drop_filtered)
+        if early:
+            return early
         try:
             return render_turn(
                 tok,
@@ -298,9 +302,8 @@ def tokenize_shard(
             stats.reasoning_present += 1
         if finish == "length":
             stats.truncated += 1
-        early = _early_drop(r, drop_truncated=drop_truncated, drop_filtered=drop_filtered)
-        if early:
-            rep.drop(early, sid, provider)
+        if isinstance(rendered, str):  # dropped before rendering (_early_drop)
+            rep.drop(rendered, sid, provider)
             continue
         finished = finish not in ("length", *FILTERED_FINISH_REASONS)
         exact = r.get("output_token_ids")
@@ -310,7 +313,7 @@ def tokenize_shard(
         try:
             if isinstance(rendered, Exception):
                 raise rendered  # found a chunk ahead; counted or raised here, at its record
-            turn = rendered  # rendered ahead: the same two checks above let it through
+            turn = rendered
         except (TurnRefused, TemplateRaised) as refused:
             rep.paths["refused"] += 1
             reason = getattr(refused, "reason", "template_raised")
