@@ -1,18 +1,27 @@
-"""aerie's regeneration client vs the official openai AsyncOpenAI client, against the emulator on loopback.
-
-Each client runs in its own fresh process (so CPU seconds and peak RSS are the client's alone) against
-one emulator process. aerie's side is the complete client the responses rule uses: journal with batched
-fsyncs, accounting, retries, progress. Prints a table and ratios; --json writes the figures.
+"""aerie's regeneration client against its anchors, on loopback against the OpenRouter emulator: the bare aiohttp
+loop (the floor: what any aiohttp client costs) and the official ``openai`` AsyncOpenAI client with both of its
+transports - its default (httpx) and ``DefaultAioHttpClient`` (aiohttp, the one its README recommends for high
+concurrency; needs ``openai[aiohttp]``).
 
     .venv/bin/pip install -e ".[bench]"
-    .venv/bin/python bench/api_client.py                      # full run (about 2.5 minutes)
-    .venv/bin/python bench/api_client.py --quick              # smaller N
-    .venv/bin/python bench/api_client.py --tls --quick        # over HTTPS: all three clients at 0 s and 2 s
+    .venv/bin/python bench/api_client.py --run NAME               # the matrix below, ~25-40 min on 2 quiet cores
+    .venv/bin/python bench/api_client.py --run NAME --max-minutes 20 --repeats 2
+    .venv/bin/python bench/tables.py                              # the RESULTS tables from every committed run
 
---tls serves the emulator over HTTPS with a self-signed certificate made for the run (openssl, ECDSA P-256,
-the key type OpenRouter's edge presents) and every client trusts exactly that certificate: aerie through
-its ``ca_bundle`` client setting, AsyncOpenAI and the bare loop through an SSL context loading it.
-Verification stays on everywhere (host name included).
+The matrix: every client x in-flight count (``--concurrency``, default 100, 500, 2,000) x transport (plain HTTP
+and HTTPS), each measurement ``--requests`` requests (the same count for every client), at 0 s emulated latency
+(so requests/s and CPU per request are the client's own cost), repeated ``--repeats`` times. Within a repeat the
+clients of one cell run back to back in an order rotated from repeat to repeat, so load drifts on a shared machine
+hit them alike; ratios are taken within a repeat. Every measurement starts a fresh emulator process and a fresh
+client process (so CPU seconds and peak RSS are the client's alone, imports included) and records the machine's
+load (``uptime``) before and after. The run is written to ``bench/results/api_client/NAME.json`` after every
+measurement; ``--max-minutes`` stops starting new measurements after that long (the file then says it is cut).
+
+aerie's side is the complete client the responses rule uses: journal with batched fsyncs, accounting, budget
+admission, retries, progress. AsyncOpenAI and the bare loop get the same connection budget (as many connections
+as requests in flight) and the same request body. Over HTTPS the emulator serves a self-signed ECDSA P-256
+certificate made for the measurement (openssl) and every client verifies it, host name included: aerie through
+its ``ca_bundle`` setting, the others through an SSL context loading it.
 """
 
 from __future__ import annotations
@@ -27,10 +36,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from run_record import code_identity, command_line, machine, machine_load, write_json_atomic
+
 MODEL = "moonshotai/kimi-k2.5"
+CLIENTS = ("aerie", "bare", "openai", "openai-aiohttp")
+RESULTS = REPO / "bench" / "results" / "api_client"
+RUN_FORMAT = "aerie.api-client-bench/1"
+OUTPUT_TOKENS = 40
 
 
 def prompts(n: int) -> list[dict]:
@@ -70,21 +88,25 @@ async def run_aerie(base: str, n: int, concurrency: int, workdir: Path, ca_bundl
     return summary["requested_now"]
 
 
-async def run_openai(base: str, n: int, concurrency: int, workdir: Path, ca_bundle: str | None) -> int:
-    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+async def run_openai(
+    base: str, n: int, concurrency: int, workdir: Path, ca_bundle: str | None, transport: str = "httpx"
+) -> int:
+    """AsyncOpenAI on its default transport (httpx) or on ``DefaultAioHttpClient`` (``transport="aiohttp"``)."""
+    from openai import AsyncOpenAI, DefaultAioHttpClient, DefaultAsyncHttpxClient
 
     try:  # openai >= 3 ships on the httpx2 fork; older releases on httpx
         import httpx2 as httpx
     except ImportError:
         import httpx
 
-    # Give it the same connection budget as aerie's client (its default pool is smaller).
+    http_client_class = DefaultAioHttpClient if transport == "aiohttp" else DefaultAsyncHttpxClient
+    # The same connection budget as aerie's client (the SDK's default pool is smaller).
     client = AsyncOpenAI(
         base_url=base,
         api_key="sk-bench",
         max_retries=8,
         timeout=600,
-        http_client=DefaultAsyncHttpxClient(
+        http_client=http_client_class(
             verify=client_tls(ca_bundle),
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
         ),
@@ -109,6 +131,10 @@ async def run_openai(base: str, n: int, concurrency: int, workdir: Path, ca_bund
     await asyncio.gather(*(one(p) for p in prompts(n)))
     await client.close()
     return done
+
+
+async def run_openai_aiohttp(base: str, n: int, concurrency: int, workdir: Path, ca_bundle: str | None) -> int:
+    return await run_openai(base, n, concurrency, workdir, ca_bundle, transport="aiohttp")
 
 
 async def run_bare(base: str, n: int, concurrency: int, workdir: Path, ca_bundle: str | None) -> int:
@@ -145,14 +171,16 @@ async def run_bare(base: str, n: int, concurrency: int, workdir: Path, ca_bundle
     return done
 
 
+RUNNERS = {"aerie": run_aerie, "bare": run_bare, "openai": run_openai, "openai-aiohttp": run_openai_aiohttp}
+
+
 def worker(args: argparse.Namespace) -> None:
     """One client, one process: prints a JSON line of its own figures."""
     sys.path.insert(0, str(REPO))
-    fn = {"aerie": run_aerie, "openai": run_openai, "bare": run_bare}[args.worker]
     with tempfile.TemporaryDirectory() as tmp:
         cpu0, _ = usage()
         t0 = time.perf_counter()
-        ok = asyncio.run(fn(args.base, args.n, args.concurrency, Path(tmp), args.ca_bundle))
+        ok = asyncio.run(RUNNERS[args.worker](args.base, args.n, args.worker_concurrency, Path(tmp), args.ca_bundle))
         seconds = time.perf_counter() - t0
         cpu1, rss = usage()
     print(
@@ -181,21 +209,26 @@ def start_emulator(latency: float, port_file: Path, tls: tuple[Path, Path] | Non
         "--latency-mean",
         str(latency),
         "--output-tokens-mean",
-        "40",
+        str(OUTPUT_TOKENS),
     ]
     if tls:
         cmd += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
-    for _ in range(200):
+    for _ in range(600):
         if port_file.exists() and port_file.read_text().strip():
             return proc
+        if proc.poll() is not None:
+            raise RuntimeError(f"the emulator exited with {proc.returncode} before listening")
         time.sleep(0.05)
+    proc.terminate()
     raise RuntimeError("emulator did not start")
 
 
 def measure(client: str, latency: float, n: int, concurrency: int, tls: bool = False) -> dict:
+    """One client process against one fresh emulator process; the client's own figures plus the load."""
     from aerie.api.emulator.tls import write_self_signed_certificate
 
+    load_before = machine_load()
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         cert_key = write_self_signed_certificate(Path(tmp)) if tls else None
@@ -205,107 +238,113 @@ def measure(client: str, latency: float, n: int, concurrency: int, tls: bool = F
             base = f"{scheme}://127.0.0.1:{port_file.read_text().strip()}/api/v1"
             extra = ["--ca-bundle", str(cert_key[0])] if cert_key else []
             out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    client,
-                    "--base",
-                    base,
-                    "--n",
-                    str(n),
-                    "--concurrency",
-                    str(concurrency),
-                    *extra,
-                ],
+                [sys.executable, __file__, "--worker", client, "--base", base, "--n", str(n)]
+                + ["--worker-concurrency", str(concurrency), *extra],
                 capture_output=True,
                 text=True,
-                check=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
             )
         finally:
             emu.terminate()
             emu.wait(timeout=30)
+    if out.returncode != 0:
+        raise RuntimeError(f"{client} worker failed ({out.returncode}):\n{out.stderr[-3000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    row.update(latency_s=latency, concurrency=concurrency, tls=tls)
+    row.update(
+        latency_s=latency,
+        concurrency=concurrency,
+        transport="https" if tls else "http",
+        load_before=load_before,
+        load_after=machine_load(),
+    )
     return row
 
 
-def tls_main(args: argparse.Namespace, k: float) -> list[dict]:
-    """Every client at 0 s and 2 s latency over HTTPS, interleaved so load drift hits all three alike."""
-    sizes = {"aerie": int(20000 * k), "openai": int(4000 * k), "bare": int(20000 * k)}
-    rows = []
-    for latency in (0.0, 2.0):
-        for client in ("aerie", "openai", "bare"):
-            row = measure(client, latency, sizes[client], args.concurrency, tls=True)
-            rows.append(row)
-            print(
-                f"TLS {client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
-                f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB",
-                flush=True,
-            )
-    by = {(r["client"], r["latency_s"]): r for r in rows}
-    for latency in (0.0, 2.0):
-        a, o, b = (by[(c, latency)] for c in ("aerie", "openai", "bare"))
+def versions() -> dict:
+    found = {}
+    for dist in ("openai", "aiohttp", "httpx2", "httpx"):
+        try:
+            found[f"{dist}_version"] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def run_matrix(args: argparse.Namespace) -> dict:
+    """Every measurement of the matrix in interleaved order, the run file rewritten after each one."""
+    path = args.out or RESULTS / f"{args.run}.json"
+    started = time.time()
+    run = {
+        "format": RUN_FORMAT,
+        "run": args.run,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "command": command_line(),
+        "code": code_identity(REPO),
+        "machine": machine(),
+        **versions(),
+        "settings": {
+            "requests": args.requests,
+            "concurrencies": args.concurrency,
+            "transports": args.transports,
+            "repeats": args.repeats,
+            "clients": args.clients,
+            "latency_s": 0.0,
+            "output_tokens_mean": OUTPUT_TOKENS,
+            "max_minutes": args.max_minutes,
+        },
+        "rows": [],
+        "complete": False,
+    }
+    plan = [
+        (rep, transport, conc, client)
+        for rep in range(args.repeats)
+        for transport in args.transports
+        for conc in args.concurrency
+        for client in args.clients[rep % len(args.clients) :] + args.clients[: rep % len(args.clients)]
+    ]
+    for i, (rep, transport, conc, client) in enumerate(plan):
+        if args.max_minutes and time.time() - started > 60 * args.max_minutes:
+            print(f"time box of {args.max_minutes} min reached: {len(plan) - i} measurements not started", flush=True)
+            break
+        row = {"repeat": rep, **measure(client, 0.0, args.requests, conc, tls=transport == "https")}
+        run["rows"].append(row)
+        write_json_atomic(path, run)
         print(
-            f"latency {latency:.0f} s: aerie = {a['req_per_s'] / b['req_per_s']:.0%} of the bare loop's req/s "
-            f"(goal >= 90%), {a['req_per_s'] / o['req_per_s']:.1f}x AsyncOpenAI (goal >= 30x); "
-            f"aerie {a['cpu_s_per_1000']:.2f} CPU s/1000 incl. TLS (goal <= 1.0)"
+            f"[{i + 1}/{len(plan)}] rep {rep} {transport:<5} {conc:>5} in flight  {client:<15} n={row['requests']:>6}  "
+            f"{row['req_per_s']:>8.1f} req/s  {row['cpu_s_per_1000']:>6.2f} CPU s/1000  "
+            f"peak RSS {row['peak_rss_mib']:>5.0f} MiB  load {row['load_after']['loadavg'][0]:.1f}",
+            flush=True,
         )
-    return rows
+    else:
+        run["complete"] = True
+    write_json_atomic(path, run)
+    print(f"wrote {path}")
+    return run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", choices=["aerie", "openai", "bare"])
-    ap.add_argument("--base")
-    ap.add_argument("--n", type=int)
-    ap.add_argument("--concurrency", type=int, default=2000)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--tls", action="store_true", help="serve and call over HTTPS (self-signed certificate)")
+    ap.add_argument("--run", help="the run's name: bench/results/api_client/RUN.json")
+    ap.add_argument("--out", type=Path, help="write the run here instead")
+    ap.add_argument("--requests", type=int, default=4000, help="requests per measurement, every client alike")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[100, 500, 2000], help="requests in flight")
+    ap.add_argument("--transports", nargs="+", choices=("http", "https"), default=["http", "https"])
+    ap.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-minutes", type=float, default=0, help="start no measurement after this long (0: none)")
+    ap.add_argument("--worker", choices=CLIENTS, help=argparse.SUPPRESS)  # one client process
+    ap.add_argument("--base", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-concurrency", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--ca-bundle", help=argparse.SUPPRESS)  # worker: the certificate to trust
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    k = 0.25 if args.quick else 1.0
-    if args.tls:
-        rows = tls_main(args, k)
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=2) + "\n")
-        return
-    runs = [
-        ("aerie", 0.0, int(20000 * k)),
-        ("openai", 0.0, int(4000 * k)),  # throughput and CPU per request
-        ("aerie", 2.0, int(20000 * k)),  # 2,000 in flight for 2 s each: the ceiling is 1,000 req/s
-        ("bare", 2.0, int(20000 * k)),  # the floor, for reference: a bare aiohttp loop with no journal
-    ]
-    rows = []
-    for client, latency, n in runs:
-        row = measure(client, latency, n, args.concurrency)
-        rows.append(row)
-        print(
-            f"{client:<7} latency {latency:>3.1f}s  n={row['requests']:>6}  {row['req_per_s']:>8.1f} req/s  "
-            f"{row['cpu_s_per_1000']:>6.2f} CPU s/1000  peak RSS {row['peak_rss_mib']:>6.0f} MiB",
-            flush=True,
-        )
-    a0, o0, a2, b2 = rows
-    ceiling = args.concurrency / 2.0
-    print(f"\naerie / AsyncOpenAI requests/s at latency 0: {a0['req_per_s'] / o0['req_per_s']:.1f}x (goal >= 10x)")
-    print(
-        f"aerie CPU s per 1,000 requests: {a0['cpu_s_per_1000']:.2f} (goal <= 1.0); "
-        f"AsyncOpenAI {o0['cpu_s_per_1000']:.2f}"
-    )
-    peak = max(a0["peak_rss_mib"], a2["peak_rss_mib"])
-    print(f"aerie peak RSS at {args.concurrency} in flight: {peak:.0f} MiB (goal < 1024)")
-    print(
-        f"aerie at 2 s latency: {a2['req_per_s']:.0f} req/s = {a2['req_per_s'] / ceiling:.0%} of the "
-        f"{ceiling:.0f} req/s ceiling (goal >= 80%); bare aiohttp loop {b2['req_per_s'] / ceiling:.0%} "
-        f"at {b2['cpu_s_per_1000']:.2f} CPU s/1000"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if not (args.run or args.out):
+        raise SystemExit("give --run NAME (writes bench/results/api_client/NAME.json) or --out FILE")
+    args.run = args.run or args.out.stem
+    run_matrix(args)
 
 
 if __name__ == "__main__":

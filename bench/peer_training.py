@@ -1,32 +1,49 @@
-"""aerie's drafter training recipe side by side with SpecForge's, on the same hidden shards.
+"""aerie's drafter training recipe side by side with SpecForge's, on the same hidden shards, one result file
+per arm and seed.
 
-Both trainers get the same sequences, the same held-out split (aerie's, per seed), the same drafter shape
-(SGLang's ``LlamaForCausalLMEagle3``: one decoder layer, the target's width and heads), the same draft
-vocabulary and TTT depth. aerie trains with ``aerie.drafter.loop.train_drafter``; SpecForge trains with its
-own classes in a single-process loop: ``OfflineEagle3Dataset`` (reading the samples converted to its offline
-layout), ``DataCollatorWithPadding``, ``LlamaForCausalLMEagle3``, ``OnlineEagle3Model``,
-``Eagle3TrainStrategy`` with its ``TargetHead``, and ``BF16Optimizer``. Every drafter is then scored by the
-same judge, aerie's held-out simulation (``aerie.drafter.evaluate.evaluate``: acceptance length and
-per-position acceptance of greedy chain drafting against the target's own next tokens). Trainers run
-interleaved, seed by seed, so machine load drifts hit all of them alike.
+Both trainers get the same sequences, the same held-out split (aerie's, per seed), the same draft vocabulary and
+the same comparison budget (epochs, maximum length). The drafter shape is the one SpecForge's own draft config
+generator derives from the target, which must equal aerie's (SGLang's ``LlamaForCausalLMEagle3``: one decoder
+layer at the target's width and heads): every SpecForge drafter is loaded into aerie's drafter to be judged.
+aerie trains with ``aerie.drafter.loop.train_drafter``; SpecForge trains with its own classes in a single-process
+loop: ``OfflineEagle3Dataset`` (reading the samples converted to its offline layout), ``DataCollatorWithPadding``,
+``LlamaForCausalLMEagle3``, ``OnlineEagle3Model``, ``Eagle3TrainStrategy`` with its ``TargetHead``, and
+``BF16Optimizer``. Every drafter is scored by the same judges: aerie's held-out simulation
+(``aerie.drafter.evaluate.evaluate``: acceptance length and per-position acceptance of greedy chain drafting
+against the target's own next tokens) and, with ``--bench-prompts``, the exported drafter decoded through
+``aerie.bench.run.run_benchmark`` (the demo's bench rule's function: measured acceptance, tokens/s, speedup over
+the plain target, lossless check).
 
-Arms (each over every seed; ``--arms`` picks some):
-- ``aerie``: aerie's defaults (head and norm initialised from the target, loss over supervised rows, ...).
-- ``specforge-matched``: SpecForge with aerie's learning rate, warmup share, TTT depth and batch size.
-- then a ladder, each rung adding one more of aerie's choices to SpecForge's loop (the ablations):
-  ``+head`` lm_head/norm copied from the target; ``+rows`` loss normalised by the supervised rows instead of
-  all B*T rows; ``+mask`` the loss mask on the predicted token (SpecForge's row t predicts token t+2 but is
-  masked by token t: it never trains the first two response tokens and trains past the turn end); ``+adamw``
-  AdamW betas (0.9, 0.95) and a cosine floor of ``min_lr_ratio`` (SpecForge: torch's (0.9, 0.999), floor 0).
-  What is left between the last rung and ``aerie`` is precision (SpecForge's bf16 model, aerie's fp32 on a
-  CPU; ``--specforge-dtype float32`` removes it) and initialisation/batch order. Top-k targets are no rung:
-  on ``full`` shards aerie's targets are the full softmax, as SpecForge's (top-k targets are aerie's
-  ``compact`` layout, which SpecForge cannot read).
-- ``specforge-default``: SpecForge's defaults (lr 1e-4, warmup 1.5 %, batch 1, TTT 7).
+Arms (``--arms`` picks some); from ``specforge-default`` down, each rung changes one thing from the one above:
+- ``aerie``: aerie's defaults at the run's settings (``--lr``, ``--ttt``, ``--batch-size``, ``--epochs``).
+- ``specforge-default``: SpecForge 0.2.0 at its own defaults, read from its config schema when the run starts
+  (``TrainingConfig``/``DataConfig``: lr 1e-4, warmup 1.5 %, batch 1, TTT 7, gradient clip 0.5, cosine to 0,
+  weight decay 0, torch's AdamW betas, step-loss decay 0.8) and its own draft config for the target (the final
+  RMSNorm before lm_head - ``norm_output`` absent means True -, no ``fc_norm``, pad id 0, a fresh lm_head and
+  norm, the target's embeddings loaded and frozen).
+- ``specforge-matched``: + the run's learning rate, TTT depth and batch size (what aerie trains with).
+- ``+head``: lm_head and the final norm start from the target's (aerie's ``init_head_from_target``).
+- ``+rows``: the loss divided by the supervised rows (SpecForge divides by all B*T rows).
+- ``+mask``: the loss mask on the predicted token (SpecForge's row t learns token t+2 but is masked by token t:
+  it never trains the first two response tokens and trains past the turn end).
+- ``+betas``: AdamW betas (0.9, 0.95) (SpecForge: torch's (0.9, 0.999)).
+- ``+schedule``: aerie's schedule, warmup 3 % of the steps and a cosine floor of 0.1 x lr (SpecForge: 1.5 %, 0).
+The last rung is aerie's recipe in SpecForge's code, up to initialisation and batch order.
 
-With ``--bench-prompts``, every arm's drafter is also exported and decoded through
-``aerie.bench.run.run_benchmark`` (the function the demo's bench rule runs): measured acceptance length,
-tokens/s and speedup over the plain target, lossless check.
+Kept apart from SpecForge's defaults on purpose, in every SpecForge arm (and recorded in every result file): the
+data, held-out split and draft vocabulary (shared with aerie); the epochs and maximum length (shared; 1 epoch and
+2048 are SpecForge's defaults too); the attention kernel ``sdpa`` (one SpecForge supports) instead of its default
+``flex_attention`` (a compiled kernel); fp32 instead of bf16 with ``--specforge-dtype float32`` (a CPU without
+bf16 units trains bf16 ~10x slower; bench/RESULTS.md has a bf16 check); the seed (per run, not its 42). Top-k
+targets are no rung: on ``full`` shards aerie's targets are the full softmax, as SpecForge's (top-k is aerie's
+``compact`` layout, which SpecForge cannot read).
+
+Results: with ``--results DIR --run NAME`` every finished arm x seed is written to ``DIR/NAME/ARM/seed-N.json``
+(the figures, the arm's effective settings, the command, the code commit, the data's file hashes, the machine's
+load) and never recomputed: the same command again skips it, so a killed run resumes where it stopped; a file
+made from other data or settings is an error, not skipped. Seeds run in order, every arm at a seed before the
+next seed, so a partial run still gives complete paired seeds. ``python bench/tables.py`` regenerates the
+RESULTS tables from those files.
 
 SpecForge is not an aerie dependency and never enters the default test path. It pins torch, transformers
 and sglang versions that a CPU box does not need, so it is installed without dependencies into a folder of
@@ -34,12 +51,12 @@ its own, and two documented shims make its training path run on a CPU (nothing e
 
     .venv/bin/pip install --no-deps --target /tmp/specforge-site specforge==0.2.0
     .venv/bin/python bench/peer_training.py --specforge-site /tmp/specforge-site \\
-        --target results/demo-target --hidden 'results/*/hidden/shard-*.safetensors' --seeds 0 1 2 \\
-        --ttt 3 --lr 1e-3 --bench-prompts 'results/*/prompts/bench.jsonl' --json peer.json
+        --target results/demo-target --hidden 'results/*/hidden/shard-*.safetensors' --seeds 0 1 2 3 4 \\
+        --ttt 3 --lr 1e-3 --bench-prompts 'results/tasks/prompts/bench.jsonl' \\
+        --results bench/results/peer_training --run NAME
 
-(the demo built with ``hidden.layout: full``; bench/RESULTS.md has the figures and the exact command).
-``--json`` is rewritten after every arm; ``--table a.json b.json`` prints the table of runs split over
-processes (e.g. one per seed).
+(the demo built with ``hidden.layout: full``; bench/results/peer_training/NAME/README.md says how a committed
+run's data was built; bench/RESULTS.md has the figures).
 
 Shims: (1) ``triton`` is replaced by an import-only stub module (SpecForge imports it at module level for its
 GPU loss kernel); (2) that kernel's autograd function ``LogSoftmaxLoss`` is replaced by SpecForge's own
@@ -55,10 +72,10 @@ or, without it, the target's whole vocabulary (d2t all zero, t2d all true). Hidd
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -73,35 +90,55 @@ from safetensors.torch import save_file
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
+sys.path.insert(0, str(REPO / "bench"))
 
-from aerie.drafter.config import TrainConfig  # noqa: E402
-from aerie.drafter.data import batches, make_windows, split_heldout  # noqa: E402
-from aerie.drafter.evaluate import evaluate  # noqa: E402
-from aerie.drafter.loop import build_drafter, export_drafter, train_drafter  # noqa: E402
-from aerie.drafter.ttt import TargetHead  # noqa: E402
-from aerie.formats.hidden import HiddenShard, open_hidden_shards  # noqa: E402
-from aerie.formats.vocab import load_draft_vocab  # noqa: E402
+from run_record import code_identity, command_line, file_identity, machine, machine_load, write_json_atomic
+
+from aerie.drafter.config import TrainConfig
+from aerie.drafter.data import batches, make_windows, split_heldout
+from aerie.drafter.evaluate import evaluate
+from aerie.drafter.loop import build_drafter, export_drafter, train_drafter
+from aerie.drafter.ttt import TargetHead
+from aerie.formats.hidden import HiddenShard, open_hidden_shards
+from aerie.formats.vocab import load_draft_vocab
+
+RESULT_FORMAT = "aerie.peer-training-result/1"
 
 
 @dataclass(frozen=True)
 class SpecForgeArm:
-    """One SpecForge setup: its loop and classes, with some of aerie's choices switched in (see the docstring)."""
+    """One SpecForge setup: its loop and classes at its defaults, with some of aerie's choices switched in."""
 
-    matched: bool  # aerie's lr, warmup share, TTT depth, batch size; else SpecForge's defaults
+    changes: str  # the one thing this rung changes from the rung above it (the table's column)
+    run_hparams: bool = False  # the run's lr, TTT depth and batch size instead of SpecForge's defaults
     head_from_target: bool = False
     loss_over_supervised_rows: bool = False
     mask_on_predicted_token: bool = False
-    aerie_adamw: bool = False  # betas (0.9, 0.95) and the cosine floor min_lr_ratio
+    aerie_betas: bool = False  # AdamW betas (0.9, 0.95)
+    aerie_schedule: bool = False  # aerie's warmup share and cosine floor (min_lr_ratio)
 
 
-SPECFORGE_ARMS = {  # run in this order (the slowest, batch 1 and TTT 7, last)
-    "specforge-matched": SpecForgeArm(matched=True),
-    "specforge-matched+head": SpecForgeArm(matched=True, head_from_target=True),
-    "specforge-matched+head+rows": SpecForgeArm(True, True, loss_over_supervised_rows=True),
-    "specforge-matched+head+rows+mask": SpecForgeArm(True, True, True, mask_on_predicted_token=True),
-    "specforge-matched+head+rows+mask+adamw": SpecForgeArm(True, True, True, True, aerie_adamw=True),
-    "specforge-default": SpecForgeArm(matched=False),
-}
+def _ladder() -> dict[str, SpecForgeArm]:
+    """The SpecForge arms in rung order, each the one above it plus one change."""
+    rungs = [
+        ("specforge-default", {}, "SpecForge 0.2.0 at its own defaults"),
+        ("specforge-matched", {"run_hparams": True}, "the run's learning rate, TTT depth and batch size"),
+        ("+head", {"head_from_target": True}, "lm_head and final norm start from the target's"),
+        ("+rows", {"loss_over_supervised_rows": True}, "loss divided by the supervised rows, not all B*T rows"),
+        ("+mask", {"mask_on_predicted_token": True}, "loss mask on the predicted token, not on token t"),
+        ("+betas", {"aerie_betas": True}, "AdamW betas (0.9, 0.95), not (0.9, 0.999)"),
+        ("+schedule", {"aerie_schedule": True}, "warmup 3 % and cosine floor 0.1 x lr, not 1.5 % and 0"),
+    ]
+    arms: dict[str, SpecForgeArm] = {}
+    name, flags = "", {}
+    for rung, change, text in rungs:
+        name = name + rung if rung.startswith("+") else rung
+        flags = {**flags, **change}
+        arms[name] = SpecForgeArm(changes=text, **flags)
+    return arms
+
+
+SPECFORGE_ARMS = _ladder()
 ARMS = ("aerie", *SPECFORGE_ARMS)
 AERIE_BETAS = (0.9, 0.95)  # aerie.drafter.loop's AdamW betas
 
@@ -180,19 +217,24 @@ def install_specforge(site: Path) -> types.SimpleNamespace:
     compile_ = torch.compile
     torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
     try:
+        import specforge
         import specforge.algorithms.eagle3.model as eagle3_model
         import specforge.core.loss as sf_loss
+        from specforge.algorithms.eagle3.providers import algorithm_providers
+        from specforge.config.schema import Config, DataConfig, ModelConfig, TrainingConfig
         from specforge.data.preprocessing import OfflineEagle3Dataset
         from specforge.data.utils import DataCollatorWithPadding
         from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
         from specforge.modeling.target.target_head import TargetHead as SFTargetHead
         from specforge.optimizer import BF16Optimizer
         from specforge.runtime.contracts import TrainBatch
+        from specforge.training.model_loading import resolve_draft_config
         from specforge.training.strategies.base import Eagle3TrainStrategy
     finally:
         torch.compile = compile_
     eagle3_model.LogSoftmaxLoss = types.SimpleNamespace(apply=sf_loss._compute_loss)
     return types.SimpleNamespace(
+        version=getattr(specforge, "__version__", None) or _dist_version(site),
         eagle3_model=eagle3_model,
         loss_over_all_rows=sf_loss._compute_loss,
         OfflineEagle3Dataset=OfflineEagle3Dataset,
@@ -203,43 +245,128 @@ def install_specforge(site: Path) -> types.SimpleNamespace:
         BF16Optimizer=BF16Optimizer,
         TrainBatch=TrainBatch,
         Eagle3TrainStrategy=Eagle3TrainStrategy,
+        Config=Config,
+        TrainingConfig=TrainingConfig,
+        DataConfig=DataConfig,
+        ModelConfig=ModelConfig,
+        resolve_draft_config=resolve_draft_config,
+        draft_config_provider=algorithm_providers().model.draft_config,
     )
+
+
+def _dist_version(site: Path) -> str | None:
+    """The installed distribution's version from its ``.dist-info`` folder name in the ``--target`` folder."""
+    found = sorted(site.glob("specforge-*.dist-info"))
+    return found[0].name[len("specforge-") : -len(".dist-info")] if found else None
+
+
+# ---- SpecForge's defaults, read from SpecForge -------------------------------------------------------------
+def specforge_defaults(sf: Any) -> dict:
+    """SpecForge's training defaults as its config schema and classes declare them (nothing typed in here):
+    ``TrainingConfig``/``DataConfig`` field defaults, ``Eagle3TrainStrategy``'s step-loss decay, and the
+    AdamW betas ``BF16Optimizer`` leaves at torch's default."""
+    import inspect
+
+    train = {k: f.default for k, f in sf.TrainingConfig.model_fields.items()}
+    data = {k: f.default for k, f in sf.DataConfig.model_fields.items()}
+    optimizer = inspect.signature(sf.BF16Optimizer.__init__).parameters
+    strategy = inspect.signature(sf.Eagle3TrainStrategy.__init__).parameters
+    return {
+        "learning_rate": train["learning_rate"],
+        "warmup_ratio": train["warmup_ratio"],
+        "batch_size": train["batch_size"],
+        "ttt_length": train["ttt_length"],
+        "num_epochs": train["num_epochs"],
+        "max_grad_norm": train["max_grad_norm"],
+        "lr_scheduler": train["lr_scheduler"],
+        "attention_backend": train["attention_backend"],
+        "lk_loss_type": train["lk_loss_type"],
+        "kl_scale": train["kl_scale"],
+        "kl_decay": train["kl_decay"],
+        "compact_teacher": train["compact_teacher"],
+        "max_length": data["max_length"],
+        "torch_dtype": sf.ModelConfig.model_fields["torch_dtype"].default,
+        "weight_decay": optimizer["weight_decay"].default,
+        "betas": list(inspect.signature(torch.optim.AdamW.__init__).parameters["betas"].default),
+        "cosine_floor": 0.0,  # CosineAnnealingWarmupLR's eta_min; BF16Optimizer passes none
+        "ploss_decay": strategy["ploss_decay"].default,
+        "seed": train["seed"],
+    }
+
+
+def specforge_arm_settings(defaults: dict, arm: SpecForgeArm, cfg: TrainConfig, dtype: str) -> dict:
+    """What one SpecForge arm trains with: SpecForge's defaults, the arm's changes, and the settings every arm
+    shares on purpose (``kept_apart`` names those that differ from SpecForge's defaults)."""
+    s = dict(defaults)
+    if arm.run_hparams:
+        s.update(learning_rate=cfg.learning_rate, ttt_length=cfg.ttt_steps, batch_size=cfg.batch_size)
+    if arm.aerie_betas:
+        s["betas"] = list(AERIE_BETAS)
+    if arm.aerie_schedule:
+        s.update(warmup_ratio=cfg.warmup_ratio, cosine_floor=cfg.min_lr_ratio)
+    s.update(
+        head_from_target=arm.head_from_target,
+        loss_over_supervised_rows=arm.loss_over_supervised_rows,
+        mask_on_predicted_token=arm.mask_on_predicted_token,
+    )
+    shared = {
+        "num_epochs": cfg.epochs,
+        "max_length": cfg.max_seq_len,
+        "attention_backend": "sdpa",
+        "torch_dtype": dtype,
+        "seed": cfg.seed,
+    }
+    kept_apart = {k: v for k, v in shared.items() if defaults.get(k) != v}
+    s.update(shared)
+    s["kept_apart_from_defaults"] = sorted(kept_apart)
+    return s
+
+
+def specforge_draft_config(sf: Any, target: Path, draft_vocab_size: int) -> Any:
+    """The draft config ``specforge train`` generates for this target when given none (its own generator: the
+    target's architecture fields, one layer, pad id 0 when the target has none, no ``norm_output`` key - the
+    model then applies its final norm before lm_head - and no ``fc_norm``), with the run's draft vocabulary."""
+    cfg = sf.Config(model={"target_model_path": str(target)}, data={"hidden_states_path": str(target)})
+    config = sf.resolve_draft_config(cfg, provider=sf.draft_config_provider)
+    config.draft_vocab_size = draft_vocab_size  # the shared draft vocabulary (SpecForge's generator says 32000)
+    return config
+
+
+def check_same_shape(config: Any, dcfg: Any) -> None:
+    """SpecForge's drafter must be loadable into aerie's (the judge): the same shape, field by field."""
+    pairs = {
+        "hidden_size": (config.hidden_size, dcfg.hidden_size),
+        "intermediate_size": (config.intermediate_size, dcfg.intermediate_size),
+        "num_attention_heads": (config.num_attention_heads, dcfg.num_attention_heads),
+        "num_key_value_heads": (config.num_key_value_heads, dcfg.num_key_value_heads),
+        "head_dim": (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            dcfg.head_dim,
+        ),
+        "vocab_size": (config.vocab_size, dcfg.vocab_size),
+        "draft_vocab_size": (config.draft_vocab_size, dcfg.draft_vocab_size),
+        "rms_norm_eps": (config.rms_norm_eps, dcfg.rms_norm_eps),
+    }
+    wrong = {k: v for k, v in pairs.items() if v[0] != v[1]}
+    if wrong:
+        raise ValueError(f"SpecForge's draft config for this target differs from aerie's drafter: {wrong}")
 
 
 def specforge_drafter(
-    sf: Any, dcfg: Any, vocab: Any, heads: Any, seed: int, head_from_target: bool, dtype: torch.dtype
+    sf: Any, config: Any, target: Path, vocab: Any, heads: Any, seed: int, arm: SpecForgeArm, dtype: torch.dtype
 ) -> Any:
-    """SpecForge's drafter with aerie's drafter shape (same config numbers; next step reads the pre-norm hidden)."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=dcfg.hidden_size,
-        intermediate_size=dcfg.intermediate_size,
-        num_attention_heads=dcfg.num_attention_heads,
-        num_key_value_heads=dcfg.num_key_value_heads,
-        head_dim=dcfg.head_dim,
-        vocab_size=dcfg.vocab_size,
-        rms_norm_eps=dcfg.rms_norm_eps,
-        rope_theta=dcfg.rope_theta,
-        max_position_embeddings=dcfg.max_position_embeddings,
-        hidden_act="silu",
-        num_hidden_layers=1,
-        tie_word_embeddings=False,
-        pad_token_id=None,
-    )
-    config.draft_vocab_size = dcfg.draft_vocab_size
-    config.target_hidden_size = dcfg.hidden_size
-    config.norm_output = dcfg.norm_output
+    """SpecForge's drafter as ``specforge train`` builds it (its class from its draft config, the target's
+    embeddings loaded and frozen, the draft vocabulary's maps), with the target's head when the arm says so."""
     torch.manual_seed(seed)
     model = sf.LlamaForCausalLMEagle3(config, attention_backend="sdpa")
+    model.load_embedding(str(target))
+    model.freeze_embedding()
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(heads.embed)
         model.d2t.copy_(vocab.d2t)
         model.t2d.copy_(vocab.t2d)
-        if head_from_target:
+        if arm.head_from_target:
             model.lm_head.weight.copy_(heads.lm_head[vocab.target_ids])
             model.norm.weight.copy_(heads.norm)
-    model.embed_tokens.weight.requires_grad = False  # SpecForge freezes the target's embeddings too
     return model.to(dtype)
 
 
@@ -252,42 +379,42 @@ def specforge_target_head(sf: Any, target: Path, lm_head: torch.Tensor, dtype: t
     return head.eval().to(dtype)
 
 
-def train_specforge(
-    sf: Any,
-    samples: list[Path],
-    model: Any,
-    target_head: Any,
-    *,
-    seed: int,
-    epochs: int,
-    batch_size: int,
-    ttt_steps: int,
-    lr: float,
-    warmup_ratio: float,
-    max_len: int,
-    loss_over_rows: bool = False,
-    aerie_adamw_floor: float | None = None,
-) -> dict:
-    """SpecForge's loop, single process: dataset -> collator -> strategy loss -> BF16Optimizer step.
-
-    ``loss_over_rows``: the loss divided by the supervised rows (else SpecForge's all rows).
-    ``aerie_adamw_floor``: AdamW betas (0.9, 0.95) and the cosine decaying to lr * this (else torch's betas, 0)."""
+def train_specforge(sf: Any, samples: list[Path], model: Any, target_head: Any, s: dict) -> dict:
+    """SpecForge's loop, single process: dataset -> collator -> strategy loss -> BF16Optimizer step, at the
+    settings ``s`` (``specforge_arm_settings``)."""
     sf.eagle3_model.LogSoftmaxLoss = types.SimpleNamespace(
-        apply=loss_over_supervised_rows if loss_over_rows else sf.loss_over_all_rows
+        apply=loss_over_supervised_rows if s["loss_over_supervised_rows"] else sf.loss_over_all_rows
     )
-    dataset = sf.OfflineEagle3Dataset([str(p) for p in samples], max_len=max_len)
+    dataset = sf.OfflineEagle3Dataset([str(p) for p in samples], max_len=s["max_length"])
     collate = sf.DataCollatorWithPadding()
+    batch_size, epochs = s["batch_size"], s["num_epochs"]
     steps_per_epoch = math.ceil(len(dataset) / batch_size)
     total = steps_per_epoch * epochs
-    eagle = sf.OnlineEagle3Model(model, length=ttt_steps, attention_backend="sdpa")
-    strategy = sf.Eagle3TrainStrategy(eagle, target_head=target_head)
-    opt = sf.BF16Optimizer(model, lr=lr, total_steps=total, warmup_ratio=warmup_ratio)
-    if aerie_adamw_floor is not None:
-        for group in opt.optimizer.param_groups:
-            group["betas"] = AERIE_BETAS
-        # the cosine stage's floor; set before any step, so its recursive form decays to it exactly
-        opt.scheduler.after_scheduler.eta_min = lr * aerie_adamw_floor
-    gen = torch.Generator().manual_seed(seed)
+    eagle = sf.OnlineEagle3Model(
+        model,
+        length=s["ttt_length"],
+        attention_backend=s["attention_backend"],
+        lk_loss_type=s["lk_loss_type"],
+        kl_scale=s["kl_scale"],
+        kl_decay=s["kl_decay"],
+    )
+    strategy = sf.Eagle3TrainStrategy(
+        eagle, target_head=target_head, ploss_decay=s["ploss_decay"], compact_teacher=s["compact_teacher"]
+    )
+    opt = sf.BF16Optimizer(
+        model,
+        lr=s["learning_rate"],
+        weight_decay=s["weight_decay"],
+        max_grad_norm=s["max_grad_norm"],
+        total_steps=total,
+        warmup_ratio=s["warmup_ratio"],
+        lr_scheduler=s["lr_scheduler"],
+    )
+    for group in opt.optimizer.param_groups:
+        group["betas"] = tuple(s["betas"])
+    # the cosine stage's floor; set before any step, so its recursive form decays to it exactly
+    opt.scheduler.after_scheduler.eta_min = s["learning_rate"] * s["cosine_floor"]
+    gen = torch.Generator().manual_seed(s["seed"])
     rows = seconds = 0.0
     losses = []
     model.train()
@@ -388,11 +515,10 @@ def bench_drafter(args: argparse.Namespace, drafter_dir: Path) -> dict:
     bench rule's function; no reference drafters): measured acceptance, tokens/s, speedup, lossless."""
     from aerie.bench.run import run_benchmark
 
-    prompt_files = [Path(p) for p in sorted(glob.glob(args.bench_prompts))]
     report = run_benchmark(
         args.target,
         drafter_dir,
-        prompt_files,
+        bench_files(args),
         drafter_dir / "bench.json",
         max_new_tokens=args.bench_max_new_tokens,
         num_draft_steps=args.ttt,
@@ -413,20 +539,13 @@ def bench_drafter(args: argparse.Namespace, drafter_dir: Path) -> dict:
     }
 
 
-def run_seed(
-    sf: Any,
-    seed: int,
-    args: argparse.Namespace,
-    shard_paths: list[Path],
-    vocab_path: Path,
-    work: Path,
-    on_arm: Callable[[str, dict], None] = lambda arm, figures: None,
-) -> dict[str, dict]:
-    """Every chosen arm at one seed, one after the other (aerie first), each scored by the same judge;
-    ``on_arm(arm, figures)`` after each (so a long run keeps what it finished)."""
-    from aerie.target.heads import read_target_heads
+def bench_files(args: argparse.Namespace) -> list[Path]:
+    return [Path(p) for p in sorted(glob.glob(args.bench_prompts))] if args.bench_prompts else []
 
-    cfg = TrainConfig(
+
+def train_config(args: argparse.Namespace, seed: int) -> TrainConfig:
+    """aerie's settings at one seed: its defaults but for the run's settings."""
+    return TrainConfig(
         epochs=args.epochs,
         seed=seed,
         ttt_steps=args.ttt,
@@ -438,18 +557,77 @@ def run_seed(
         checkpoint_every=0,
         max_seq_len=args.max_len,
     )
-    results: dict[str, dict] = {}
-    if "aerie" in args.arms:
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The settings every arm of a run shares: results made with other ones are another run."""
+    keys = ("epochs", "ttt", "batch_size", "lr", "eval_fraction", "max_len", "threads", "specforge_dtype")
+    bench = ("bench_max_prompts", "bench_max_new_tokens") if args.bench_prompts else ()
+    return {k: getattr(args, k) for k in (*keys, *bench)}
+
+
+def data_identity(shard_paths: list[Path], target: Path, vocab: Path | None, bench: list[Path]) -> dict:
+    """Hashes of every input file: a result file is only reused for exactly these inputs."""
+    shards = open_hidden_shards(shard_paths)
+    return {
+        "hidden": [file_identity(p) for p in shard_paths],
+        "target": [file_identity(target / n) for n in ("config.json", "model.safetensors") if (target / n).exists()],
+        "vocab": file_identity(vocab) if vocab else "the target's whole vocabulary",
+        "bench_prompts": [file_identity(p) for p in bench],
+        "sequences": sum(s.num_seqs for s in shards),
+        "tokens": sum(len(s.input_ids) for s in shards),
+        "supervised_tokens": int(sum(int(s.loss_mask.sum()) for s in shards)),
+    }
+
+
+def result_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    return args.results / args.run / arm / f"seed-{seed}.json"
+
+
+def finished(args: argparse.Namespace, arm: str, seed: int, identity: dict) -> bool:
+    """True when this arm x seed has its result file from the same data and settings (never recomputed);
+    a result file from other data or settings is an error: the run name says which data the figures are on."""
+    path = result_path(args, arm, seed)
+    if not path.exists():
+        return False
+    old = json.loads(path.read_text())
+    same_data = [f["sha256"] for f in old["data"]["hidden"]] == [f["sha256"] for f in identity["hidden"]]
+    same_data = same_data and old["data"]["target"] == identity["target"]
+    if not same_data or old["run_settings"] != run_settings(args):
+        raise SystemExit(
+            f"{path}: made from other data or settings than this command's (settings {old['run_settings']} vs "
+            f"{run_settings(args)}); use another --run name or remove the run's folder"
+        )
+    return True
+
+
+def run_seed(
+    sf: Any,
+    seed: int,
+    arms: list[str],
+    args: argparse.Namespace,
+    shard_paths: list[Path],
+    vocab_path: Path,
+    work: Path,
+    on_arm: Callable[[str, dict, dict, dict], None],
+) -> None:
+    """The given arms at one seed, one after the other (aerie first), each scored by the same judges;
+    ``on_arm(arm, figures, settings, extra)`` after each (so a long run keeps what it finished)."""
+    from aerie.target.heads import read_target_heads
+
+    cfg = train_config(args, seed)
+    if "aerie" in arms:
         t0 = time.perf_counter()
         out_dir = work / f"aerie-{seed}"
         out = train_drafter(shard_paths, vocab_path, args.target, out_dir, cfg, log=lambda _: None)
-        results["aerie"] = {**out, "wall_s": time.perf_counter() - t0}
+        figures = {**out, "wall_s": time.perf_counter() - t0}
         if args.bench_prompts:
-            results["aerie"].update(bench_drafter(args, out_dir))
-        on_arm("aerie", results["aerie"])
-    sf_arms = [a for a in args.arms if a in SPECFORGE_ARMS]
+            figures.update(bench_drafter(args, out_dir))
+            figures["wall_s"] = time.perf_counter() - t0
+        on_arm("aerie", figures, dataclasses.asdict(cfg), {})
+    sf_arms = [a for a in arms if a in SPECFORGE_ARMS]
     if not sf_arms:
-        return results
+        return
 
     shards = open_hidden_shards(shard_paths)
     held = split_heldout(shards, cfg.eval_fraction, cfg.seed)  # the split aerie uses at this seed
@@ -475,65 +653,44 @@ def run_seed(
     ]
     eval_groups = batches(eval_w, cfg, None)
     sf_head = specforge_target_head(sf, args.target, lm_head, dtype)
+    draft_config = specforge_draft_config(sf, args.target, len(vocab.d2t))
+    check_same_shape(draft_config, dcfg)
+    defaults = specforge_defaults(sf)
     for arm in sf_arms:
-        s = SPECFORGE_ARMS[arm]
         t0 = time.perf_counter()
-        model = specforge_drafter(sf, dcfg, vocab, heads, seed, s.head_from_target, dtype)
-        trained = train_specforge(
-            sf,
-            samples[s.mask_on_predicted_token],
-            model,
-            sf_head,
-            seed=seed,
-            epochs=cfg.epochs,
-            batch_size=cfg.batch_size if s.matched else 1,
-            ttt_steps=cfg.ttt_steps if s.matched else 7,
-            lr=cfg.learning_rate if s.matched else 1e-4,
-            warmup_ratio=cfg.warmup_ratio if s.matched else 0.015,
-            max_len=cfg.max_seq_len,
-            loss_over_rows=s.loss_over_supervised_rows,
-            aerie_adamw_floor=cfg.min_lr_ratio if s.aerie_adamw else None,
-        )
+        settings = specforge_arm_settings(defaults, SPECFORGE_ARMS[arm], cfg, args.specforge_dtype)
+        model = specforge_drafter(sf, draft_config, args.target, vocab, heads, seed, SPECFORGE_ARMS[arm], dtype)
+        trained = train_specforge(sf, samples[settings["mask_on_predicted_token"]], model, sf_head, settings)
         specforge_into_aerie(model, judge)
         scored = evaluate(judge.eval(), eval_groups, shards, aerie_head, cfg, torch.device("cpu"), torch.float32)
-        results[arm] = {**scored, **trained, "wall_s": time.perf_counter() - t0}
+        figures = {**scored, **trained, "wall_s": time.perf_counter() - t0}
         if args.bench_prompts:
             out_dir = work / f"{arm}-{seed}"
-            export_drafter(judge, out_dir, aux_ids, {"trained_by": f"SpecForge 0.2.0 ({arm})"})
-            results[arm].update(bench_drafter(args, out_dir))
-        on_arm(arm, results[arm])
-    return results
+            export_drafter(judge, out_dir, aux_ids, {"trained_by": f"SpecForge {sf.version} ({arm})"})
+            figures.update(bench_drafter(args, out_dir))
+            figures["wall_s"] = time.perf_counter() - t0
+        extra = {
+            "specforge_version": sf.version,
+            "specforge_defaults": defaults,
+            "specforge_draft_config": {k: v for k, v in draft_config.to_dict().items() if not k.startswith("_")},
+            "norm_before_lm_head": bool(model.norm_output),
+        }
+        on_arm(arm, figures, settings, extra)
 
 
-def spread(values: list[float], digits: int = 3) -> str:
-    """``mean ± stdev`` (sample stdev over seeds), or the mean alone for one value."""
-    mean = statistics.fmean(values)
-    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else f"{mean:.{digits}f}"
-
-
-def summary_table(per_seed: dict[int, dict[str, dict]], arms: list[str]) -> str:
-    """The side-by-side table over the seeds finished so far: mean ± stdev per arm."""
-    seeds = sorted(per_seed)
-    arms = [a for a in arms if all(a in per_seed[s] for s in seeds)]  # arms every seed finished
-    benched = all("measured_acceptance_length" in per_seed[s][a] for s in seeds for a in arms)
-    head = f"{'arm':<40} {'simulated acceptance':>22} {'train tokens/s':>18}"
-    if benched:
-        head += f" {'measured acceptance':>22} {'bench tok/s':>18} {'speedup':>16}"
-    lines = [f"(mean ± stdev over seeds {seeds})", head]
-
-    def col(arm: str, key: str, digits: int = 3) -> str:
-        return spread([float(per_seed[s][arm][key]) for s in seeds], digits)
-
-    for arm in arms:
-        line = f"{arm:<40} {col(arm, 'simulated_acceptance_length'):>22} {col(arm, 'tokens_per_s', 0):>18}"
-        if benched:
-            line += (
-                f" {col(arm, 'measured_acceptance_length'):>22} {col(arm, 'bench_tokens_per_s', 1):>18}"
-                f" {col(arm, 'bench_speedup'):>16}"
-            )
-        per_pos = [statistics.fmean(p) for p in zip(*(per_seed[s][arm]["acceptance_per_position"] for s in seeds))]
-        lines.append(f"{line}   per position {[round(x, 3) for x in per_pos]}")
-    return "\n".join(lines)
+def print_figures(seed: int, arm: str, r: dict) -> None:
+    measured = (
+        f"  measured {r['measured_acceptance_length']:.3f} at {r['bench_tokens_per_s']:.1f} tok/s "
+        f"(speedup {r['bench_speedup']:.3f}, lossless {r['bench_lossless']})"
+        if "measured_acceptance_length" in r
+        else ""
+    )
+    print(
+        f"seed {seed} {arm:<48} simulated {r['simulated_acceptance_length']:.3f}  "
+        f"per position {[round(x, 3) for x in r['acceptance_per_position']]}  "
+        f"{r['tokens_per_s']:.0f} train tok/s  {r['wall_s']:.0f} s{measured}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -550,18 +707,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--vocab", type=Path, help="aerie draft vocab (default: the target's whole vocabulary)")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="which arms (default: all)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--epochs", type=int, default=1, help="1: no best-epoch selection on the held-out set")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--epochs", type=int, default=1, help="1 (SpecForge's default): no best-epoch selection")
     ap.add_argument(
         "--lr",
         type=float,
         default=TrainConfig.learning_rate,
-        help="aerie's and the matched arms' peak learning rate (specforge-default keeps 1e-4)",
+        help="aerie's and the matched arms' peak learning rate (specforge-default keeps SpecForge's)",
     )
     ap.add_argument("--ttt", type=int, default=7, help="TTT depth of aerie and the matched arms; drafts per step")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--eval-fraction", type=float, default=0.1)
-    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--max-len", type=int, default=2048, help="2048: aerie's and SpecForge's default")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--specforge-dtype",
@@ -576,23 +733,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench-max-prompts", type=int, default=8)
     ap.add_argument("--bench-max-new-tokens", type=int, default=96)
     ap.add_argument("--work", type=Path, help="keep drafters and samples here (default: a temporary folder)")
-    ap.add_argument("--json", type=Path, help="write every arm's figures per seed here (after every seed)")
-    ap.add_argument(
-        "--table",
-        type=Path,
-        nargs="+",
-        metavar="JSON",
-        help="only print the table of earlier --json files (e.g. one process per seed), arms every seed finished",
-    )
+    ap.add_argument("--results", type=Path, help="write one result file per arm x seed under RESULTS/RUN/")
+    ap.add_argument("--run", help="the run's name under --results (one name per data set and settings)")
     args = ap.parse_args(argv)
-    if args.table:
-        merged: dict[int, dict[str, dict]] = {}
-        for path in args.table:  # later files win for an arm a seed has twice
-            for seed, arms in json.loads(path.read_text()).items():
-                merged.setdefault(int(seed), {}).update(arms)
-        print(summary_table(merged, list(ARMS)))
-        return 0
     torch.set_num_threads(args.threads)
+    if bool(args.results) != bool(args.run):
+        raise SystemExit("--results and --run go together")
     if not args.smoke and not (args.target and args.hidden):
         raise SystemExit("give --target and --hidden (real shards), or --smoke SEQS LEN")
     if args.bench_prompts and args.smoke:
@@ -605,7 +751,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.specforge_site:
             raise SystemExit("the SpecForge arms need --specforge-site (see the module docstring)")
         sf = install_specforge(args.specforge_site)
-    per_seed: dict[int, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory(prefix="aerie-peer-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -617,28 +762,50 @@ def main(argv: list[str] | None = None) -> int:
             if not shard_paths:
                 raise SystemExit(f"--hidden {args.hidden!r}: no shard matches")
         vocab = args.vocab or full_vocab(open_hidden_shards(shard_paths[:1])[0].vocab_size, work)
+        identity = data_identity(shard_paths, args.target, args.vocab, bench_files(args)) if args.results else {}
+        code = code_identity(REPO)
         for seed in args.seeds:
-            per_seed[seed] = {}
+            todo = [a for a in args.arms if not (args.results and finished(args, a, seed, identity))]
+            if not todo:
+                print(f"seed {seed}: every arm already has its result file", flush=True)
+                continue
+            load_before = machine_load()
+            started = time.time()
 
-            def on_arm(arm: str, r: dict, seed: int = seed) -> None:
-                per_seed[seed][arm] = r
-                measured = (
-                    f"  measured {r['measured_acceptance_length']:.3f} at {r['bench_tokens_per_s']:.1f} tok/s "
-                    f"(speedup {r['bench_speedup']:.3f}, lossless {r['bench_lossless']})"
-                    if "measured_acceptance_length" in r
-                    else ""
-                )
-                print(
-                    f"seed {seed} {arm:<40} simulated {r['simulated_acceptance_length']:.3f}  "
-                    f"per position {[round(x, 3) for x in r['acceptance_per_position']]}  "
-                    f"{r['tokens_per_s']:.0f} train tok/s  {r['wall_s']:.0f} s{measured}",
-                    flush=True,
-                )
-                if args.json:
-                    args.json.write_text(json.dumps({str(k): v for k, v in per_seed.items()}, indent=1) + "\n")
+            def on_arm(arm: str, figures: dict, settings: dict, extra: dict, seed: int = seed) -> None:
+                nonlocal load_before, started
+                print_figures(seed, arm, figures)
+                if args.results:
+                    write_json_atomic(
+                        result_path(args, arm, seed),
+                        {
+                            "format": RESULT_FORMAT,
+                            "run": args.run,
+                            "arm": arm,
+                            "seed": seed,
+                            "rung": ARMS.index(arm),
+                            "changes": SPECFORGE_ARMS[arm].changes if arm in SPECFORGE_ARMS else "aerie's recipe",
+                            "figures": figures,
+                            "settings": settings,
+                            **extra,
+                            "run_settings": run_settings(args),
+                            "data": identity,
+                            "code": code,
+                            "command": command_line(),
+                            "machine": machine(),
+                            "torch": torch.__version__,
+                            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                            "load_before": load_before,
+                            "load_after": machine_load(),
+                        },
+                    )
+                load_before, started = machine_load(), time.time()
 
-            run_seed(sf, seed, args, shard_paths, vocab, work, on_arm)
-    print("\n" + summary_table(per_seed, args.arms))
+            run_seed(sf, seed, todo, args, shard_paths, vocab, work, on_arm)
+    if args.results:
+        from tables import peer_training_table
+
+        print("\n" + peer_training_table(args.results / args.run))
     return 0
 
 
