@@ -4,15 +4,18 @@ Convention (aerie/drafter/data.py): row t carries the target's features at posit
 token t+1+k and predicts token t+2+k against the target distribution ``q[t+1+k]``. A row is supervised at step k
 when it is a real row, token t+2+k was generated (loss mask), and - when given - ``target_ok[t+1+k]``. The
 expected rows below are written out by hand from that rule, so a mask shifted by one row in either direction fails.
+The loss here is the plain composition (tests/ttt_reference.py); tests/test_ttt_kernel.py holds the trainer's
+chunked loss equal to it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ttt_reference import naive_loss as ttt_loss
 
 from aerie.drafter.data import Batch
-from aerie.drafter.ttt import step_weights, ttt_loss
+from aerie.drafter.ttt import step_weights
 
 STEPS = 3
 T = 7  # rows of the window

@@ -10,7 +10,7 @@ from torch import Tensor
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Window, load_batch
 from aerie.drafter.model import Eagle3Drafter
-from aerie.drafter.ttt import TargetHead, autocast, target_mask, ttt_loss, ttt_unroll
+from aerie.drafter.ttt import TargetHead, autocast, ttt_forward
 
 EMPTY_EVAL = {  # what eval.json says when there is nothing held out
     "simulated_acceptance_length": None,
@@ -52,18 +52,18 @@ def evaluate(
     for group in groups:
         b = load_batch(group, shards, K, device, dtype)
         T = b.row_valid.shape[1]
-        q, greedy, has_q = head.targets(b)  # greedy [B,W]: the token the target verifies against
+        targets = head.prepare(b, cfg)
+        greedy = targets.greedy  # [B,W]: the token the target verifies against
         with autocast(device):
-            steps = ttt_unroll(model, b.aux, b.ids, b.position_ids, K)
-        _, stats = ttt_loss(steps, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
+            _, stats, drafts = ttt_forward(model, b, targets, K, cfg.step_loss_decay)
         for k, (c, w, r) in enumerate(stats):
             ce[k] += float(c)
             wsum[k] += float(w)
             correct[k] += float(r)
         start = b.row_valid & b.gen[:, 2 : 2 + T]  # [B,T]
         chain = start.clone()
-        for k, logits in enumerate(steps):
-            draft = model.draft_to_target(logits.argmax(-1))  # [B,T] target ids
+        for k, draft_ids in enumerate(drafts):
+            draft = model.draft_to_target(draft_ids)  # [B,T] target ids
             ok = (draft == greedy[:, 1 + k : 1 + k + T]) & b.have[:, 2 + k : 2 + k + T]
             chain = chain & ok
             accepted_at[k] += float(chain.sum())

@@ -76,39 +76,142 @@ class DrafterKVCache:
         )
 
 
+# Query rows per chunk of the TTT attention: a chunk's fp32 score block ([B, heads, rows, keys]) stays under this
+# many elements (512 MiB), whatever the window length. aerie.drafter.memory reads it.
+ATTENTION_CHUNK_ELEMENTS = 2**27
+
+
+def attention_chunk_rows(batch: int, heads: int, keys: int) -> int:
+    """Query rows per chunk so that one [batch, heads, rows, keys] score block stays under ATTENTION_CHUNK_ELEMENTS."""
+    return max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * heads * keys))
+
+
+class TTTAttention(torch.autograd.Function):
+    """Softmax attention of the TTT unroll's step s, computed in chunks of query rows and never kept.
+
+    Inputs: q [B, h, T, d]; the step-0 keys/values k0 [B, kvh, T, d], v0 [B, kvh, T, dv]; the diagonal keys/
+    values of steps 1..s, each [B, kvh, T, d] / [B, kvh, T, dv] (GQA: query head i reads kv head i // (h/kvh)).
+    Query row t attends to step-0 keys 0..t and to row t of each diagonal key (its own chain's earlier drafts).
+
+    Why this kernel: the reference (tests/ttt_reference.py) builds [B, h, T, T + s] scores and keeps their fp32
+    softmax and a copy for backward: quadratic in T. Here each chunk of C query rows builds its [B, h, C, e + s]
+    scores (e = the chunk's last row + 1: keys beyond it are masked anyway), takes the exact softmax over the
+    whole row (no online rescaling: the row's keys are all in the block, so the numbers are the reference's),
+    and keeps nothing: backward recomputes each chunk's probabilities from the saved inputs (which the cache
+    holds anyway) and applies the softmax gradient. Memory is O(T) saved + one chunk's block; the work is the
+    reference's minus the masked upper triangle. It runs the same on CPU and CUDA with plain matmuls (torch
+    2.13's flex attention has no CPU backward; its eager path materialises the full score matrix).
+
+    Dtypes follow the reference: scores and the probability-weighted sums in the inputs' dtype (bf16 under
+    autocast), the softmax and its gradient in fp32; key/value gradients accumulate over chunks in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, chunk_rows: int, q: Tensor, k0: Tensor, v0: Tensor, *diagonal: Tensor) -> Tensor:
+        s = len(diagonal) // 2
+        ks, vs = diagonal[:s], diagonal[s:]
+        B, h, T, _ = q.shape
+        out = q.new_empty(B, h, T, v0.shape[-1])
+        for a, e, probs in _ttt_chunks(q, k0, ks, chunk_rows):
+            pd = probs.to(q.dtype)  # [B, kvh, g, C, e + s]
+            C, kvh, g = e - a, k0.shape[1], h // k0.shape[1]
+            o = (pd[..., :e].reshape(B, kvh, g * C, e) @ v0[:, :, :e]).view(B, kvh, g, C, -1)
+            for j, vj in enumerate(vs):
+                o = o + pd[..., e + j, None] * vj[:, :, None, a:e]
+            out[:, :, a:e] = o.view(B, h, C, -1)
+        ctx.chunk_rows = chunk_rows
+        ctx.save_for_backward(q, k0, v0, *diagonal)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k0, v0, *diagonal = ctx.saved_tensors
+        s = len(diagonal) // 2
+        ks, vs = diagonal[:s], diagonal[s:]
+        B, h, T, d = q.shape
+        kvh, dt = k0.shape[1], q.dtype
+        g = h // kvh
+        scale = 1.0 / math.sqrt(d)
+        dq = torch.empty_like(q)
+        dk0, dv0 = (
+            torch.zeros(k0.shape, dtype=torch.float32, device=q.device),
+            torch.zeros_like(v0, dtype=torch.float32),
+        )
+        dks = [torch.zeros_like(k, dtype=torch.float32) for k in ks]
+        dvs = [torch.zeros_like(v, dtype=torch.float32) for v in vs]
+        for a, e, probs in _ttt_chunks(q, k0, ks, ctx.chunk_rows):
+            C = e - a
+            pd = probs.to(dt)
+            go = grad_out[:, :, a:e].reshape(B, kvh, g, C, -1)  # [B, kvh, g, C, dv]
+            go_rows = go.reshape(B, kvh, g * C, -1)
+            # gradients of the probability-weighted sums (in the inputs' dtype, as the reference's matmuls)
+            dpd = [(go_rows @ v0[:, :, :e].transpose(-1, -2)).view(B, kvh, g, C, e)]
+            dv0[:, :, :e] += (pd[..., :e].reshape(B, kvh, g * C, e).transpose(-1, -2) @ go_rows).float()
+            for j, vj in enumerate(vs):
+                dpd.append((go * vj[:, :, None, a:e]).sum(-1, keepdim=True))
+                dvs[j][:, :, a:e] += (pd[..., e + j, None] * go).sum(2).float()
+            dp = torch.cat(dpd, dim=-1).float()
+            ds = (probs * (dp - (probs * dp).sum(-1, keepdim=True))).to(dt) * scale  # softmax backward, then scale
+            qc = q[:, :, a:e].reshape(B, kvh, g, C, d)
+            dqc = (ds[..., :e].reshape(B, kvh, g * C, e) @ k0[:, :, :e]).view(B, kvh, g, C, d)
+            dk0[:, :, :e] += (
+                ds[..., :e].reshape(B, kvh, g * C, e).transpose(-1, -2) @ qc.reshape(B, kvh, g * C, d)
+            ).float()
+            for j, kj in enumerate(ks):
+                dqc = dqc + ds[..., e + j, None] * kj[:, :, None, a:e]
+                dks[j][:, :, a:e] += (ds[..., e + j, None] * qc).sum(2).float()
+            dq[:, :, a:e] = dqc.view(B, h, C, d)
+        cast = [x.to(dt) for x in (dk0, dv0, *dks, *dvs)]
+        return (None, dq, *cast)
+
+
+def _ttt_chunks(q: Tensor, k0: Tensor, ks: tuple[Tensor, ...] | list[Tensor], chunk_rows: int):
+    """Yield (first row, end row, fp32 probabilities [B, kvh, g, C, end + s]) per chunk of query rows: the
+    softmax over [step-0 keys 0..end-1 (causal) | the row's own diagonal keys]."""
+    B, h, T, d = q.shape
+    kvh = k0.shape[1]
+    g = h // kvh
+    scale = 1.0 / math.sqrt(d)
+    for a in range(0, T, chunk_rows):
+        e = min(T, a + chunk_rows)
+        C = e - a
+        qc = q[:, :, a:e].reshape(B, kvh, g, C, d)
+        scores = (qc.reshape(B, kvh, g * C, d) @ k0[:, :, :e].transpose(-1, -2)).view(B, kvh, g, C, e) * scale
+        causal = torch.arange(e, device=q.device)[None, :] <= torch.arange(a, e, device=q.device)[:, None]  # [C, e]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        diag = [(qc * kj[:, :, None, a:e]).sum(-1, keepdim=True) * scale for kj in ks]  # [B, kvh, g, C, 1]
+        yield a, e, torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1)
+
+
 class TTTCache:
     """Keys/values of one training-time-test unroll over whole sequences.
 
     Step 0 runs over all rows with causal attention. Step k >= 1 at row t is the k-th chained draft after a
     prefix ending at row t, so at inference it sees the step-0 keys of rows <= t plus its *own row's* keys
-    from steps 1..k (the earlier drafts in its chain) - never other rows' later-step keys. Scores against
-    those diagonal keys are one dot product per row, concatenated to the causal block before the softmax.
+    from steps 1..k (the earlier drafts in its chain) - never other rows' later-step keys. ``TTTAttention``
+    computes that in chunks of query rows (``chunk_rows``; None = sized by ATTENTION_CHUNK_ELEMENTS).
+
+    The cache holds one [B, kvh, T, d] key and value per step, made contiguous so that a value that is a view
+    of a wider projection (MLA's [k_nope | value]) does not keep the rest alive. Construct it from earlier
+    steps' tensors (``keys``, ``values``) to run one step on its own (activation checkpointing re-runs a step).
     """
 
-    def __init__(self) -> None:
-        self.keys: list[Tensor] = []  # per step [B, kvh, T, d]
-        self.values: list[Tensor] = []
+    def __init__(
+        self, keys: list[Tensor] | None = None, values: list[Tensor] | None = None, chunk_rows: int | None = None
+    ):
+        self.keys: list[Tensor] = list(keys or [])  # per step [B, kvh, T, d]
+        self.values: list[Tensor] = list(values or [])
+        self.chunk_rows = chunk_rows
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.keys.append(k)
-        self.values.append(v)
-        n_rep = q.shape[1] // k.shape[1]
-        T = q.shape[2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        k0, v0 = repeat_kv(self.keys[0], n_rep), repeat_kv(self.values[0], n_rep)
-        scores = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-        diag_v = [repeat_kv(vj, n_rep) for vj in self.values[1:]]
-        diag_s = [(q * repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale for kj in self.keys[1:]]  # [B,h,T,1]
-        probs = torch.softmax(torch.cat([scores, *diag_s], dim=-1).float(), dim=-1).to(q.dtype)  # [B,h,T,T+k]
-        out = probs[..., :T] @ v0
-        for j, vj in enumerate(diag_v):
-            out = out + probs[..., T + j : T + j + 1] * vj
-        return out
+        self.keys.append(k.contiguous())
+        self.values.append(v.contiguous())
+        B, h, T, _ = q.shape
+        chunk = self.chunk_rows or attention_chunk_rows(B, h, T + len(self.keys))
+        return TTTAttention.apply(chunk, q, self.keys[0], self.values[0], *self.keys[1:], *self.values[1:])
 
 
 class MLP(nn.Module):

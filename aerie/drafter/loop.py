@@ -40,7 +40,7 @@ from aerie.drafter.state import (
     set_rng_state,
     train_state_dir,
 )
-from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast, target_mask, ttt_loss
+from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast
 from aerie.formats.hidden import check_shard_layers, open_hidden_shards
 from aerie.formats.vocab import DraftVocab, load_draft_vocab
 from aerie.target.config import target_num_hidden_layers
@@ -216,7 +216,7 @@ def train_drafter(
     elapsed_before = progress.seconds  # wall time of earlier attempts
     del state
 
-    unroll: nn.Module = TTTUnroll(model, cfg.ttt_steps)
+    unroll: nn.Module = TTTUnroll(model, cfg.ttt_steps, cfg.step_loss_decay)
     if dist.world > 1:
         unroll = nn.parallel.DistributedDataParallel(unroll, device_ids=[device] if device.type == "cuda" else None)
 
@@ -253,13 +253,12 @@ def train_drafter(
             for group in order[progress.position :]:
                 t0 = time.time()
                 b = load_batch(group, shards, cfg.ttt_steps, device, dtype)
-                q, greedy, has_q = head.targets(b)
+                targets = head.prepare(b, cfg)
                 lr = lr_at(progress.step, total_steps, cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 with autocast(device):
-                    steps = unroll(b.aux, b.ids, b.position_ids)
-                loss, stats = ttt_loss(steps, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
+                    loss, stats, _ = unroll(b, targets)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = (

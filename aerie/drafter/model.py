@@ -129,6 +129,26 @@ class Eagle3Drafter(nn.Module):
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
+    def step(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cache: DrafterKVCache | TTTCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One draft step without the vocabulary head: (normed [B,T,H], what lm_head reads; hidden_out [B,T,H],
+        what the next draft step reads). Training applies lm_head itself, a chunk of rows at a time."""
+        if self.embeddings_missing:
+            raise RuntimeError(
+                "this drafter was loaded from an export without embed_tokens (they are the target's): call "
+                "load_target_embeddings(target.get_input_embeddings().weight) or pass embed_tokens= to from_pretrained"
+            )
+        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # [B, T, H]
+        hidden_out = self.midlayer(hidden_states, embeds, position_ids, cache)
+        normed = self.norm(hidden_out)
+        # SGLang returns the pre-norm sum as the next step's hidden state unless norm_output (EAGLE-3.1) is set.
+        return normed, normed if self.cfg.norm_output else hidden_out
+
     def forward(
         self,
         hidden_states: Tensor,
@@ -142,17 +162,8 @@ class Eagle3Drafter(nn.Module):
         Without a cache the rows attend causally among themselves. A DrafterKVCache appends this call's
         keys (queries see all cached positions); a TTTCache applies the training-time-test pattern.
         """
-        if self.embeddings_missing:
-            raise RuntimeError(
-                "this drafter was loaded from an export without embed_tokens (they are the target's): call "
-                "load_target_embeddings(target.get_input_embeddings().weight) or pass embed_tokens= to from_pretrained"
-            )
-        embeds = self.embed_tokens(input_ids).to(hidden_states.dtype)  # [B, T, H]
-        hidden_out = self.midlayer(hidden_states, embeds, position_ids, cache)
-        normed = self.norm(hidden_out)
-        logits = self.lm_head(normed)
-        # SGLang returns the pre-norm sum as the next step's hidden state unless norm_output (EAGLE-3.1) is set.
-        return logits, normed if self.cfg.norm_output else hidden_out
+        normed, hidden_out = self.step(hidden_states, input_ids, position_ids, cache)
+        return self.lm_head(normed), hidden_out
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocab ids -> target ids (SGLang: hot_token_id = d2t + arange)."""

@@ -7,20 +7,40 @@ keys of rows <= t and its own row's keys from steps 1..k. The loss at every step
 against the target's next-token distribution restricted to the draft vocab (``TargetHead``: from the final
 states through lm_head for ``full`` hidden shards, from the stored top-k for ``compact`` ones), weighted
 ``step_loss_decay**k`` and normalised by the supervised rows.
+
+Memory (training): each step runs under activation checkpointing (``torch.utils.checkpoint``, non-reentrant):
+between forward and backward a step keeps only its inputs and outputs - the hidden state it hands on and the
+key/value it adds to the cache - and backward re-runs it. The vocabulary loss (``SoftCrossEntropy``) takes
+``LOSS_CHUNK_ROWS`` rows of logits at a time and keeps none (backward recomputes them), and the soft targets
+are built per chunk too (``Targets.rows``): no [B, T, Vd] tensor exists. The attention is TTTAttention
+(layers.py). So memory grows linearly in the window (aerie.drafter.memory counts it; bench/drafter_memory.py
+measures it), and the numbers are those of the plain composition (tests/ttt_reference.py; tests check
+outputs and gradients against it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Batch
 from aerie.drafter.layers import TTTCache
 from aerie.drafter.model import Eagle3Drafter
+
+# Rows of logits the vocabulary loss builds at a time (per batch: LOSS_CHUNK_ROWS // B rows of each window).
+# aerie.drafter.memory reads it.
+LOSS_CHUNK_ROWS = 4096
+
+
+def _fp32(device: torch.device):
+    """Targets are computed in fp32 even inside the training step's bf16 autocast (as they always were)."""
+    return torch.autocast(device.type, enabled=False)
 
 
 @dataclass
@@ -37,13 +57,15 @@ class TargetHead:
     @torch.no_grad()
     def soft_targets(self, final: Tensor) -> Tensor:
         """[B,W,H] -> [B,W,Vd]: target next-token distribution renormalised over the draft vocab."""
-        return torch.softmax((final @ self.draft.T).float(), dim=-1)
+        with _fp32(final.device):
+            return torch.softmax((final @ self.draft.T).float(), dim=-1)
 
     @torch.no_grad()
     def greedy(self, final: Tensor, chunk: int = 512) -> Tensor:
         """[B,W,H] -> [B,W] target argmax over the full vocab, in row chunks to bound memory."""
         flat = final.reshape(-1, final.shape[-1])
-        out = torch.cat([(flat[i : i + chunk] @ self.full.T).argmax(-1) for i in range(0, len(flat), chunk)])
+        with _fp32(final.device):
+            out = torch.cat([(flat[i : i + chunk] @ self.full.T).argmax(-1) for i in range(0, len(flat), chunk)])
         return out.view(final.shape[:-1])
 
     @torch.no_grad()
@@ -60,15 +82,39 @@ class TargetHead:
 
     @torch.no_grad()
     def targets(self, b: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """(q [B,W,Vd] soft targets, greedy [B,W] target token, has_q [B,W] bool) for a batch of either layout."""
+        """(q [B,W,Vd] soft targets, greedy [B,W] target token, has_q [B,W] bool) for a batch of either layout.
+        Whole-window soft targets: training and evaluation use ``prepare`` (per-chunk rows) instead."""
         if b.topk_ids is not None:
             q, has = self.topk_targets(b.topk_ids, b.topk_logprobs)
             return q, b.topk_ids[..., 0], has  # top-1 of the full vocab = the target's greedy token
         return self.soft_targets(b.final), self.greedy(b.final), torch.ones_like(b.have)
 
+    @torch.no_grad()
+    def prepare(self, b: Batch, cfg: TrainConfig) -> Targets:
+        """The batch's targets without its [B,W,Vd] soft-target tensor: the greedy token and which positions may
+        carry loss now, the soft targets of any window positions on demand."""
+        if b.topk_ids is not None:
+            greedy, has = b.topk_ids[..., 0], self.t2d[b.topk_ids].any(-1)
+            rows = lambda p0, p1: self.topk_targets(b.topk_ids[:, p0:p1], b.topk_logprobs[:, p0:p1])[0]  # noqa: E731
+        else:
+            greedy, has = self.greedy(b.final), torch.ones_like(b.have)
+            rows = lambda p0, p1: self.soft_targets(b.final[:, p0:p1])  # noqa: E731
+        return Targets(rows=rows, greedy=greedy, ok=target_mask(self, greedy, has, cfg))
+
+
+@dataclass
+class Targets:
+    """One batch's targets: ``rows(p0, p1)`` -> [B, p1-p0, Vd] soft targets of window positions p0..p1-1 (q[p]
+    predicts token p+1); ``greedy`` [B,W] the target's token; ``ok`` [B,W] positions that may carry loss."""
+
+    rows: Callable[[int, int], Tensor]
+    greedy: Tensor
+    ok: Tensor
+
 
 def ttt_unroll(model: Eagle3Drafter, aux: Tensor, ids: Tensor, position_ids: Tensor, steps: int) -> list[Tensor]:
-    """Unrolled chained drafting over every row at once; returns per-step draft logits [B,T,Vd]."""
+    """Unrolled chained drafting over every row at once; returns per-step draft logits [B,T,Vd] (whole windows:
+    for inspection and tests; training and evaluation use ``ttt_forward``)."""
     T = aux.shape[1]
     cache = TTTCache()
     hidden = model.project_aux(aux)  # [B,T,H] step 0: target features
@@ -95,31 +141,115 @@ def target_mask(head: TargetHead, greedy: Tensor, has_q: Tensor, cfg: TrainConfi
     return has_q & head.t2d[greedy] if cfg.mask_out_of_vocab_targets else has_q
 
 
-def ttt_loss(logits_per_step: list[Tensor], q: Tensor, batch: Batch, target_ok: Tensor | None, decay: float):
-    """Weighted sum over steps of masked soft cross-entropy; also per-step (ce_sum, weight_sum, correct)."""
-    T = batch.row_valid.shape[1]
-    total = torch.zeros((), device=q.device)
-    stats = []
-    for k, logits in enumerate(logits_per_step):
-        q_k = q[:, 1 + k : 1 + k + T]  # [B,T,Vd]
-        w = step_weights(batch, k, target_ok)  # [B,T]
-        ce = -(q_k * F.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B,T]
-        ce_sum, w_sum = (ce * w).sum(), w.sum()
+class SoftCrossEntropy(torch.autograd.Function):
+    """Sum over rows of ``w[row] * -(q[row] . log_softmax(lm_head(x[row])))``, ``LOSS_CHUNK_ROWS`` rows of logits
+    at a time; also the rows' argmax (draft tokens) and how many supervised rows it gets right (q's argmax).
+
+    x [B,T,H] (the normed hidden state), weight [Vd,H] (lm_head), q_rows(r0, r1) -> [B, r1-r0, Vd] soft targets of
+    rows r0..r1-1, w [B,T] row weights. Logits are made in ``dtype`` (bf16 under autocast, as lm_head would) and
+    normalised in fp32; backward recomputes each chunk's logits (d logits = (softmax * sum(q) - q) * w) instead of
+    keeping [B,T,Vd] of them, and accumulates lm_head's gradient in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, q_rows, w: Tensor, dtype: torch.dtype, chunk_rows: int):
+        B, T, _ = x.shape
+        ce_sum = torch.zeros((), device=x.device)
+        correct = torch.zeros((), device=x.device)
+        draft = torch.empty(B, T, dtype=torch.long, device=x.device)
+        with _fp32(x.device):
+            wc = weight.to(dtype)
+            for r0 in range(0, T, chunk_rows):
+                r1 = min(T, r0 + chunk_rows)
+                logits = F.linear(x[:, r0:r1].to(dtype), wc)  # [B, c, Vd]
+                q = q_rows(r0, r1)
+                ce = -(q * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, c]
+                ce_sum += (ce * w[:, r0:r1]).sum()
+                draft[:, r0:r1] = logits.argmax(-1)
+                correct += ((draft[:, r0:r1] == q.argmax(-1)).float() * w[:, r0:r1]).sum()
+        ctx.save_for_backward(x, weight, w)
+        ctx.q_rows, ctx.dtype, ctx.chunk_rows = q_rows, dtype, chunk_rows
+        ctx.mark_non_differentiable(correct, draft)
+        return ce_sum, correct, draft
+
+    @staticmethod
+    def backward(ctx, grad_ce: Tensor, _grad_correct, _grad_draft):
+        x, weight, w = ctx.saved_tensors
+        dtype, T = ctx.dtype, x.shape[1]
+        dx = torch.empty_like(x)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with _fp32(x.device):
+            wc = weight.to(dtype)
+            for r0 in range(0, T, ctx.chunk_rows):
+                r1 = min(T, r0 + ctx.chunk_rows)
+                xc = x[:, r0:r1].to(dtype)
+                p = torch.softmax(F.linear(xc, wc).float(), dim=-1)
+                q = ctx.q_rows(r0, r1)
+                dlogits = ((p * q.sum(-1, keepdim=True) - q) * (w[:, r0:r1] * grad_ce)[..., None]).to(dtype)
+                dx[:, r0:r1] = (dlogits @ wc).to(x.dtype)
+                dw += (dlogits.flatten(0, 1).T @ xc.flatten(0, 1)).float()
+        return dx, dw.to(weight.dtype), None, None, None, None
+
+
+def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values, q_rows, w, dtype, chunk_rows):
+    """One TTT step with its loss: (ce_sum, correct, draft ids, next hidden, this step's key, value). A pure
+    function of its arguments (a fresh cache over the earlier steps' keys), so checkpointing can re-run it."""
+    cache = TTTCache(keys, values)
+    normed, hidden = model.step(hidden, tokens, positions, cache)
+    ce_sum, correct, draft = SoftCrossEntropy.apply(normed, model.lm_head.weight, q_rows, w, dtype, chunk_rows)
+    return ce_sum, correct, draft, hidden, cache.keys[-1], cache.values[-1]
+
+
+def ttt_forward(
+    model: Eagle3Drafter, b: Batch, targets: Targets, steps: int, decay: float, checkpointing: bool = True
+) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]], list[Tensor]]:
+    """The TTT unroll and its loss: (weighted loss, per-step (ce_sum, weight_sum, correct), per-step draft ids
+    [B,T] in the draft vocab). With ``checkpointing`` (and gradients on) every step is re-run in backward."""
+    T = b.row_valid.shape[1]
+    B = b.row_valid.shape[0]
+    device = b.aux.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+    chunk_rows = max(1, LOSS_CHUNK_ROWS // B)
+
+    def run(fn, *args):
+        if checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    hidden = run(model.project_aux, b.aux)  # [B,T,H] step 0: target features
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    total = torch.zeros((), device=device)
+    stats, drafts = [], []
+    for k in range(steps):
+        w = step_weights(b, k, targets.ok)  # [B,T]
+
+        def q_rows(r0: int, r1: int, k: int = k) -> Tensor:  # row t at step k is scored against q[t+1+k]
+            return targets.rows(r0 + 1 + k, r1 + 1 + k)
+
+        tokens = b.ids[:, 1 + k : 1 + k + T]  # token t+1+k at row t, at position t+k
+        ce_sum, correct, draft, hidden, key, value = run(
+            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values), q_rows, w, dtype,
+            chunk_rows,
+        )  # fmt: skip
+        keys.append(key)
+        values.append(value)
+        w_sum = w.sum()
         total = total + decay**k * ce_sum / w_sum.clamp_min(1.0)
-        correct = ((logits.argmax(-1) == q_k.argmax(-1)).float() * w).sum()
         stats.append((ce_sum.detach(), w_sum, correct))
-    return total, stats
+        drafts.append(draft)
+    return total, stats, drafts
 
 
 class TTTUnroll(nn.Module):
-    """ttt_unroll as a module: what DDP wraps (it averages the gradients of what runs inside its forward)."""
+    """ttt_forward as a module: what DDP wraps (it averages the gradients of what runs inside its forward)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
         super().__init__()
-        self.drafter, self.steps = drafter, steps
+        self.drafter, self.steps, self.decay = drafter, steps, decay
 
-    def forward(self, aux: Tensor, ids: Tensor, position_ids: Tensor) -> list[Tensor]:
-        return ttt_unroll(self.drafter, aux, ids, position_ids, self.steps)
+    def forward(self, b: Batch, targets: Targets):
+        return ttt_forward(self.drafter, b, targets, self.steps, self.decay)
 
 
 def autocast(device: torch.device):
