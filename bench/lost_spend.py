@@ -2,7 +2,7 @@
 
 One emulator process (``python -m aerie.api.emulator``, 2 s fixed latency, 40 output tokens) bills like a
 provider: requests in flight when the client dies are still charged. A responses job
-(``aerie.api.shard.regenerate_api_shard``, the function the responses rule runs) runs one shard at
+(``aerie.api.job.regenerate_api_shard``, the path the responses rule runs) runs one shard at
 concurrency 2,000 in its own process and is killed with SIGKILL once the journal holds >= 2,000 samples
 and the emulator has >= 1,900 requests in flight (on a busy 2-core machine the steady state sits a little
 under 2,000). After the emulator has finished (and billed) them, the script compares:
@@ -10,7 +10,7 @@ under 2,000). After the emulator has finished (and billed) them, the script comp
 - billed: the account's usage (``GET /key``);
 - before (main at 1cfab1c): what aerie budgeted the rerun against - the journals' sum;
 - after: journals + "lost to interrupted requests", the account reconcile a rerun does at its start
-  (``aerie.api.shard.start_account``).
+  (``aerie.api.job.start_account``).
 
     .venv/bin/python bench/lost_spend.py            # about 30 s
 """
@@ -66,8 +66,9 @@ def config(base: str, results: Path) -> dict:
 
 
 def main() -> None:
+    from aerie.api.job import start_account
     from aerie.api.journal import read_journal
-    from aerie.api.shard import start_account
+    from aerie.api.money import account_id
 
     n = 16000
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +126,7 @@ def main() -> None:
                     sys.executable,
                     "-c",
                     "import json, sys; from pathlib import Path; "
-                    "from aerie.api.shard import regenerate_api_shard; "
+                    "from aerie.api.job import regenerate_api_shard; "
                     f"regenerate_api_shard(Path({str(prompts)!r}), Path({str(out)!r}), "
                     f"json.load(open({str(tmp / 'config.json')!r})), 'chat', Path({str(results)!r}), "
                     "log=lambda m: None)",
@@ -156,7 +157,9 @@ def main() -> None:
             billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
             finished = read_journal(journal).finished
             journaled = sum(r["cost"] for r in finished.values())
-            state, _ = start_account(cfg, "chat", results, KEY, "bench-rerun", log=lambda m: None)
+            per_request = 40 * 1.9e-6 + 6 * 0.45e-6  # the emulator's Chutes prices, 40 output and 6 prompt tokens
+            account = account_id(cfg["responses"])
+            state, _ = start_account(cfg, account, results, {"chat": per_request}, KEY, "bench-rerun", lambda m: None)
             stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
         finally:
             emu.terminate()

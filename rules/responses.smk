@@ -7,8 +7,10 @@
 # undeclared store (results/<dataset>/responses/generated/) and hard-linked to its output, so a rerun after
 # a crash or a failed shard reuses the finished ones (same prompts bytes, target and settings) and generates
 # only the rest, still with one load; each shard keeps its own log (results/logs/<dataset>/responses/).
-# API datasets keep one job per shard (rule responses): no target to load, and the budget guard, journal
-# and keep-going work per shard.
+# API datasets are one job too (rule responses, aerie/api/job.py): one process owns the run's limits - requests in
+# flight (responses.concurrency), the budget and each dataset's quota - whatever Snakemake schedules (--cores all,
+# --jobs N, SLURM). Finished samples live in each shard's journal, so a rerun publishes the finished shards again
+# without a request and asks only for what is missing; each shard keeps its own log.
 
 IN_PROCESS_RESPONSES = [
     (name, shard)
@@ -33,28 +35,58 @@ IN_PROCESS_PROMPTS, IN_PROCESS_OUTPUTS, IN_PROCESS_SHARD_LOGS = (
 )
 
 
-if API_RESPONSES_DATASETS:
+API_RESPONSES = [
+    (name, shard)
+    for name in API_RESPONSES_DATASETS
+    for shard in PLANS[name].shard_names
+]
+# The i-th API shard's prompts, output and own log (rule responses lists them in this order).
+API_PROMPTS, API_OUTPUTS, API_SHARD_LOGS = (
+    [f"{root}/{name}/{stage}/shard-{shard}.{suffix}" for name, shard in API_RESPONSES]
+    for root, stage, suffix in (
+        ("results", "prompts", "jsonl"),
+        ("results", "responses", "jsonl"),
+        ("results/logs", "responses", "log"),
+    )
+)
+
+
+# A loopback server (responses.serve) takes the cores and the GPUs of the job; sglang's ids need the target's
+# tokenizer; a remote API needs one core and no GPU.
+API_RESPONSES_SERVED = any(
+    responses_config(config, name).get("serve") for name in API_RESPONSES_DATASETS
+)
+API_RESPONSES_NEED_TARGET = API_RESPONSES_SERVED or any(
+    responses_config(config, name)["backend"] == "sglang"
+    for name in API_RESPONSES_DATASETS
+)
+
+
+if API_RESPONSES:
 
     rule responses:
         input:
-            prompts="results/{dataset}/prompts/shard-{shard}.jsonl",
-            target=get_responses_target,
+            prompts=API_PROMPTS,
+            target=get_target_input() if API_RESPONSES_NEED_TARGET else [],
+            # checked before any request is paid: the target's tokenizer keeps its markers one id (rules/target.smk)
+            tokenizer_check=ancient(TOKENIZER_CHECK),
         output:
-            "results/{dataset}/responses/shard-{shard}.jsonl",
+            API_OUTPUTS,
         log:
-            "results/logs/{dataset}/responses/shard-{shard}.log",
+            job="results/logs/responses.log",
+            shards=API_SHARD_LOGS,
         benchmark:
-            "results/benchmarks/{dataset}/responses/shard-{shard}.tsv"
-        wildcard_constraints:
-            dataset="|".join(API_RESPONSES_DATASETS),
+            "results/benchmarks/responses.tsv"
         conda:
             "../envs/aerie.yaml"
-        threads: get_responses_threads
+        threads: all_cores() if API_RESPONSES_SERVED else 1
         resources:
-            gpu=get_responses_gpus,
+            gpu=gpus("responses") if API_RESPONSES_SERVED else 0,
         params:
+            datasets=[name for name, _ in API_RESPONSES],
             config=config,
-            gpus=get_responses_gpus,  # what the job needs (0 for an API); checked by aerie.gpu_slots
+            # what the job needs (0 for a remote API); checked against what it is granted (aerie.gpu_slots)
+            gpus=gpus("responses") if API_RESPONSES_SERVED else 0,
         script:
             "../scripts/responses.py"
 
@@ -65,6 +97,8 @@ if IN_PROCESS_RESPONSES:
         input:
             prompts=IN_PROCESS_PROMPTS,
             target=get_target_input(),
+            # checked before any request is paid: the target's tokenizer keeps its markers one id (rules/target.smk)
+            tokenizer_check=ancient(TOKENIZER_CHECK),
         output:
             IN_PROCESS_OUTPUTS,
         log:

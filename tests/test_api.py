@@ -21,7 +21,15 @@ from aerie.api.backends import (
 )
 from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, regenerate_shard
 from aerie.api.emulator import DEFAULT_PROVIDERS, EmulatorSettings, serve_in_thread
-from aerie.api.journal import Journal, intents_path, journal_path, messages_key, read_journal, unseen_intents
+from aerie.api.journal import (
+    Journal,
+    intents_path,
+    journal_path,
+    messages_key,
+    read_journal,
+    request_tally,
+    unseen_intents,
+)
 from aerie.artifacts import FormatError, read_jsonl
 from aerie.formats.responses import read_completion
 
@@ -310,7 +318,9 @@ def test_budget_counts_in_flight_requests_and_never_overshoots(tmp_path: Path) -
     with serve_in_thread(emu) as base:
         s = settings(base)
         guard = MoneyGuard(budget_usd=budget, expected_cost=per_sample)
-        with pytest.raises(RegenerationStopped, match=r"budget: \$0\.0\d spent of responses.budget_usd \$0\.05"):
+        with pytest.raises(
+            RegenerationStopped, match=r"budget: \$0\.0\d spent \(\$0\.0\d journaled\) of responses.budget_usd \$0\.05"
+        ):
             run(prompts, out, s, guard=guard, limits=limits)
         assert not out.exists()  # the budget is a stop: an incomplete shard is never published
         first = read_journal(journal_path(out), s.params_hash())
@@ -355,7 +365,10 @@ def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds
             f"{base}/key", baseline_usage=0.0, baseline_journal=0.0, record=lambda *r: readings.append(r)
         )
         guard = MoneyGuard(budget_usd=100 * per_sample, expected_cost=per_sample, account=watcher)
-        with pytest.raises(RegenerationStopped, match=r"of it lost to interrupted requests"):
+        # No request of this run explains the account's extra spend: it is named as such, and counted.
+        with pytest.raises(
+            RegenerationStopped, match=r"journaled \+ \$0\.0\d+ billed, no request of this run explains it"
+        ):
             run(
                 make_prompts(200),
                 out,
@@ -462,25 +475,43 @@ def test_402_in_flight_is_retried_within_max_attempts_then_reported(tmp_path: Pa
     assert stats["outcomes"] == {"402-in-flight": 6}  # Retry-After honoured once per sample, then given up
 
 
-def test_intents_are_journaled_before_each_request(tmp_path: Path) -> None:
+def test_intents_are_journaled_before_each_request_and_every_request_is_accounted_for(tmp_path: Path) -> None:
+    """A line before each request, a line after each failure: every request is journaled, failed (by kind) or
+    unanswered, and only requests in flight when a process died are unanswered."""
     out = tmp_path / "shard-00000.jsonl"
     log = tmp_path / "requests.jsonl"
-    with serve_in_thread(EmulatorSettings(request_log=str(log), faults={"500": 0.3}, fault_seed=5)) as base:
-        run(make_prompts(40), out, settings(base), limits=ClientLimits(concurrency=8, backoff_base=0.01))
-    intents = read_jsonl(intents_path(out))
+    faults = {"500": 0.2, "slow": 0.1}  # slow answers outlast the read timeout: billed, never read
+    with serve_in_thread(EmulatorSettings(request_log=str(log), faults=faults, fault_seed=5, slow_seconds=1.0)) as base:
+        run(
+            make_prompts(40),
+            out,
+            settings(base),
+            limits=ClientLimits(concurrency=8, backoff_base=0.01, read_timeout=0.4),
+        )
+    lines = read_jsonl(intents_path(out))
+    sent = [i for i in lines if i["event"] == "sent"]
+    failed = [i for i in lines if i["event"] == "failed"]
     records = read_jsonl(out)
-    assert len(intents) == sum(r["attempts"] for r in records) == len(request_log(log))
-    assert {i["format"] for i in intents} == {"aerie.request-intent/1"}
-    by_id = Counter(i["id"] for i in intents)
+    assert len(sent) == sum(r["attempts"] for r in records) == len(request_log(log))
+    assert {i["format"] for i in lines} == {"aerie.request-intent/2"}
+    assert len({i["session"] for i in lines} | {r["session"] for r in records}) == 1
+    by_id = Counter(i["id"] for i in sent)
     assert all(by_id[r["id"]] == r["attempts"] for r in records)
+    tally = request_tally(out)
+    outcomes = Counter(x["outcome"] for x in request_log(log))
+    assert tally.sent == len(sent) and tally.journaled == 40 and not tally.unanswered
+    # A slow answer the client gave up on is billed all the same (the emulator logs it "client-gone").
+    assert tally.failed == Counter({"5xx": outcomes["500"], "timeout": outcomes["client-gone"]}), (tally, outcomes)
+    assert tally.billable_failures == outcomes["client-gone"] > 0  # a 500 refuses before any model works: not billed
     assert not unseen_intents(intents_path(out), read_journal(journal_path(out)))
-    # An intent without an answer is a sample that may have been billed unseen.
+    # A request sent with no answer and no failure line: in flight when its process died, maybe billed unseen.
     with open(intents_path(out), "a") as fh:
         fh.write(
-            json.dumps({"format": "aerie.request-intent/1", "id": "d/999", "t": 0, "params_hash": "x", "attempt": 1})
+            json.dumps({"format": "aerie.request-intent/1", "id": "d/999", "t": 5.0, "params_hash": "x", "attempt": 1})
             + "\n"
         )
     assert unseen_intents(intents_path(out), read_journal(journal_path(out))) == {"d/999"}
+    assert request_tally(out).unanswered == [5.0]
 
 
 def test_changed_sampling_parameters_never_reuse_old_responses(tmp_path: Path) -> None:

@@ -1,36 +1,42 @@
 """The async regeneration client: one aiohttp session, thousands of requests in flight, nothing paid twice.
 
-``regenerate_shard`` asks the target (through OpenRouter, any OpenAI-compatible server, or SGLang's
-``/generate``) for a response to every prompt of one shard that its journal does not already hold:
+``regenerate`` asks the target (through OpenRouter, any OpenAI-compatible server, or SGLang's ``/generate``) for
+a response to every prompt of every shard it is given that the shard's journal does not already hold. It serves
+every API dataset of a run at once (rule ``responses`` is one job per run, aerie.api.job), so the run has one
+owner of its limits:
 
-- one ``aiohttp.ClientSession``; ``concurrency`` worker coroutines (no task per sample, no semaphore
-  churn); connect and read timeouts; the request body serialized once;
-- retries with exponential backoff and full jitter on 408/429/5xx, connection resets, torn bodies,
-  timeouts and errors delivered inside HTTP 200; ``Retry-After`` honoured; 402 in-flight budget
-  waited out; 400/401/403, credits/key-limit 402 and "no endpoints" stop the run with the server's
-  message (in-flight requests still land in the journal: they are paid for);
-- every finished sample goes to the journal at once (aerie.api.journal); the declared shard output is
-  published atomically only when the journal holds every sample;
-- money: a global dollar budget and a per-dataset output-token quota are checked before each request is
-  admitted, counting what is in flight at the expected per-sample cost, so the overshoot is bounded
-  by the requests already in flight; other shards' journals are followed while running, and so is the
-  provider's own account (``GET /key``): spend the journals never saw (answers lost with a killed
-  process) counts against the budget too;
-- before each request is sent an intent line goes to ``shard-NNNNN.intents.jsonl``, so a crashed run
-  knows exactly which samples may have been billed without an answer;
+- one ``aiohttp.ClientSession``; at most ``concurrency`` requests in flight in all (worker coroutines, no task
+  per sample, no semaphore churn), each dataset also within its own ``responses.concurrency``; datasets take
+  turns (a pilot's small budget reaches every dataset), the shards of a dataset go in order (its quota cuts the
+  last ones);
+- connect and read timeouts; the request body serialized once; retries with exponential backoff and full
+  jitter on 408/429/5xx, connection resets, torn bodies, timeouts and errors delivered inside HTTP 200;
+  ``Retry-After`` honoured; 402 in-flight budget waited out; 400/401/403, credits/key-limit 402 and "no
+  endpoints" stop the dataset with the server's message (in-flight requests still land in the journal);
+- every finished sample goes to its shard's journal at once (aerie.api.journal); a shard output is published
+  atomically only when its journal holds every sample (or its dataset's quota is reached);
+- money: the budget and each dataset's output-token quota are checked before each request is admitted,
+  counting every request in flight (all datasets) at its dataset's expected per-sample cost, so the overshoot
+  is bounded by what is in flight: at most ``concurrency`` x (actual - expected cost per request). The spend
+  counted is the journals' plus what the provider's account billed that no journal holds (``RunSpend``:
+  billed retries, requests lost to interrupted runs, and requests sent before an interruption that the
+  account does not show yet, priced at the expected cost), polled while running (``GET /key``);
+- before each request is sent an intent line goes to ``shard-NNNNN.intents.jsonl`` (and a line after each
+  failure), so a restarted run knows which requests may have been billed without an answer;
 - the budget is a stop (raise it and rerun); the output-token quota is not: a dataset whose
-  ``max_output_tokens`` is reached is complete with the samples that fit, and the shard is published
-  with them and a ``shard-NNNNN.completion.json`` that records why the others were not requested.
+  ``max_output_tokens`` is reached is complete with the samples that fit, and its shards are published with
+  them and a ``shard-NNNNN.completion.json`` that records why the others were not requested.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import ssl
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +62,7 @@ from aerie.api.journal import (
     read_journal,
     unseen_intents,
 )
+from aerie.api.money import JOURNALED, PendingRequests, Unjournaled, split_unjournaled, usd
 from aerie.artifacts import atomic_write_bytes
 from aerie.formats.responses import COMPLETION_FORMAT, QUOTA_REASON, RESPONSES_FORMAT, write_completion
 
@@ -76,7 +83,7 @@ class ClientLimits:
 
 def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     """The client's TLS context: certificate and host name checked against ``ca_bundle`` or the system store
-    (loaded once per shard, like aiohttp's own default context; it reads SSL_CERT_FILE / SSL_CERT_DIR)."""
+    (loaded once per run, like aiohttp's own default context; it reads SSL_CERT_FILE / SSL_CERT_DIR)."""
     try:
         ctx = ssl.create_default_context(cafile=ca_bundle)
     except (OSError, ssl.SSLError) as e:
@@ -85,34 +92,40 @@ def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     return ctx
 
 
+def new_session_id() -> str:
+    """Names this process's requests in intents and journal lines (with the attempt: one request of a sample)."""
+    return f"{time.time_ns() // 1_000_000:x}-{os.getpid()}"
+
+
 @dataclass
 class MoneyGuard:
-    """Budget and caps, with what was already spent before this process started."""
+    """One dataset's money checks: the budget it is admitted against, its expected per-sample cost and output
+    tokens (until 20 of its samples are measured in this run), its output-token quota and what the dataset used
+    of it before. ``spent_before``, ``lost_usd`` and ``account`` are the run's spend for a caller that runs one
+    shard alone (``regenerate_shard``); a whole run passes them in a ``RunSpend``."""
 
     budget_usd: float | None = None
-    spent_before: float = 0.0  # every journal of the run (this shard's included)
-    expected_cost: float = 0.0  # per sample, until this run has measured its own
+    spent_before: float = 0.0
+    expected_cost: float = 0.0
     token_cap: int | None = None  # this dataset's output-token cap
     tokens_before: int = 0  # this dataset's journaled output tokens
     expected_tokens: float = 0.0
-    others: LedgerWatcher | None = None  # other shards' journals, followed live
-    lost_usd: float = 0.0  # account spend no journal holds (interrupted requests), from the last reconcile
-    account: AccountWatcher | None = None  # the provider's account, polled while running
-
-    def spent(self, shard_cost: float) -> float:
-        """What the budget is checked against: every journal's spend plus the spend only the account saw."""
-        return self.spent_before + shard_cost + (self.others.cost if self.others else 0.0) + self.lost_usd
+    lost_usd: float = 0.0
+    account: AccountWatcher | None = None
 
 
 class AccountWatcher:
-    """Polls the provider account's usage (``GET /key``) and turns it into ``MoneyGuard.lost_usd``.
+    """Polls a provider account's usage (``GET /key``) and keeps the run's figure of the spend no journal holds.
 
-    ``baseline_usage`` / ``baseline_journal`` are the account usage and the journals' total at the run's
-    first start (aerie.api.money's account ledger); lost = account growth since then - journal growth.
-    ``floor`` is the loss reconciled at this job's start, when none of its own requests was in flight;
-    a poll while running also counts answers billed but still on their way to the journal (at most the
-    requests in flight), so each poll replaces the previous one and never goes below the floor.
-    ``record(usage, journal, lost)`` appends the reading to that ledger.
+    ``baseline_usage`` / ``baseline_journal`` are the account's usage and its journals' total at the run's first
+    start (aerie.api.money's account ledger); what the account billed beyond the journals = account growth since
+    then - journal growth. ``floor`` is that figure at this job's start, when none of its own requests was in
+    flight; a poll while running also counts answers billed but still on their way to the journal (at most the
+    requests in flight), so each poll replaces the previous one and never goes below the floor. ``pending``:
+    requests sent before an interruption that the account may not show yet, priced at their expected cost until
+    they settle; the figure is never below ``pending.before + pending.cost(now)``. ``weights`` (retry, lost) name
+    the billed part in the progress lines (``split_unjournaled``). ``record(usage, journal, figure)`` appends a
+    reading to the ledger.
     """
 
     def __init__(
@@ -122,71 +135,89 @@ class AccountWatcher:
         baseline_journal: float,
         record: Callable[[float, float, float], None] | None = None,
         floor: float = 0.0,
+        pending: PendingRequests | None = None,
+        headers: dict[str, str] | None = None,
+        ca_bundle: str | None = None,
+        weights: tuple[float, float] = (0.0, 0.0),
     ):
         self.url, self.baseline_usage, self.baseline_journal = url, baseline_usage, baseline_journal
-        self.floor = floor
+        self.floor, self.pending, self.headers, self.ca_bundle = floor, pending, headers or {}, ca_bundle
+        self.weights = weights
         self._record = record
+        self.billed = floor  # what the account shows beyond the journals, at the last reading
+        self.lost = self.figure(floor)
         self.polls = 0
         self.errors = 0
 
-    def lost(self, usage: float, journal_spend: float) -> float:
+    def unexplained(self, usage: float, journal_spend: float) -> float:
         return max(0.0, (usage - self.baseline_usage) - (journal_spend - self.baseline_journal))
 
-    async def poll(self, session: aiohttp.ClientSession, guard: MoneyGuard, shard_cost: float) -> None:
+    def figure(self, billed: float) -> float:
+        """What the budget counts: the billed figure, or what the pending requests may still add, if more."""
+        if self.pending is None:
+            return billed
+        return max(billed, self.pending.before + self.pending.cost())
+
+    def words(self) -> str:
+        parts = split_unjournaled(self.billed, *self.weights, pending=max(0.0, self.lost - self.billed))
+        return parts.words()
+
+    async def poll(self, session: aiohttp.ClientSession, journal_spend: float) -> None:
         try:
-            async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=15)) as resp:
+            async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=15), headers=self.headers) as resp:
                 body = await resp.json(content_type=None) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             body = None
         usage = ((body or {}).get("data") or {}).get("usage") if isinstance(body, dict) else None
         if usage is None:
-            self.errors += 1  # the last known loss stands; the journals still count live
+            self.errors += 1  # the last known figure stands; the journals still count live
             return
         self.polls += 1
-        journal = guard.spent_before + shard_cost + (guard.others.cost if guard.others else 0.0)
-        guard.lost_usd = max(self.floor, self.lost(float(usage), journal))
+        self.billed = max(self.floor, self.unexplained(float(usage), journal_spend))
+        self.lost = self.figure(self.billed)
         if self._record is not None:
-            self._record(float(usage), journal, guard.lost_usd)
+            self._record(float(usage), journal_spend, self.lost)
 
 
-class LedgerWatcher:
-    """Follows other journals incrementally (only appended bytes are read) for live spend."""
+class RunSpend:
+    """The run's spend as the budget sees it: per account, the journals at the start (``before``) and what this
+    process journaled since; plus, per account, what its ``AccountWatcher`` counts beyond the journals, and a
+    fixed ``lost_usd`` (a one-shard caller's reconcile)."""
 
-    def __init__(self, paths_glob: Callable[[], list[Path]], exclude: Path, dataset_dir: Path):
-        self._glob, self._exclude, self._dataset_dir = paths_glob, exclude.resolve(), dataset_dir.resolve()
-        self._offsets: dict[Path, int] = {}
-        self.cost = 0.0  # growth since the watcher started
-        self.dataset_tokens = 0
+    def __init__(
+        self,
+        before: dict[str | None, float] | None = None,
+        watchers: dict[str, AccountWatcher] | None = None,
+        lost_usd: float = 0.0,
+    ):
+        self.before = dict(before or {})
+        self.now: dict[str | None, float] = {}
+        self.watchers = dict(watchers or {})
+        self.fixed_lost = lost_usd
 
-    def prime(self) -> None:
-        """Start from the current ends: what is already there is in MoneyGuard.*_before."""
-        for p in self._glob():
-            self._offsets[p.resolve()] = p.stat().st_size
+    def add(self, account: str | None, cost: float) -> None:
+        self.now[account] = self.now.get(account, 0.0) + cost
 
-    def poll(self) -> None:
-        for p in self._glob():
-            rp = p.resolve()
-            if rp == self._exclude:
-                continue
-            start = self._offsets.get(rp, 0)
-            size = p.stat().st_size
-            if size <= start:
-                continue
-            with open(rp, "rb") as fh:
-                fh.seek(start)
-                chunk = fh.read(size - start)
-            end = chunk.rfind(b"\n") + 1  # a line still being written is read next time
-            self._offsets[rp] = start + end
-            for line in chunk[:end].split(b"\n"):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                self.cost += float(rec.get("cost") or 0.0)
-                if rp.parent == self._dataset_dir:
-                    self.dataset_tokens += int((rec.get("usage") or {}).get("completion_tokens") or 0)
+    def journals(self, account: str | None) -> float:
+        return self.before.get(account, 0.0) + self.now.get(account, 0.0)
+
+    def lost(self) -> float:
+        return self.fixed_lost + sum(w.lost for w in self.watchers.values())
+
+    def journaled(self) -> float:
+        return sum(self.before.values()) + sum(self.now.values())
+
+    def spent(self) -> float:
+        """Every journal's spend plus the spend only the accounts saw (or may still bill)."""
+        return self.journaled() + self.lost()
+
+    def words(self) -> str:
+        """``$1.23 journaled + $0.40 lost to interrupted requests`` (the parts that are not zero)."""
+        parts = [f"{usd(self.journaled())} {JOURNALED}"]
+        if self.fixed_lost:
+            parts.append(Unjournaled(lost=self.fixed_lost).words())
+        parts += [w.words() for w in self.watchers.values() if w.lost > 0]
+        return " + ".join(parts)
 
 
 @dataclass
@@ -202,40 +233,25 @@ class RunStats:
     final_errors: Counter = field(default_factory=Counter)
     flags: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
-    stop_reason: str | None = None
-    stop_kind: str | None = None  # "quota" (the dataset is complete), "budget", "fatal"
 
-    def line(self, name: str, guard: MoneyGuard) -> str:
+    def line(self, name: str, spend: RunSpend, budget: float | None) -> str:
         n = self.already + self.done
         frac = n / self.total if self.total else 1.0
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        spent = guard.spent(self.cost)
-        budget = f" of ${guard.budget_usd:.2f}" if guard.budget_usd is not None else ""
-        if guard.lost_usd > 0:
-            budget += f" ({_usd(guard.lost_usd)} lost to interrupted requests)"
+        money = f"run {usd(spend.spent())}" + (f" of ${budget:.2f}" if budget is not None else "")
+        if spend.lost() > 0:
+            money += f" ({spend.words()})"
         retries = " ".join(f"{k}:{v}" for k, v in sorted(self.retries.items())) or "0"
         return (
             f"{name} [{bar}] {n}/{self.total} {100 * frac:.0f}% | {self.done / elapsed:.1f} req/s "
-            f"{self.completion_tokens / elapsed:.0f} tok/s | ${self.cost:.4f} this shard, run ${spent:.2f}{budget} "
+            f"{self.completion_tokens / elapsed:.0f} tok/s | {usd(self.cost)} now, {money} "
             f"| retries {retries} | failed {self.failed} | in flight {self.in_flight}"
         )
 
 
-def _usd(amount: float) -> str:
-    """Dollars for a log line: cents, or four decimals below a cent (a test run's amounts)."""
-    return f"${amount:.2f}" if amount >= 0.01 else f"${amount:.4f}"
-
-
 class RegenerationStopped(RuntimeError):
-    """The shard is incomplete (budget, cap, fatal error or failures); the journal keeps what finished."""
-
-
-@dataclass
-class _Sample:
-    prompt: dict[str, Any]
-    body: bytes
-    prompt_ids: list[int] | None
+    """A shard is incomplete (budget, fatal error or failures); the journal keeps what finished."""
 
 
 # SGLang's /generate takes token ids: the chat template renders the prompt, and the answer's ids are split
@@ -245,30 +261,488 @@ SplitIds = Callable[[list[int]], dict[str, Any]]
 
 
 @dataclass
-class _ShardRun:
-    """What every request of one shard shares: where finished samples go, how requests are made and answers
-    read, and the money checks (one object instead of a dozen parameters handed along)."""
+class ShardWork:
+    """One shard of a run: its prompts, its published path (the journal and intents log lie beside it), its log."""
 
-    name: str  # shard-NNNNN, for log lines
-    log: Callable[[str], None]
-    journal: Journal
-    intents: Journal
-    lines: dict[str, bytes]  # id -> journal line of every finished sample, added to as samples finish
-    stats: RunStats
+    prompts: list[dict[str, Any]]
+    out_path: Path
+    log: Callable[[str], None] | None = None  # the shard's own log file (its lines go to the run's log as well)
+
+
+@dataclass
+class Lane:
+    """One dataset's requests in a run: how they are made and read, their limits and money checks, its shards
+    (requested in this order)."""
+
+    dataset: str
     settings: BackendSettings
-    api_key: str | None
-    limits: ClientLimits
-    guard: MoneyGuard
-    want_reasoning: bool
-    render_ids: RenderIds | None
-    split_ids: SplitIds | None
-    eos_ids: list[int] | None
+    shards: list[ShardWork]
+    limits: ClientLimits = field(default_factory=ClientLimits)
+    guard: MoneyGuard = field(default_factory=MoneyGuard)
+    api_key: str | None = None
+    account: str | None = None  # which account of the RunSpend its spend counts for
+    want_reasoning: bool = True
+    render_ids: RenderIds | None = None
+    split_ids: SplitIds | None = None
+    eos_ids: list[int] | None = None
+
+
+@dataclass
+class _Sample:
+    prompt: dict[str, Any]
+    body: bytes
+    prompt_ids: list[int] | None
+
+
+@dataclass
+class _Shard:
+    """A shard while it runs: its journal and intents log, the journal lines of every finished sample, its
+    figures."""
+
+    work: ShardWork
+    name: str  # <dataset>/shard-NNNNN, for log lines
+    log: Callable[[str], None]
+    lines: dict[str, bytes]
+    stats: RunStats
+    journal: Journal | None = None
+    intents: Journal | None = None
+
+
+class _LaneRun:
+    """A dataset while the run goes: its queue (shard, prompt) in shard order, what it has in flight and
+    finished, and why it stopped (``quota``: the dataset is complete; ``budget``; ``fatal``)."""
+
+    def __init__(self, lane: Lane, shards: list[_Shard], pending: deque[tuple[_Shard, dict[str, Any]]]):
+        self.lane, self.shards, self.queue = lane, shards, pending
+        s = lane.settings
+        self.headers = {"Content-Type": "application/json", **(s.extra_headers or {})}
+        if lane.api_key:
+            self.headers["Authorization"] = f"Bearer {lane.api_key}"
+        self.ssl = tls_context(lane.limits.ca_bundle)
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=lane.limits.connect_timeout, sock_read=lane.limits.read_timeout
+        )
+        self.url, self.sampling, self.phash = s.url(), s.sampling(), s.params_hash()
+        self.in_flight = self.done = self.tokens = 0
+        self.cost = 0.0
+        self.stats = RunStats(
+            total=sum(sh.stats.total for sh in shards), already=sum(sh.stats.already for sh in shards)
+        )
+        self.stop_kind: str | None = None
+        self.stop_reason: str | None = None
+
+    def per_cost(self) -> float:
+        """Expected cost of its next request: the mean of this run's answers once 20 are in, else the estimate."""
+        return self.cost / self.done if self.done >= 20 else self.lane.guard.expected_cost
+
+    def per_tokens(self) -> float:
+        return self.tokens / self.done if self.done >= 20 else self.lane.guard.expected_tokens
 
 
 def _backoff(attempt: int, limits: ClientLimits, retry_after: float | None) -> float:
     if retry_after is not None:
         return min(retry_after, limits.backoff_max * 5)  # the server's word, within reason
     return random.uniform(0, min(limits.backoff_max, limits.backoff_base * 2 ** (attempt - 1)))
+
+
+def _open_shard(lane: Lane, work: ShardWork, run_log: Callable[[str], None]) -> tuple[_Shard, list[dict[str, Any]]]:
+    """Read a shard's journal back (cutting a torn tail) and say what is left to request."""
+    name = f"{lane.dataset}/{work.out_path.name.removesuffix('.jsonl')}"
+    own = work.log
+
+    def log(msg: str) -> None:
+        run_log(msg)
+        if own is not None:
+            own(msg)
+
+    prompts, out_path, settings = work.prompts, work.out_path, lane.settings
+    jpath = journal_path(out_path)
+    # Prompt texts are compared only against an existing journal (a fresh shard skips the work).
+    has_journal = jpath.exists() and jpath.stat().st_size > 0
+    keys = {p["id"]: messages_key(p["messages"], p.get("tools")) for p in prompts} if has_journal else {}
+    state = read_journal(jpath, settings.params_hash(), keys, repair=True)
+    if state.torn_bytes:
+        log(f"{name}: cut a torn last journal line ({state.torn_bytes} bytes): that sample is requested again")
+    if state.stale:
+        log(f"{name}: {state.stale} journaled responses are for other parameters or prompt text: not reused")
+    pending = [p for p in prompts if p["id"] not in state.finished]
+    unseen = unseen_intents(intents_path(out_path), state)
+    if unseen:
+        log(
+            f"{name}: {len(unseen)} samples were sent before an interruption and never answered here "
+            f"(they may have been billed unseen; the account reconcile counts that money): "
+            f"{', '.join(sorted(unseen)[:5])}{' ...' if len(unseen) > 5 else ''}"
+        )
+    stats = RunStats(total=len(prompts), already=len(prompts) - len(pending))
+    log(
+        f"{name}: {stats.already} of {len(prompts)} samples already journaled, {len(pending)} to request "
+        f"({settings.backend} {settings.model} at {settings.base_url}, concurrency {lane.limits.concurrency})"
+    )
+    shard = _Shard(work, name, log, state.lines, stats)
+    if pending:
+        shard.journal, shard.intents = Journal(jpath), Journal(intents_path(out_path))
+    return shard, pending
+
+
+async def regenerate(
+    lanes: list[Lane],
+    *,
+    concurrency: int,
+    spend: RunSpend | None = None,
+    progress_interval: float | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[Path, dict[str, Any] | str]:
+    """Finish every shard of ``lanes``: publish each when its journal holds every prompt, or when its dataset's
+    output-token quota stopped it (then with the samples that fit). Returns, per shard output path, its summary
+    (published) or the reason it is not finished; a shard is never left half-published."""
+    spend = spend or RunSpend()
+    session_id = new_session_id()
+    runs: list[_LaneRun] = []
+    try:
+        for lane in lanes:
+            shards, queue = [], deque()
+            for work in lane.shards:
+                shard, pending = _open_shard(lane, work, log)
+                shards.append(shard)
+                queue.extend((shard, p) for p in pending)
+            runs.append(_LaneRun(lane, shards, queue))
+        if any(r.queue for r in runs):
+            await _run(runs, concurrency, spend, session_id, progress_interval, log)
+    finally:
+        for r in runs:
+            for shard in r.shards:
+                for j in (shard.journal, shard.intents):
+                    if j is not None:
+                        await j.aclose()
+    return {shard.work.out_path: _finish_shard(r, shard) for r in runs for shard in r.shards}
+
+
+def _finish_shard(run: _LaneRun, shard: _Shard) -> dict[str, Any] | str:
+    """Publish a shard whose journal holds every prompt (or every prompt its dataset's quota admitted), with its
+    completion record first; else say why it is not finished."""
+    prompts, out_path, guard, stats = shard.work.prompts, shard.work.out_path, run.lane.guard, shard.stats
+    missing = [p["id"] for p in prompts if p["id"] not in shard.lines]
+    summary = {
+        "samples": len(prompts),
+        "already_journaled": stats.already,
+        "requested_now": stats.done,
+        "missing": len(missing),
+        "cost_usd_now": round(stats.cost, 6),
+        "completion_tokens_now": stats.completion_tokens,
+        "retries": dict(stats.retries),
+        "final_errors": dict(stats.final_errors),
+        "flags_now": dict(stats.flags),
+        "seconds": round(time.monotonic() - stats.started, 2),
+    }
+    shard.log(f"{shard.name}: {json.dumps(summary)}")
+    quota_done = run.stop_kind == "quota" and not stats.failed
+    if missing and not quota_done:
+        failures = ", ".join(f"{k}: {v}" for k, v in stats.final_errors.items())
+        return (
+            run.stop_reason
+            or f"{len(missing)} samples have no response after "
+            f"responses.max_attempts attempts ({failures}); rerun to retry only them"
+        )
+    kept = [p["id"] for p in prompts if p["id"] in shard.lines]
+    kept_records = [json.loads(shard.lines[i]) for i in kept]
+    completion = {
+        "format": COMPLETION_FORMAT,
+        "shard": out_path.name,
+        "prompts": len(prompts),
+        "samples": len(kept),
+        "not_requested": len(missing),
+        "reason": QUOTA_REASON if missing else None,
+        "max_output_tokens": guard.token_cap,
+        "dataset_output_tokens": guard.tokens_before + run.tokens,
+        "shard_output_tokens": sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in kept_records),
+        "shard_cost_usd": round(sum(float(r.get("cost") or 0.0) for r in kept_records), 6),
+    }
+    if missing:
+        shard.log(
+            f"{shard.name}: the dataset's max_output_tokens quota ({guard.token_cap:,}) is reached: the shard is "
+            f"complete with {len(kept)} of {len(prompts)} samples; {len(missing)} prompts not requested"
+        )
+    summary["completion"] = completion
+    # The completion record first: a published shard always has it beside it.
+    write_completion(out_path, completion)
+    # The journal lines verbatim, in prompt order: nothing is serialized twice.
+    atomic_write_bytes(out_path, b"".join(shard.lines[i] for i in kept))
+    return summary
+
+
+async def _run(
+    runs: list[_LaneRun],
+    concurrency: int,
+    spend: RunSpend,
+    session_id: str,
+    progress_interval: float | None,
+    log: Callable[[str], None],
+) -> None:
+    """Request every pending prompt of every lane, at most ``concurrency`` in flight in all, until all are done
+    or stopped."""
+    in_flight = [0]  # the run's, every lane together
+
+    def halt(run: _LaneRun, reason: str, kind: str = "fatal") -> None:
+        if run.stop_kind is None:
+            run.stop_reason, run.stop_kind = reason, kind
+            log(f"{run.lane.dataset}: STOPPING: {reason}")
+            for shard in run.shards:
+                if shard.work.log is not None:
+                    shard.work.log(f"{shard.name}: STOPPING: {reason}")
+        settled[0].set()  # workers waiting for room see the stop at once
+
+    # Admission counts what is in flight at the expected per-sample figure, so the overshoot is at most the
+    # difference between the expected and the actual cost of the requests in flight. A request that would
+    # only fit once some in flight come back (shorter than expected) waits for them; the stop is final only
+    # when nothing is in flight and one more request still does not fit. (Stopping at the first refusal
+    # would end a dataset whose quota equals concurrency x expected length after its first wave.)
+    settled = [asyncio.Event()]  # set (and replaced) each time a request in flight comes back
+
+    def signal_settled() -> None:
+        settled[0].set()
+        settled[0] = asyncio.Event()
+
+    def admit(run: _LaneRun) -> str:
+        """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted)."""
+        guard = run.lane.guard
+        if guard.budget_usd is not None:
+            per_cost = run.per_cost()
+            reserved = sum(r.in_flight * r.per_cost() for r in runs) if len(runs) > 1 else run.in_flight * per_cost
+            spent = spend.spent()
+            if spent + reserved + per_cost > guard.budget_usd:
+                if in_flight[0] > 0:
+                    return "wait"
+                halt(
+                    run,
+                    f"budget: {usd(spent)} spent ({spend.words()}) of responses.budget_usd ${guard.budget_usd:.2f}; "
+                    "finished samples are kept in the journal - raise the budget and rerun to finish the rest",
+                    "budget",
+                )
+                return "stop"
+        if guard.token_cap is not None:
+            used = guard.tokens_before + run.tokens
+            if used + (run.in_flight + 1) * run.per_tokens() > guard.token_cap:
+                if run.in_flight > 0:
+                    return "wait"
+                halt(
+                    run,
+                    f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
+                    "the dataset is complete with the samples that fit",
+                    "quota",
+                )
+                return "stop"
+        return "go"
+
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, ttl_dns_cache=300)
+    # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
+    async with aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False
+    ) as session:
+
+        async def one(run: _LaneRun, shard: _Shard, sample: _Sample) -> dict[str, Any] | None:
+            lane, limits = run.lane, run.lane.limits
+            sid = sample.prompt["id"]
+            attempt = 0
+            while True:
+                attempt += 1
+                t0 = time.monotonic()
+                # Before the request leaves: if this process dies while it is in flight, the next run
+                # knows the sample may have been billed without an answer.
+                shard.intents.append(
+                    {
+                        "format": INTENT_FORMAT,
+                        "event": "sent",
+                        "session": session_id,
+                        "id": sid,
+                        "t": round(time.time(), 3),
+                        "params_hash": run.phash,
+                        "attempt": attempt,
+                    }
+                )
+                try:
+                    async with session.post(
+                        run.url, data=sample.body, headers=run.headers, timeout=run.timeout, ssl=run.ssl
+                    ) as resp:
+                        raw = await resp.read()
+                        status, retry_after = resp.status, resp.headers.get("Retry-After")
+                    try:
+                        body = json.loads(raw) if raw else None
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        if status == 200:
+                            raise RetryableError("torn", f"unparseable 200 body ({len(raw)} bytes)") from None
+                        body = None
+                    if status != 200:
+                        raise classify_http_error(status, body, raw[:300].decode("utf-8", "replace"), retry_after)
+                    if lane.settings.backend == "sglang":
+                        fields = parse_sglang_generate(body, lane.split_ids, lane.eos_ids or [], lane.want_reasoning)
+                    else:
+                        fields = parse_chat_completion(body, lane.want_reasoning)
+                except RetryableError as e:
+                    kind, message, wait = e.kind, str(e), e.retry_after
+                except aiohttp.ClientPayloadError as e:
+                    kind, message, wait = "torn", f"torn body: {e}", None
+                except aiohttp.ClientConnectorCertificateError as e:
+                    # A certificate the client does not trust will not be trusted on a retry either.
+                    failed(shard, sid, attempt, "tls_certificate")
+                    shard.stats.final_errors["tls_certificate"] += 1
+                    halt(
+                        run,
+                        f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
+                        "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off",
+                    )
+                    return None
+                except TimeoutError:  # before the connection errors: aiohttp's read timeout is one of them too
+                    kind, message, wait = "timeout", f"no answer within {limits.read_timeout:g}s", None
+                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
+                    kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
+                except FatalError as e:
+                    failed(shard, sid, attempt, e.kind)
+                    shard.stats.final_errors[e.kind] += 1
+                    halt(run, str(e))
+                    return None
+                else:
+                    return {
+                        "format": RESPONSES_FORMAT,
+                        "id": sid,
+                        "dataset": sample.prompt.get("dataset"),
+                        "messages": sample.prompt["messages"],
+                        **({"tools": sample.prompt["tools"]} if sample.prompt.get("tools") else {}),
+                        "backend": lane.settings.backend,
+                        "model": lane.settings.model,
+                        "params": run.sampling,
+                        "params_hash": run.phash,
+                        **fields,
+                        **({"prompt_token_ids": sample.prompt_ids} if sample.prompt_ids is not None else {}),
+                        "latency_s": round(time.monotonic() - t0, 3),
+                        "attempts": attempt,
+                        "session": session_id,
+                    }
+                failed(shard, sid, attempt, kind)
+                shard.stats.retries[kind] += 1
+                run.stats.retries[kind] += 1
+                if attempt >= limits.max_attempts:
+                    shard.stats.final_errors[kind] += 1
+                    shard.stats.failed += 1
+                    run.stats.failed += 1
+                    shard.log(f"{shard.name}: sample {sid} failed {attempt} times, last: {message}")
+                    return None
+                await asyncio.sleep(_backoff(attempt, limits, wait))
+                if run.stop_kind in ("budget", "fatal") and kind != "402_in_flight":
+                    # A fatal or budget stop: do not keep hammering; the sample stays pending for the next run.
+                    # (A quota stop retries: this request was admitted within the quota, and the shard is
+                    # published as complete only if every admitted request has its answer.)
+                    return None
+
+        def failed(shard: _Shard, sid: str, attempt: int, kind: str) -> None:
+            """A request that ended without an answer: the intents log says how (docs/formats.md)."""
+            shard.intents.append(
+                {
+                    "format": INTENT_FORMAT,
+                    "event": "failed",
+                    "session": session_id,
+                    "id": sid,
+                    "attempt": attempt,
+                    "kind": kind,
+                    "t": round(time.time(), 3),
+                }
+            )
+
+        def make_sample(run: _LaneRun, p: dict[str, Any]) -> _Sample:
+            # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
+            lane = run.lane
+            ids = lane.render_ids(p["messages"], p.get("tools")) if lane.settings.backend == "sglang" else None
+            body = request_body(lane.settings, p["messages"], ids, tools=p.get("tools"))
+            return _Sample(p, json.dumps(body, ensure_ascii=False).encode(), ids)
+
+        turn = [0]  # the lane a worker looks at first: datasets take turns
+
+        def pick() -> tuple[_LaneRun | None, bool]:
+            """The next lane that admits a request (advancing the turn), and whether any lane may admit one later."""
+            waiting = False
+            n = len(runs)
+            for i in range(n):
+                run = runs[(turn[0] + i) % n]
+                if run.stop_kind is not None or not run.queue:
+                    continue
+                if run.in_flight >= run.lane.limits.concurrency:
+                    waiting = True
+                    continue
+                verdict = admit(run)
+                if verdict == "go":
+                    turn[0] = (turn[0] + i + 1) % n
+                    return run, True
+                waiting |= verdict == "wait"
+            return None, waiting
+
+        async def worker() -> None:
+            while True:
+                run, waiting = pick()
+                if run is None:
+                    if not waiting:
+                        return
+                    await settled[0].wait()
+                    continue
+                shard, prompt = run.queue.popleft()
+                run.in_flight += 1
+                in_flight[0] += 1
+                shard.stats.in_flight += 1
+                run.stats.in_flight += 1
+                record = None
+                try:
+                    record = await one(run, shard, make_sample(run, prompt))
+                finally:
+                    run.in_flight -= 1
+                    in_flight[0] -= 1
+                    shard.stats.in_flight -= 1
+                    run.stats.in_flight -= 1
+                    if record is not None:
+                        shard.lines[record["id"]] = shard.journal.append(record)
+                        tokens = int((record.get("usage") or {}).get("completion_tokens") or 0)
+                        for stats in (shard.stats, run.stats):
+                            stats.done += 1
+                            stats.cost += record["cost"]
+                            stats.completion_tokens += tokens
+                        for flag in record["flags"]:
+                            shard.stats.flags[flag] += 1
+                        run.done += 1
+                        run.cost += record["cost"]
+                        run.tokens += tokens
+                        spend.add(run.lane.account, record["cost"])
+                    signal_settled()  # after the figures: a waiting worker re-checks against the actual cost
+
+        # Each account is read on a connection of its own: with every request slot busy, a poll through the
+        # main pool would wait for a free one and see the account only when the run is over.
+        accounts = {
+            name: aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(w.ca_bundle)),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            for name, w in spend.watchers.items()
+        }
+        interval = progress_interval or min(r.lane.limits.progress_interval for r in runs)
+
+        def progress_lines() -> None:
+            for run in runs:
+                if run.queue or run.in_flight or run.stats.done:
+                    log(run.stats.line(run.lane.dataset, spend, run.lane.guard.budget_usd))
+
+        async def progress() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                for name, watcher in spend.watchers.items():
+                    await watcher.poll(accounts[name], spend.journals(name))
+                signal_settled()  # the figures may have moved either way
+                progress_lines()
+
+        workers = min(concurrency, sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs))
+        reporter = asyncio.create_task(progress())
+        try:
+            await asyncio.gather(*(worker() for _ in range(workers)))
+        finally:
+            reporter.cancel()
+            for s in accounts.values():
+                await s.close()
+        progress_lines()
 
 
 async def regenerate_shard(
@@ -285,327 +759,30 @@ async def regenerate_shard(
     eos_ids: list[int] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Finish one shard; publish ``out_path`` when every prompt has a journaled response, or when the
-    dataset's output-token quota stopped it (then with the samples that fit, see ``completion_path``).
+    """One shard alone (``regenerate`` with one lane): publish ``out_path`` when every prompt has a journaled
+    response, or when the output-token quota stopped it (then with the samples that fit).
 
     Raises RegenerationStopped (after everything in flight has been journaled) when it cannot finish.
     """
-    name = out_path.name.removesuffix(".jsonl")
-    jpath = journal_path(out_path)
-    phash = settings.params_hash()
-    # Prompt texts are compared only against an existing journal (a fresh shard skips the work).
-    has_journal = jpath.exists() and jpath.stat().st_size > 0
-    keys = {p["id"]: messages_key(p["messages"], p.get("tools")) for p in prompts} if has_journal else {}
-    state = read_journal(jpath, phash, keys, repair=True)
-    if state.torn_bytes:
-        log(f"{name}: cut a torn last journal line ({state.torn_bytes} bytes): that sample is requested again")
-    if state.stale:
-        log(f"{name}: {state.stale} journaled responses are for other parameters or prompt text: not reused")
-    pending = [p for p in prompts if p["id"] not in state.finished]
-    unseen = unseen_intents(intents_path(out_path), state)
-    if unseen:
-        log(
-            f"{name}: {len(unseen)} samples were sent before an interruption and never answered here "
-            f"(they may have been billed unseen; the account reconcile counts that money): "
-            f"{', '.join(sorted(unseen)[:5])}{' ...' if len(unseen) > 5 else ''}"
-        )
-    stats = RunStats(total=len(prompts), already=len(prompts) - len(pending))
-    log(
-        f"{name}: {stats.already} of {len(prompts)} samples already journaled, {len(pending)} to request "
-        f"({settings.backend} {settings.model} at {settings.base_url}, concurrency {limits.concurrency})"
+    lane = Lane(
+        dataset=out_path.parent.parent.name or "shard",
+        settings=settings,
+        shards=[ShardWork(prompts, out_path)],
+        limits=limits,
+        guard=guard,
+        api_key=api_key,
+        account="account" if guard.account is not None else None,
+        want_reasoning=want_reasoning,
+        render_ids=render_ids,
+        split_ids=split_ids,
+        eos_ids=eos_ids,
     )
-
-    if pending:
-        journal, intents = Journal(jpath), Journal(intents_path(out_path))
-        try:
-            run = _ShardRun(
-                name,
-                log,
-                journal,
-                intents,
-                state.lines,
-                stats,
-                settings,
-                api_key,
-                limits,
-                guard,
-                want_reasoning,
-                render_ids,
-                split_ids,
-                eos_ids,
-            )
-            await _run(pending, run)
-        finally:
-            await journal.aclose()
-            await intents.aclose()
-
-    missing = [p["id"] for p in prompts if p["id"] not in state.lines]
-    summary = {
-        "samples": len(prompts),
-        "already_journaled": stats.already,
-        "requested_now": stats.done,
-        "missing": len(missing),
-        "cost_usd_now": round(stats.cost, 6),
-        "completion_tokens_now": stats.completion_tokens,
-        "retries": dict(stats.retries),
-        "final_errors": dict(stats.final_errors),
-        "flags_now": dict(stats.flags),
-        "seconds": round(time.monotonic() - stats.started, 2),
-    }
-    log(f"{name}: {json.dumps(summary)}")
-    quota_done = stats.stop_kind == "quota" and not stats.failed
-    if missing and not quota_done:
-        failures = ", ".join(f"{k}: {v}" for k, v in stats.final_errors.items())
-        raise RegenerationStopped(
-            stats.stop_reason
-            or f"{len(missing)} samples have no response after "
-            f"responses.max_attempts attempts ({failures}); rerun to retry only them"
-        )
-    kept = [p["id"] for p in prompts if p["id"] in state.lines]
-    kept_records = [json.loads(state.lines[i]) for i in kept]
-    completion = {
-        "format": COMPLETION_FORMAT,
-        "shard": out_path.name,
-        "prompts": len(prompts),
-        "samples": len(kept),
-        "not_requested": len(missing),
-        "reason": QUOTA_REASON if missing else None,
-        "max_output_tokens": guard.token_cap,
-        "dataset_output_tokens": guard.tokens_before
-        + stats.completion_tokens
-        + (guard.others.dataset_tokens if guard.others else 0),
-        "shard_output_tokens": sum(int((r.get("usage") or {}).get("completion_tokens") or 0) for r in kept_records),
-        "shard_cost_usd": round(sum(float(r.get("cost") or 0.0) for r in kept_records), 6),
-    }
-    if missing:
-        log(
-            f"{name}: the dataset's max_output_tokens quota ({guard.token_cap:,}) is reached: the shard is "
-            f"complete with {len(kept)} of {len(prompts)} samples; {len(missing)} prompts not requested"
-        )
-    summary["completion"] = completion
-    # The completion record first: a published shard always has it beside it.
-    write_completion(out_path, completion)
-    # The journal lines verbatim, in prompt order: nothing is serialized twice.
-    atomic_write_bytes(out_path, b"".join(state.lines[i] for i in kept))
-    return summary
-
-
-async def _run(pending: list[dict[str, Any]], run: _ShardRun) -> None:
-    """Request every pending prompt with ``limits.concurrency`` workers until all are done or the run stops."""
-    settings, limits, guard, stats = run.settings, run.limits, run.guard, run.stats  # what the closures read most
-    headers = {"Content-Type": "application/json", **(settings.extra_headers or {})}
-    if run.api_key:
-        headers["Authorization"] = f"Bearer {run.api_key}"
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    for p in pending:
-        queue.put_nowait(p)
-    sampling, phash = settings.sampling(), settings.params_hash()  # once, not per request
-
-    def make_sample(p: dict[str, Any]) -> _Sample:
-        # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
-        ids = run.render_ids(p["messages"], p.get("tools")) if settings.backend == "sglang" else None
-        body = request_body(settings, p["messages"], ids, tools=p.get("tools"))
-        return _Sample(p, json.dumps(body, ensure_ascii=False).encode(), ids)
-
-    stop = asyncio.Event()
-
-    def halt(reason: str, kind: str = "fatal") -> None:
-        if not stop.is_set():
-            stats.stop_reason, stats.stop_kind = reason, kind
-            stop.set()
-            settled[0].set()  # workers waiting for room see the stop at once
-            run.log(f"{run.name}: STOPPING: {reason}")
-
-    # Admission counts what is in flight at the expected per-sample figure, so the overshoot is at most the
-    # difference between the expected and the actual cost of the requests in flight. A request that would
-    # only fit once some in flight come back (shorter than expected) waits for them; the stop is final only
-    # when nothing is in flight and one more request still does not fit. (Stopping at the first refusal
-    # would end a dataset whose quota equals concurrency x expected length after its first wave.)
-    settled = [asyncio.Event()]  # set (and replaced) each time a request in flight comes back
-
-    def signal_settled() -> None:
-        settled[0].set()
-        settled[0] = asyncio.Event()
-
-    def admit() -> str:
-        """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted)."""
-        measured = stats.done >= 20
-        per_cost = stats.cost / stats.done if measured else guard.expected_cost
-        per_tokens = stats.completion_tokens / stats.done if measured else guard.expected_tokens
-        others = guard.others
-        if guard.budget_usd is not None:
-            spent = guard.spent(stats.cost)
-            if spent + (stats.in_flight + 1) * per_cost > guard.budget_usd:
-                if stats.in_flight > 0:
-                    return "wait"
-                lost = f", {_usd(guard.lost_usd)} of it lost to interrupted requests" if guard.lost_usd > 0 else ""
-                halt(
-                    f"budget: ${spent:.2f} spent{lost} of responses.budget_usd ${guard.budget_usd:.2f}; "
-                    "finished samples are kept in the journal - raise the budget and rerun to finish the rest",
-                    "budget",
-                )
-                return "stop"
-        if guard.token_cap is not None:
-            used = guard.tokens_before + stats.completion_tokens + (others.dataset_tokens if others else 0)
-            if used + (stats.in_flight + 1) * per_tokens > guard.token_cap:
-                if stats.in_flight > 0:
-                    return "wait"
-                halt(
-                    f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
-                    "the dataset is complete with the samples that fit",
-                    "quota",
-                )
-                return "stop"
-        return "go"
-
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout, sock_read=limits.read_timeout)
-    connector = aiohttp.TCPConnector(
-        limit=limits.concurrency, limit_per_host=0, ttl_dns_cache=300, ssl=tls_context(limits.ca_bundle)
+    spend = RunSpend(
+        {lane.account: guard.spent_before},
+        {"account": guard.account} if guard.account is not None else None,
+        lost_usd=guard.lost_usd,
     )
-    url = settings.url()
-    # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
-    async with aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        headers=headers,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        raise_for_status=False,
-    ) as session:
-
-        async def one(sample: _Sample) -> dict[str, Any] | None:
-            attempt = 0
-            while True:
-                attempt += 1
-                t0 = time.monotonic()
-                # Before the request leaves: if this process dies while it is in flight, the next run
-                # knows the sample may have been billed without an answer.
-                run.intents.append(
-                    {
-                        "format": INTENT_FORMAT,
-                        "id": sample.prompt["id"],
-                        "t": round(time.time(), 3),
-                        "params_hash": phash,
-                        "attempt": attempt,
-                    }
-                )
-                try:
-                    async with session.post(url, data=sample.body) as resp:
-                        raw = await resp.read()
-                        status, retry_after = resp.status, resp.headers.get("Retry-After")
-                    try:
-                        body = json.loads(raw) if raw else None
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        if status == 200:
-                            raise RetryableError("torn", f"unparseable 200 body ({len(raw)} bytes)") from None
-                        body = None
-                    if status != 200:
-                        raise classify_http_error(status, body, raw[:300].decode("utf-8", "replace"), retry_after)
-                    if settings.backend == "sglang":
-                        fields = parse_sglang_generate(body, run.split_ids, run.eos_ids or [], run.want_reasoning)
-                    else:
-                        fields = parse_chat_completion(body, run.want_reasoning)
-                except RetryableError as e:
-                    kind, message, wait = e.kind, str(e), e.retry_after
-                except aiohttp.ClientPayloadError as e:
-                    kind, message, wait = "torn", f"torn body: {e}", None
-                except aiohttp.ClientConnectorCertificateError as e:
-                    # A certificate the client does not trust will not be trusted on a retry either.
-                    stats.final_errors["tls_certificate"] += 1
-                    halt(
-                        f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
-                        "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off"
-                    )
-                    return None
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
-                    kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
-                except TimeoutError:
-                    kind, message, wait = "timeout", f"no answer within {limits.read_timeout:g}s", None
-                except FatalError as e:
-                    stats.final_errors[e.kind] += 1
-                    halt(str(e))
-                    return None
-                else:
-                    return {
-                        "format": RESPONSES_FORMAT,
-                        "id": sample.prompt["id"],
-                        "dataset": sample.prompt.get("dataset"),
-                        "messages": sample.prompt["messages"],
-                        **({"tools": sample.prompt["tools"]} if sample.prompt.get("tools") else {}),
-                        "backend": settings.backend,
-                        "model": settings.model,
-                        "params": sampling,
-                        "params_hash": phash,
-                        **fields,
-                        **({"prompt_token_ids": sample.prompt_ids} if sample.prompt_ids is not None else {}),
-                        "latency_s": round(time.monotonic() - t0, 3),
-                        "attempts": attempt,
-                    }
-                stats.retries[kind] += 1
-                if attempt >= limits.max_attempts:
-                    stats.final_errors[kind] += 1
-                    stats.failed += 1
-                    run.log(f"{run.name}: sample {sample.prompt['id']} failed {attempt} times, last: {message}")
-                    return None
-                await asyncio.sleep(_backoff(attempt, limits, wait))
-                if stop.is_set() and kind != "402_in_flight" and stats.stop_kind != "quota":
-                    # A fatal or budget stop: do not keep hammering; the sample stays pending for the next run.
-                    # (A quota stop retries: this request was admitted within the quota, and the shard is
-                    # published as complete only if every admitted request has its answer.)
-                    return None
-
-        async def worker() -> None:
-            while not stop.is_set():
-                try:
-                    prompt = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                verdict = admit()
-                while verdict == "wait" and not stop.is_set():
-                    await settled[0].wait()
-                    verdict = admit()
-                if verdict != "go":
-                    return
-                stats.in_flight += 1
-                record = None
-                try:
-                    record = await one(make_sample(prompt))
-                finally:
-                    stats.in_flight -= 1
-                    if record is not None:
-                        run.lines[record["id"]] = run.journal.append(record)
-                        stats.done += 1
-                        stats.cost += record["cost"]
-                        stats.completion_tokens += int((record.get("usage") or {}).get("completion_tokens") or 0)
-                        for flag in record["flags"]:
-                            stats.flags[flag] += 1
-                    signal_settled()  # after the figures: a waiting worker re-checks against the actual cost
-
-        # The account is read on a connection of its own: with every request slot busy, a poll through the
-        # main pool would wait for a free one and see the account only when the shard is over.
-        account_session = (
-            aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(limits.ca_bundle)),
-                headers=headers,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-            if guard.account is not None
-            else None
-        )
-
-        async def progress() -> None:
-            while True:
-                await asyncio.sleep(limits.progress_interval)
-                if guard.others is not None:
-                    guard.others.poll()
-                if guard.account is not None and account_session is not None:
-                    await guard.account.poll(account_session, guard, stats.cost)
-                run.log(stats.line(run.name, guard))
-
-        reporter = asyncio.create_task(progress())
-        try:
-            await asyncio.gather(*(worker() for _ in range(min(limits.concurrency, len(pending)))))
-        finally:
-            reporter.cancel()
-            if account_session is not None:
-                await account_session.close()
-        run.log(stats.line(run.name, guard))
+    result = (await regenerate([lane], concurrency=limits.concurrency, spend=spend, log=log))[out_path]
+    if isinstance(result, str):
+        raise RegenerationStopped(result)
+    return result

@@ -19,38 +19,103 @@ import asyncio
 import json
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aerie.artifacts import FormatError
 
-INTENT_FORMAT = "aerie.request-intent/1"
+INTENT_FORMAT = "aerie.request-intent/2"
+INTENT_FORMATS = ("aerie.request-intent/1", INTENT_FORMAT)
+# Failures after which the provider may have generated, and billed, the answer we never read: no answer in time,
+# a connection lost after the request left, half a body, an error reported inside HTTP 200, an unreadable body.
+# (429, 5xx, 402 and 4xx answers refuse the request before any model works: never billed.)
+BILLABLE_FAILURES = frozenset({"timeout", "connection", "torn", "200_error", "bad_body"})
 
 
 def intents_path(shard_output: str | Path) -> Path:
-    """``shard-00000.jsonl`` -> ``shard-00000.intents.jsonl``: one line per request, written before it is sent."""
+    """``shard-00000.jsonl`` -> ``shard-00000.intents.jsonl``: a line before each request is sent, and one after
+    each request that failed."""
     p = Path(shard_output)
     return p.with_name(p.name.removesuffix(".jsonl") + ".intents.jsonl")
 
 
-def unseen_intents(path: Path, state: JournalState) -> set[str]:
-    """Sample ids that were sent (an intent line) and have no answer journaled under the current parameters.
-
-    Each was in flight when an earlier process died (or failed every attempt): the provider may have
-    billed it although no journal holds it. A torn last line is ignored (its request never left).
-    """
+def _jsonl_dicts(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file written by single appends; a torn or foreign line is skipped."""
     if not path.exists():
-        return set()
-    sent: set[str] = set()
+        return []
+    out = []
     for line in path.read_bytes().split(b"\n"):
         try:
             rec = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and rec.get("id") is not None:
-            sent.add(rec["id"])
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def unseen_intents(path: Path, state: JournalState) -> set[str]:
+    """Sample ids that were sent (an intent line) and have no answer journaled under the current parameters.
+
+    Each was in flight when an earlier process died, or failed every attempt: the provider may have billed it
+    although no journal holds it. A torn last line is ignored (its request never left).
+    """
+    sent = {rec["id"] for rec in _jsonl_dicts(path) if rec.get("id") is not None and rec.get("event", "sent") == "sent"}
     return sent - set(state.finished)
+
+
+@dataclass
+class RequestTally:
+    """What became of every request one shard sent: its intents log read against its journal.
+
+    A request is the pair (session, attempt) of a sample id: ``session`` names the process that sent it (every
+    intent, failure and journal line carries it), ``attempt`` counts its tries there. Answered requests have a
+    journal line with the same three; failed ones a ``failed`` line; the rest got neither: they were in flight
+    when their process died (the provider bills them all the same, docs/formats.md).
+    """
+
+    sent: int = 0
+    journaled: int = 0
+    failed: Counter = field(default_factory=Counter)  # failure kind -> requests
+    unanswered: list[float] = field(default_factory=list)  # send times (unix s) of requests in flight at a death
+
+    @property
+    def billable_failures(self) -> int:
+        """Failed requests the provider may have billed (``BILLABLE_FAILURES``): retries that can cost money."""
+        return sum(n for kind, n in self.failed.items() if kind in BILLABLE_FAILURES)
+
+
+def request_tally(shard_output: str | Path) -> RequestTally:
+    """Classify every request of a shard (journaled, failed by kind, unanswered) from its intents and journal.
+
+    Intents of ``aerie.request-intent/1`` (no session, no failure lines) count as answered when their sample id is
+    journaled at all, else as unanswered."""
+    tally = RequestTally()
+    journal = _jsonl_dicts(journal_path(shard_output))
+    answered = {(r.get("session"), r.get("id"), r.get("attempts")) for r in journal if r.get("session")}
+    journaled_ids = {r.get("id") for r in journal}
+    lines = _jsonl_dicts(intents_path(shard_output))
+    failed = {
+        (r.get("session"), r.get("id"), r.get("attempt")): r.get("kind") for r in lines if r.get("event") == "failed"
+    }
+    for rec in lines:
+        if rec.get("event", "sent") != "sent" or rec.get("id") is None:
+            continue
+        tally.sent += 1
+        key = (rec.get("session"), rec["id"], rec.get("attempt"))
+        if key[0] is None:
+            answered_here = rec["id"] in journaled_ids
+        else:
+            answered_here = key in answered
+        if answered_here:
+            tally.journaled += 1
+        elif key in failed:
+            tally.failed[str(failed[key])] += 1
+        else:
+            tally.unanswered.append(float(rec.get("t") or 0.0))
+    return tally
 
 
 def journal_path(shard_output: str | Path) -> Path:

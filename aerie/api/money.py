@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,15 @@ def mean_output_tokens(
     return float(responses["max_new_tokens"]), "max_new_tokens (upper bound; set expected_output_tokens)"
 
 
+def expected_sample_cost(spent: dict[str, float], mean_tokens: float, prices: Prices, prompt_tokens: float) -> float:
+    """USD a request of a dataset is expected to cost: the journals' mean once 20 responses exist, else
+    ``mean_tokens`` output and ``prompt_tokens`` input tokens at ``prices``. The budget guard reserves it per
+    request in flight and prices requests the account does not show yet with it."""
+    if spent["samples"] >= 20:
+        return spent["cost"] / spent["samples"]
+    return mean_tokens * prices.output + prompt_tokens * prices.input
+
+
 @dataclass
 class DatasetEstimate:
     """One dataset's pending work, cut at its output-token quota (``max_output_tokens``)."""
@@ -209,20 +218,188 @@ def estimate_dataset(
     )
 
 
+# ---- spend no journal holds: the words the logs, the preview and the report share --------------------------
+JOURNALED = "journaled"
+RETRIES = "billed retries"  # requests that failed after the provider could bill them (timeouts, resets...), retried
+LOST = "lost to interrupted requests"  # requests in flight when their process died: billed, never answered here
+PENDING = "sent before an interruption, not yet billed"  # priced at the expected cost until the account shows them
+UNATTRIBUTED = "billed, no request of this run explains it"  # e.g. another use of the same key
+
+
+def usd(amount: float) -> str:
+    """Dollars for a log line: cents, or four decimals below a cent (a test run's amounts)."""
+    return f"${amount:.2f}" if abs(amount) >= 0.01 or amount == 0 else f"${amount:.4f}"
+
+
 @dataclass
-class AccountState:
-    """The provider account against the journals: what was billed that no journal holds."""
+class Unjournaled:
+    """What the budget counts beyond the journals, in parts named by the words above."""
+
+    retries: float = 0.0
+    lost: float = 0.0
+    unattributed: float = 0.0
+    pending: float = 0.0
+
+    @property
+    def billed(self) -> float:
+        """What the account already shows beyond the journals."""
+        return self.retries + self.lost + self.unattributed
+
+    @property
+    def total(self) -> float:
+        return self.billed + self.pending
+
+    def words(self) -> str:
+        """``$0.12 billed retries + $0.30 lost to interrupted requests`` (the parts that are not zero; "nothing")."""
+        parts = [(self.retries, RETRIES), (self.lost, LOST), (self.unattributed, UNATTRIBUTED), (self.pending, PENDING)]
+        return " + ".join(f"{usd(v)} {w}" for v, w in parts if v > 0) or "nothing"
+
+
+def split_unjournaled(billed: float, retry_weight: float, lost_weight: float, pending: float = 0.0) -> Unjournaled:
+    """Name the account's spend beyond the journals: ``billed`` split between billed retries and requests lost to
+    interrupted runs in proportion to their weights (each failed-billable or unanswered request at its dataset's
+    expected cost); all of it is unattributed when no request of the run can explain it."""
+    billed = max(0.0, billed)
+    weight = retry_weight + lost_weight
+    if billed == 0 or weight <= 0:
+        return Unjournaled(unattributed=billed, pending=pending)
+    retries = billed * retry_weight / weight
+    return Unjournaled(retries=retries, lost=billed - retries, pending=pending)
+
+
+# An answer we still wait for arrives within responses.read_timeout_s; the account shows its charge within about
+# this much more (GET /key lags by seconds).
+ACCOUNT_LAG_S = 60.0
+
+
+@dataclass
+class DatasetRequests:
+    """A dataset's requests as its intents logs tell them (aerie.api.journal.request_tally), for pricing and naming
+    the money the account billed beyond the journals."""
+
+    billable_failures: int  # failed requests the provider may have billed (retried: "billed retries")
+    unanswered: list[float]  # send times of requests in flight when a process died
+    expected_cost: float  # USD per request: the dataset's expected (or measured) per-sample cost
+    settle_s: float  # after this long a request sent has been billed if it ever will be (read timeout + lag)
+
+    def pending(self, now: float) -> list[tuple[float, float]]:
+        """(settle time, expected cost) of the unanswered requests that may still be billed after ``now``."""
+        return [(t + self.settle_s, self.expected_cost) for t in self.unanswered if t + self.settle_s > now]
+
+
+def dataset_requests(responses_dir: Path, expected_cost: float, settle_s: float) -> DatasetRequests:
+    """``DatasetRequests`` of every shard in a dataset's responses folder."""
+    from aerie.api.journal import request_tally
+
+    failures, unanswered = 0, []
+    for intents in sorted(Path(responses_dir).glob("shard-*.intents.jsonl")):
+        tally = request_tally(intents.with_name(intents.name.replace(".intents.jsonl", ".jsonl")))
+        failures += tally.billable_failures
+        unanswered += tally.unanswered
+    return DatasetRequests(failures, unanswered, expected_cost, settle_s)
+
+
+@dataclass
+class PendingRequests:
+    """Requests sent before an interruption that the account may not show yet, each priced at its expected cost
+    until its settle time; ``before``: the account's spend beyond the journals at the last reading taken before the
+    first of them was sent (so what they add is never counted twice)."""
+
+    before: float
+    items: list[tuple[float, float]]  # (settle time unix s, expected cost)
+
+    def cost(self, now: float | None = None) -> float:
+        import time
+
+        now = time.time() if now is None else now
+        return sum(c for until, c in self.items if until > now)
+
+
+@dataclass
+class AccountMoney:
+    """One provider account since the run's first start: the journals, and what it billed that they do not hold."""
 
     usage: float  # account usage now (or at the last recorded reading)
     baseline_usage: float  # at the run's first start
-    journal_spend: float  # journals' total at the same reading
+    journal: float  # USD in the journals of the datasets on this account, at the same reading
     baseline_journal: float
-    source: str  # "live" or "ledger, <time>"
+    source: str  # "live" or "last reading <time>"
+    unjournaled: Unjournaled
+    pending: PendingRequests | None = None
+    by_dataset: dict[str, Unjournaled] = field(default_factory=dict)  # the billed parts per dataset
+    weights: tuple[float, float] = (0.0, 0.0)  # (retry, lost): how the billed part is named (split_unjournaled)
+
+    @property
+    def billed_unjournaled(self) -> float:
+        """Account growth since the first start minus journal growth (at least 0)."""
+        return max(0.0, (self.usage - self.baseline_usage) - (self.journal - self.baseline_journal))
 
     @property
     def lost(self) -> float:
-        """Spend lost to interrupted requests: account growth since the first start minus journal growth."""
-        return max(0.0, (self.usage - self.baseline_usage) - (self.journal_spend - self.baseline_journal))
+        """Everything the budget counts beyond the journals (billed, and priced until billed)."""
+        return self.unjournaled.total
+
+
+def _unexplained(reading: dict[str, Any], first: dict[str, Any]) -> float:
+    return (float(reading["usage"]) - float(first["usage"])) - (
+        float(reading["journal_spend"]) - float(first["journal_spend"])
+    )
+
+
+def account_money(
+    ledger: list[dict[str, Any]],
+    usage: float | None,
+    journal: float,
+    requests: dict[str, DatasetRequests],
+    now: float | None = None,
+) -> AccountMoney | None:
+    """Reconcile one account: the ledger's first reading is the baseline; ``usage`` None -> the last recorded
+    reading (and its journals' figure). The account's spend beyond the journals is split into billed retries and
+    requests lost to interrupted runs (``split_unjournaled``, weights from ``requests``, per dataset too); requests
+    sent before an interruption within their settle time are priced on top until the account shows as much."""
+    import time
+
+    if not ledger and usage is None:
+        return None
+    now = time.time() if now is None else now
+    first = ledger[0] if ledger else {"usage": usage, "journal_spend": journal}
+    if usage is None:
+        last = ledger[-1]
+        usage, journal = float(last["usage"]), float(last["journal_spend"])
+        source = "last reading " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["t"]))
+    else:
+        source = "live"
+    reading = {"usage": usage, "journal_spend": journal}
+    billed = max(0.0, _unexplained(reading, first))
+    weights = {
+        d: (r.billable_failures * r.expected_cost, len(r.unanswered) * r.expected_cost) for d, r in requests.items()
+    }
+    retry_w, lost_w = sum(w[0] for w in weights.values()), sum(w[1] for w in weights.values())
+    total = split_unjournaled(billed, retry_w, lost_w)
+    weight = retry_w + lost_w
+    by_dataset = (
+        {d: split_unjournaled(billed * (w[0] + w[1]) / weight, *w) for d, w in weights.items()} if weight else {}
+    )
+    items = [item for r in requests.values() for item in r.pending(now)]
+    pending = None
+    if items:
+        sent_first = min(until - r.settle_s for r in requests.values() for until, _ in r.pending(now))
+        earlier = [x for x in ledger if float(x.get("t", 0)) <= sent_first]
+        # No reading before them (they predate the ledger): count them on top of everything billed so far.
+        before = max(0.0, _unexplained(earlier[-1], first)) if earlier else billed
+        pending = PendingRequests(before, items)
+        total.pending = max(0.0, pending.before + pending.cost(now) - billed)
+    return AccountMoney(
+        usage,
+        float(first["usage"]),
+        journal,
+        float(first["journal_spend"]),
+        source,
+        total,
+        pending,
+        by_dataset,
+        (retry_w, lost_w),
+    )
 
 
 def format_preview(
@@ -230,10 +407,10 @@ def format_preview(
     spent_total: float,
     budget: float | None,
     prices: Prices,
-    account: AccountState | None = None,
+    account: AccountMoney | None = None,
     account_note: str = "",
 ) -> str:
-    lost = account.lost if account is not None else 0.0
+    unjournaled = account.unjournaled if account is not None else Unjournaled()
     lines = [
         f"aerie cost preview (price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out "
         f"tokens, {prices.source}):"
@@ -260,16 +437,19 @@ def format_preview(
         f"  will produce ~{sum(e.expected_samples for e in estimates):,} more responses "
         f"(~{sum(e.output_tokens for e in estimates):,} output tokens) for ${total:.2f}"
     )
-    used = spent_total + lost
-    money = f"  spent: ${spent_total:.2f} journaled + ${lost:.2f} lost to interrupted requests = ${used:.2f}"
+    used = spent_total + unjournaled.total
+    money = f"  spent: {usd(spent_total)} {JOURNALED}"
+    if unjournaled.total:
+        money += f" + {unjournaled.words()}"
+    money += f" = {usd(used)}"
     if budget is not None:
-        money += f"; budget ${budget:.2f}, remaining ${budget - used:.2f}"
+        money += f"; budget ${budget:.2f}, remaining {usd(budget - used)}"
     lines.append(money)
     if account is not None:
         lines.append(
-            f"  account ({account.source}): usage ${account.usage:.2f}, "
-            f"${account.usage - account.baseline_usage:.2f} since the run's first start, "
-            f"journals ${account.journal_spend - account.baseline_journal:.2f}"
+            f"  account ({account.source}): usage {usd(account.usage)}, "
+            f"{usd(account.usage - account.baseline_usage)} since the run's first start, "
+            f"journals {usd(account.journal - account.baseline_journal)}"
         )
     elif account_note:
         lines.append(f"  account: {account_note}")
@@ -378,23 +558,3 @@ def append_account_ledger(
         os.write(fd, line.encode())
     finally:
         os.close(fd)
-
-
-def account_state(ledger: list[dict[str, Any]], usage: float | None, journal_spend: float) -> AccountState | None:
-    """Reconcile: the first reading is the baseline; ``usage`` None -> the last recorded reading."""
-    if not ledger and usage is None:
-        return None
-    first = ledger[0] if ledger else {"usage": usage, "journal_spend": journal_spend}
-    if usage is not None:
-        return AccountState(usage, float(first["usage"]), journal_spend, float(first["journal_spend"]), "live")
-    import time
-
-    last = ledger[-1]
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["t"]))
-    return AccountState(
-        float(last["usage"]),
-        float(first["usage"]),
-        float(last["journal_spend"]),
-        float(first["journal_spend"]),
-        f"last reading {when}",
-    )

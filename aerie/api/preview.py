@@ -15,15 +15,18 @@ from typing import Any
 
 from aerie.api.backends import API_BACKENDS, BackendSettings
 from aerie.api.money import (
-    AccountState,
+    ACCOUNT_LAG_S,
+    AccountMoney,
     DatasetEstimate,
     Prices,
     account_id,
     account_ledger_path,
-    account_state,
+    account_money,
     api_key_from_env,
+    dataset_requests,
     estimate_dataset,
     estimate_shard,
+    expected_sample_cost,
     format_preview,
     mean_output_tokens,
     read_account_ledger,
@@ -71,21 +74,28 @@ class CostPreview:
     pending_usd: float
     budget: float | None
     spent: float  # journals
-    lost: float  # billed by the account, in no journal
+    lost: float  # beyond the journals: billed by the account, or sent before an interruption and not yet billed
     datasets: dict[str, DatasetEstimate]
 
 
 def preview_account(
-    config: dict[str, Any], datasets: list[str], results_dir: Path, spent: float, live: bool
-) -> tuple[AccountState | None, str]:
-    """The account reconcile for the preview: live when the key is here, else the ledger's last reading."""
+    config: dict[str, Any],
+    datasets: list[str],
+    results_dir: Path,
+    spend: dict[str, dict[str, float]],
+    expected_cost: dict[str, float],
+    live: bool,
+) -> tuple[AccountMoney | None, str]:
+    """The account reconcile for the preview: live when the key is here, else the ledger's last reading; requests
+    sent before an interruption and not settled yet are priced at ``expected_cost`` (what a job start counts)."""
     accounts = {account_id(responses_config(config, d)) for d in datasets} - {None}
     if not accounts:
         return None, ""
     if len(accounts) > 1:
-        return None, f"{len(accounts)} accounts: per-account reconcile is shown in each job's log"
+        return None, f"{len(accounts)} accounts: per-account reconcile is shown in the job's log"
     account = accounts.pop()
-    responses = responses_config(config, next(d for d in datasets if account_id(responses_config(config, d))))
+    mine = [d for d in datasets if account_id(responses_config(config, d)) == account]
+    responses = responses_config(config, mine[0])
     ledger = read_account_ledger(account_ledger_path(results_dir), account)
     usage = None
     key = api_key_from_env(responses)
@@ -96,13 +106,22 @@ def preview_account(
         except RuntimeError as e:
             if not ledger:
                 return None, f"not readable ({e})"
-    state = account_state(ledger, usage, spent)
-    if state is not None and not ledger:
+    journals = sum(spend[d]["cost"] for d in mine)
+    requests = {
+        d: dataset_requests(
+            results_dir / d / "responses",
+            expected_cost[d],
+            float(responses_config(config, d)["read_timeout_s"]) + ACCOUNT_LAG_S,
+        )
+        for d in mine
+    }
+    money = account_money(ledger, usage, journals, requests)
+    if money is not None and not ledger:
         # No job has started: today's usage is only the baseline the first start will record.
         return None, f"usage ${usage:.2f} now; recorded and reconciled from the first start on"
-    if state is None:
+    if money is None:
         return None, "no reading yet (recorded at the first start; set the key's variable to read it live)"
-    return state, ""
+    return money, ""
 
 
 def _quota_raised(completion: dict[str, Any], quota: int | None) -> bool:
@@ -124,6 +143,7 @@ def cost_preview(
         return None
     spend = run_spend(results_dir, datasets)
     estimates: dict[str, DatasetEstimate] = {}
+    expected: dict[str, float] = {}  # USD per request, per dataset
     notes: list[str] = []
     prices_seen: Prices | None = None
     budget = config["responses"].get("budget_usd")
@@ -175,8 +195,11 @@ def cost_preview(
         estimates[name] = estimate_dataset(
             name, rows, mean_tokens, basis, prices, ds.get("max_output_tokens"), int(spend[name]["completion_tokens"])
         )
+        pending = sum(r.pending_prompts for r in rows)
+        prompt_tokens = sum(r.prompt_tokens for r in rows) / pending if pending else 0.0
+        expected[name] = expected_sample_cost(spend[name], mean_tokens, prices, prompt_tokens)
     spent = sum(s["cost"] for s in spend.values())
-    account, note = preview_account(config, datasets, results_dir, spent, live)
+    account, note = preview_account(config, datasets, results_dir, spend, expected, live)
     text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
     text += "".join(f"\n  NOTE {n}" for n in notes)
     return CostPreview(

@@ -1,0 +1,400 @@
+"""Rule ``responses`` (API backends): one job per run regenerates every API shard of every dataset.
+
+One owner for one account's limits. A run has one budget, one ``responses.concurrency`` and one quota per dataset,
+and they are kept by one process whatever Snakemake schedules (``--cores all``, ``--jobs N``, SLURM): the job
+serves every pending API shard through one HTTP session (aerie.api.client.regenerate), so requests in flight, the
+budget and each quota are counted in one place, and the overshoot bound of the whole run is the one of a single
+client: at most ``concurrency`` x (actual - expected cost per request). One job per shard, as before, let each of
+up to 10 shard jobs spend the whole remaining budget and keep ``concurrency`` requests in flight
+(docs/formats.md, "Account ledger", says why the journals and the account cannot share live limits between
+processes: they are seen only after the fact).
+
+Finished work lives in the journals, not in the declared outputs: Snakemake deletes a job's outputs when it
+starts again or fails, so a rerun publishes every finished shard again from its journal (nothing is requested
+twice) and requests only what is missing. Each shard keeps its own log (declared, attempt-numbered like the job's,
+aerie.rulelog); a shard that cannot finish (budget, a dataset's fatal error, samples failing every attempt) does
+not stop the others: they are finished and written, and the job then fails naming the unfinished ones (their
+outputs wait for the next run, which requests only their missing samples).
+
+At the start the job reconciles each provider account with the journals (``start_account``): what the account
+billed beyond them (billed retries, requests lost to interrupted runs) and what requests sent before an
+interruption may still add (priced at the expected cost until they settle) count against the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aerie.api.client import (
+    AccountWatcher,
+    ClientLimits,
+    Lane,
+    MoneyGuard,
+    RegenerationStopped,
+    RunSpend,
+    ShardWork,
+    regenerate,
+)
+from aerie.api.money import (
+    ACCOUNT_LAG_S,
+    JOURNALED,
+    AccountMoney,
+    Prices,
+    account_id,
+    account_key_url,
+    account_ledger_path,
+    account_money,
+    api_key_from_env,
+    append_account_ledger,
+    dataset_requests,
+    estimate_prompt_tokens,
+    expected_sample_cost,
+    mean_output_tokens,
+    read_account_ledger,
+    read_account_usage,
+    resolve_prices,
+    run_spend,
+    usd,
+)
+from aerie.api.preview import api_datasets, backend_settings
+from aerie.plan import responses_config
+from aerie.prompts import read_prompts
+from aerie.rulelog import attempt_logs, keep_attempt_log
+
+
+def client_limits(responses: dict[str, Any]) -> ClientLimits:
+    return ClientLimits(
+        concurrency=responses["concurrency"],
+        connect_timeout=responses["connect_timeout_s"],
+        read_timeout=responses["read_timeout_s"],
+        max_attempts=responses["max_attempts"],
+        backoff_base=responses["backoff_base_s"],
+        backoff_max=responses["backoff_max_s"],
+        progress_interval=responses["progress_interval_s"],
+        ca_bundle=responses.get("ca_bundle"),
+    )
+
+
+def settle_seconds(responses: dict[str, Any]) -> float:
+    """After this long a request sent has been answered or given up, and billed if it ever will be."""
+    return float(responses["read_timeout_s"]) + ACCOUNT_LAG_S
+
+
+def account_datasets(config: dict[str, Any], account: str) -> list[str]:
+    """The API datasets that spend from one provider account."""
+    return [d for d in api_datasets(config) if account_id(responses_config(config, d)) == account]
+
+
+def account_headers(responses: dict[str, Any], api_key: str | None) -> dict[str, str]:
+    headers = dict(responses.get("extra_headers") or {})
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def start_account(
+    config: dict[str, Any],
+    account: str,
+    results_dir: Path,
+    expected_cost: dict[str, float],
+    api_key: str | None,
+    job: str,
+    log: Callable[[str], None],
+) -> tuple[AccountMoney | None, AccountWatcher | None]:
+    """At the job's start: read the account's usage, reconcile it with the journals, record the reading.
+
+    What the account billed since the run's first start beyond the journals' growth is money no journal holds
+    (billed retries, requests lost to interrupted runs); requests sent before an interruption and not settled yet
+    (aerie.api.journal.request_tally) are priced at ``expected_cost`` of their dataset on top, until the account
+    shows as much. All of it counts against the budget. Stops (RuntimeError) when the key's own limit is
+    exhausted. No usage figure from the provider: (None, None)."""
+    mine = account_datasets(config, account)
+    responses = responses_config(config, mine[0])
+    try:
+        live = read_account_usage(responses, api_key)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; nothing was requested") from None
+    if live is None:
+        log(
+            "GET /key and /credits gave no usage figure: the account is not reconciled, the budget counts "
+            "journal spend only"
+        )
+        return None, None
+    ledger_path = account_ledger_path(results_dir)
+    ledger = read_account_ledger(ledger_path, account)
+    journals = sum(s["cost"] for s in run_spend(results_dir, mine).values())
+    requests = {
+        d: dataset_requests(
+            results_dir / d / "responses", expected_cost[d], settle_seconds(responses_config(config, d))
+        )
+        for d in mine
+    }
+    money = account_money(ledger, live["usage"], journals, requests)
+    append_account_ledger(ledger_path, account, "start", job, live["usage"], journals, money.lost)
+    log(
+        f"account ({live['endpoint']}): usage {usd(live['usage'])}, limit {live['limit']}, remaining "
+        f"{live['limit_remaining']}; since the run's first start {usd(money.usage - money.baseline_usage)} billed, "
+        f"{usd(money.journal - money.baseline_journal)} {JOURNALED}; beyond the journals: "
+        f"{money.unjournaled.words()}"
+    )
+    remaining = live["limit_remaining"]
+    if remaining is not None and float(remaining) <= 0:
+        raise RuntimeError("the API key has no limit remaining (GET /key); raise its limit; nothing was requested")
+
+    def record(usage: float, journal: float, lost: float) -> None:
+        append_account_ledger(ledger_path, account, "poll", job, usage, journal, lost)
+
+    watcher = AccountWatcher(
+        account_key_url(responses),
+        money.baseline_usage,
+        money.baseline_journal,
+        record,
+        floor=money.billed_unjournaled,
+        pending=money.pending,
+        headers=account_headers(responses, api_key),
+        ca_bundle=responses.get("ca_bundle"),
+        weights=money.weights,
+    )
+    return money, watcher
+
+
+def responses_results_dir(out_path: Path, dataset: str) -> Path:
+    """The results folder of a responses shard, ``<results>/<dataset>/responses/shard-NNNNN.jsonl``: where the
+    journals of every dataset are (the budget counts them all). A shard elsewhere is refused, naming the layout."""
+    out = Path(out_path)
+    if out.parent.name != "responses" or out.parent.parent.name != dataset:
+        raise ValueError(
+            f"{out}: not a responses shard of dataset {dataset!r} (<results>/{dataset}/responses/shard-NNNNN.jsonl), "
+            "so the journals the budget counts cannot be found"
+        )
+    return out.parent.parent.parent
+
+
+@dataclass(frozen=True)
+class ApiShardTask:
+    """One API shard of the job: its dataset, prompts shard, output, and own log (None: the job's log only)."""
+
+    dataset: str
+    prompts: Path
+    out: Path
+    log: Path | None = None
+
+
+def open_shard_log(path: Path) -> Callable[[str], None]:
+    """A shard's own log in the job of every shard: a declared log of the job, so Snakemake deletes it when the job
+    starts again; like a rule's log (aerie.rulelog) each attempt keeps a numbered second name of it, announced
+    in its first line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    attempt, linked = keep_attempt_log(path)
+    names = [path] if linked is not None else [path, path.with_name(f"{path.stem}.attempt-{attempt}{path.suffix}")]
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}\n"
+        for name in names:
+            with open(name, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    earlier = [p.name for n, p in attempt_logs(path).items() if n < attempt]
+    log(
+        f"attempt {attempt} (pid {os.getpid()} on {socket.gethostname()}); this log is kept as "
+        f"{path.stem}.attempt-{attempt}{path.suffix}" + (f"; earlier attempts: {', '.join(earlier)}" if earlier else "")
+    )
+    return log
+
+
+def _sglang_ids(target: dict[str, Any]) -> tuple[Callable, Callable, list[int]]:
+    """The sglang backend sends ids rendered by the target's template and splits the answer's ids at its markers."""
+    from aerie.responses import split_generated
+    from aerie.target.chat import read_chat_format
+    from aerie.target.model import load_tokenizer, read_generation_config
+    from aerie.target.template import render_prompt_ids
+
+    tok = load_tokenizer(target["path"], target.get("trust_remote_code", False))
+    fmt = read_chat_format(tok, read_generation_config(target["path"]))
+
+    def render_ids(messages, tools=None):
+        return render_prompt_ids(tok, messages, tools=tools)
+
+    def split_ids(ids):
+        return split_generated(tok, ids, fmt)
+
+    return render_ids, split_ids, list(fmt.stop_ids)
+
+
+def _server(config: dict[str, Any], datasets: list[str], log_path: Path):
+    """One loopback server for every dataset that asks the rule to serve the target (``responses.serve``)."""
+    if not any(responses_config(config, d).get("serve") == "transformers" for d in datasets):
+        return contextlib.nullcontext(None)
+    from aerie.api.serve import serve_on_loopback, transformers_serve_command
+    from aerie.target.model import pick_device
+
+    target = config["target"]
+    device = str(pick_device(target.get("device", "auto")))
+    return serve_on_loopback(
+        lambda port: transformers_serve_command(
+            target["path"], port, device=device, trust_remote_code=target.get("trust_remote_code", False)
+        ),
+        "/health",
+        log_path,
+    )
+
+
+def regenerate_api_shards(
+    tasks: list[ApiShardTask],
+    config: dict[str, Any],
+    results_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[Path, dict[str, Any] | str]:
+    """Run every API shard of ``tasks`` in one process: per shard output, its summary (published) or why it is not
+    finished. ``results_dir``: where every dataset's journals are; by default the one the outputs lie in."""
+    if not tasks:
+        return {}
+    if results_dir is None:
+        dirs = {responses_results_dir(t.out, t.dataset) for t in tasks}
+        if len(dirs) > 1:
+            raise ValueError(f"the API shards of one job lie in several results folders: {sorted(map(str, dirs))}")
+        results_dir = dirs.pop()
+    datasets = api_datasets(config)
+    by_dataset: dict[str, list[ApiShardTask]] = {}
+    for t in tasks:
+        if t.dataset not in datasets:
+            raise ValueError(f"dataset {t.dataset!r} is not regenerated through an API (responses.backend)")
+        by_dataset.setdefault(t.dataset, []).append(t)
+    keys = {d: api_key_from_env(responses_config(config, d)) for d in datasets}
+    for d in by_dataset:
+        responses = responses_config(config, d)
+        if responses["backend"] == "openrouter" and not keys[d]:
+            raise RuntimeError(
+                f"responses.api_key_env: environment variable ${responses['api_key_env']} is not set "
+                "(the key is read from the environment only)"
+            )
+    prompts = {t.out: read_prompts(t.prompts) for t in tasks}
+    spend = run_spend(results_dir, datasets)
+
+    # Prices and the expected cost of a request, per dataset (one endpoints-API call per distinct routing).
+    priced: dict[str, Prices] = {}
+    guards: dict[str, MoneyGuard] = {}
+    expected: dict[str, float] = {}
+    for d in datasets:
+        responses = responses_config(config, d)
+        key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider")], sort_keys=True)
+        if key not in priced:
+            priced[key] = resolve_prices(responses, keys[d], live=responses["live_prices"])
+        prices = priced[key]
+        mean_tokens, basis = mean_output_tokens(responses, spend[d], (d, config["datasets"][d]))
+        mine = [p for t in by_dataset.get(d, []) for p in prompts[t.out]]
+        prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in mine) / len(mine) if mine else 0.0
+        expected[d] = expected_sample_cost(spend[d], mean_tokens, prices, prompt_tokens)
+        guards[d] = MoneyGuard(
+            budget_usd=responses.get("budget_usd"),
+            expected_cost=expected[d],
+            token_cap=config["datasets"][d].get("max_output_tokens"),
+            tokens_before=int(spend[d]["completion_tokens"]),
+            expected_tokens=mean_tokens,
+        )
+        if d in by_dataset:
+            log(
+                f"{d}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
+                f"expected {mean_tokens:.0f} output tokens ({basis}), {usd(expected[d])} per request; "
+                f"{usd(spend[d]['cost'])} {JOURNALED} so far"
+            )
+
+    # Every account's spend: the journals of its datasets, and what only the account saw (reconciled now).
+    accounts = {account_id(responses_config(config, d)) for d in datasets}
+    before = {
+        a: sum(spend[d]["cost"] for d in datasets if account_id(responses_config(config, d)) == a) for a in accounts
+    }
+    watchers = {}
+    job = f"responses ({len(tasks)} shards)"
+    for a in sorted(accounts - {None}):
+        key = keys[account_datasets(config, a)[0]]
+        _, watcher = start_account(config, a, results_dir, expected, key, job, log)
+        if watcher is not None:
+            watchers[a] = watcher
+    run_spend_now = RunSpend(before, watchers)
+    log(f"spent so far: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
+
+    target = config["target"]
+    sglang = any(responses_config(config, d)["backend"] == "sglang" for d in by_dataset)
+    render_ids, split_ids, eos_ids = _sglang_ids(target) if sglang else (None, None, None)
+    with _server(config, list(by_dataset), results_dir / "logs" / "responses.server.log") as base:
+        if base:
+            log(f"transformers serve ready at {base}")
+        lanes = []
+        for d, mine in by_dataset.items():
+            responses = responses_config(config, d)
+            served = responses.get("serve") == "transformers"
+            lanes.append(
+                Lane(
+                    dataset=d,
+                    settings=backend_settings(responses, target["path"], base_url=f"{base}/v1" if served else None),
+                    shards=[ShardWork(prompts[t.out], t.out, open_shard_log(t.log) if t.log else None) for t in mine],
+                    limits=client_limits(responses),
+                    guard=guards[d],
+                    api_key=keys[d],
+                    account=account_id(responses),
+                    want_reasoning=responses["require_reasoning"],
+                    render_ids=render_ids if responses["backend"] == "sglang" else None,
+                    split_ids=split_ids if responses["backend"] == "sglang" else None,
+                    eos_ids=eos_ids if responses["backend"] == "sglang" else None,
+                )
+            )
+        results = asyncio.run(
+            regenerate(
+                lanes,
+                concurrency=config["responses"]["concurrency"],
+                spend=run_spend_now,
+                progress_interval=config["responses"]["progress_interval_s"],
+                log=log,
+            )
+        )
+    log(f"spent: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
+    return results
+
+
+def regenerate_api_shard(
+    prompts_path: Path,
+    out_path: Path,
+    config: dict[str, Any],
+    dataset: str,
+    results_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """One API shard alone through the job's path (benches, tests); raises RegenerationStopped when unfinished."""
+    result = regenerate_api_shards([ApiShardTask(dataset, prompts_path, out_path)], config, results_dir, log)[out_path]
+    if isinstance(result, str):
+        raise RegenerationStopped(result)
+    return result
+
+
+def run_api_responses_job(
+    tasks: list[ApiShardTask], config: dict[str, Any], log: Callable[[str], None] = print
+) -> dict[Path, dict[str, Any]]:
+    """Rule ``responses``: ``regenerate_api_shards``; when a shard is left unfinished (budget, a fatal error,
+    failed requests, the key's limit) the job ends with the reasons, logged and as its exit message, after the
+    other shards were finished and written."""
+    try:
+        results = regenerate_api_shards(tasks, config, log=log)
+    except (RegenerationStopped, RuntimeError) as e:
+        log(f"responses: nothing finished: {e}")
+        raise SystemExit(f"responses: {e}") from None
+    unfinished = {out: why for out, why in results.items() if isinstance(why, str)}
+    if unfinished:
+        reasons = sorted(set(unfinished.values()))
+        log(f"responses: {len(unfinished)} of {len(results)} shards not finished: " + " | ".join(reasons))
+        raise SystemExit(
+            f"responses: {len(unfinished)} of {len(results)} shards not finished "
+            f"({', '.join(str(p) for p in sorted(unfinished)[:5])}{' ...' if len(unfinished) > 5 else ''}): "
+            + " | ".join(reasons)
+        )
+    return results
