@@ -13,11 +13,15 @@
 # member of a service group (N shards need N + the server's cores at once) and starts all members
 # together, and a service that is not the direct child of its shell outlives the run.
 
+from aerie.environments import conda_directive, rule_environment_check
+
 
 rule hidden:
     input:
         tokens=get_shards("tokens", "safetensors"),
         target=get_target_input(),
+        # No file: while the DAG is built, before any job, refuses hidden.backend sglang outside SGLang's env.
+        environment=rule_environment_check(workflow, config, "hidden"),
     output:
         get_shards("hidden", "safetensors"),
     log:
@@ -25,11 +29,7 @@ rule hidden:
     benchmark:
         "results/benchmarks/hidden.tsv"
     conda:  # SGLang capture runs in SGLang's own environment (it pins its own torch and transformers)
-        (
-            "../envs/sglang.yaml"
-            if config["hidden"]["backend"] == "sglang"
-            else "../envs/aerie.yaml"
-        )
+        conda_directive(config, "hidden")
     threads: all_cores()
     resources:
         gpu=gpus("hidden"),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from aerie.bench.degenerate import degenerate_flags, loop_period, repeated_ngram_rate
-from aerie.bench.run import Gate, beats_references, gate_failures
+from aerie.bench.gate import Gate, beats_references, gate_failures
 
 
 def test_loops_and_repetition_are_flagged_but_ordinary_text_is_not() -> None:
@@ -50,6 +50,10 @@ def test_gate_refuses_the_82_vs_90_drafter_with_the_measured_figures() -> None:
     (msg,) = gate_failures(report(speedup=82.3 / 90.0), Gate())
     assert "speedup 0.914x is below bench.gate.min_speedup 1" in msg
     assert "91.4 tok/s with the drafter vs 100.0 without" in msg
+    served = {**report(speedup=82.3 / 90.0), "concurrency": 32}  # a serving report names its worst level
+    assert (
+        "91.4 tok/s with the drafter vs 100.0 without at concurrency 32, same run" in gate_failures(served, Gate())[0]
+    )
 
 
 def test_gate_uses_the_lower_of_pooled_and_median_paired_speedup() -> None:
@@ -63,13 +67,36 @@ def test_gate_uses_the_lower_of_pooled_and_median_paired_speedup() -> None:
     ("kw", "gate", "needle"),
     [
         ({"refs": (1.0, 3.1)}, Gate(), "does not beat the reference drafters untrained 1.00, ngram 3.10"),
-        ({"lossless": False}, Gate(), "differs from greedy"),
+        ({"lossless": False}, Gate(), "differs from greedy"),  # a report without divergences: strict
         ({"sim": 3.5}, Gate(max_simulated_gap=0.1), "differ by 21%"),
     ],
 )
 def test_gate_names_each_failure(kw, gate, needle) -> None:
     failures = gate_failures(report(**kw), gate)
     assert any(needle in f for f in failures), failures
+
+
+def divergence(gap, method="eagle3", concurrency=None) -> dict:
+    return {"method": method, "id": "p/1", "concurrency": concurrency, "first_diff": 17, "logit_gap": gap}
+
+
+def test_lossless_check_tolerates_near_ties_only() -> None:
+    """Both backends list each output that left the baseline's, with the target's top-2 logit gap there: a near-tie
+    (gap <= lossless_max_gap) is numerics, anything else - or an unknown gap - fails, naming where."""
+    rep = {**report(lossless=False), "divergences": [divergence(0.02), divergence(0.4, "ngram", 8)]}
+    (msg,) = gate_failures(rep, Gate())  # default 0: outputs must be identical
+    assert msg.startswith("2 speculative output(s) differ from the baseline's greedy output, not at a near-tie")
+    assert "eagle3 on p/1 from token 17 (target's top-2 logit gap there 0.02)" in msg
+    assert "ngram on p/1 at concurrency 8 from token 17 (target's top-2 logit gap there 0.4)" in msg
+    (msg,) = gate_failures(rep, Gate(lossless_max_gap=0.1))
+    assert msg.startswith("1 speculative output(s)") and "ngram on p/1" in msg
+    assert gate_failures(rep, Gate(lossless_max_gap=0.5)) == []
+    unknown = {**rep, "divergences": [divergence(None, "baseline")]}  # baseline not even reproducible
+    assert (
+        "baseline on p/1 from token 17 (target's top-2 logit gap there unknown)"
+        in gate_failures(unknown, Gate(lossless_max_gap=1e9))[0]
+    )
+    assert gate_failures({**report(), "divergences": []}, Gate()) == []
 
 
 def test_a_drafter_that_only_ties_a_reference_does_not_beat_it() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
 from conftest import REPO, shared_path, snakemake
 
 
@@ -139,7 +140,11 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
     # Stand-in files are tiny: shrink shards so every dataset still has several.
     for ds in config["datasets"].values():
         ds["shard_size"] = 2
-    rc, out = dry_run(workdir, config)
+    # Its SGLang rules run in SGLang's env: conda deployment, as in profiles/gpu-host (tests/conda_stand_in.py).
+    proc = snakemake(
+        workdir, "-n", *CONDA_DEPLOYMENT, "--configfile", str(write_config(workdir, config)), env=conda_on_path(workdir)
+    )
+    rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc == 0, out
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M))
     # 4 datasets x 3 shards (5 prompts) + math 25 shards (50 prompts); MT-bench is benchmark-only

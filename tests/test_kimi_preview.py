@@ -8,13 +8,13 @@ per-dataset expected lengths, say how many responses it will produce, and stay u
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
 from conftest import REPO
 
 KIMI = REPO / "config" / "kimi-k2.5.yaml"
@@ -42,7 +42,9 @@ def kimi_config_with_prompt_files(workdir: Path) -> Path:
 
 def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     cfg = kimi_config_with_prompt_files(workdir)
-    env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}  # no key: nothing live to read
+    # No key: nothing live to read. Conda deployment, as profiles/gpu-host sets it: the config's SGLang rules need
+    # SGLang's env (tests/conda_stand_in.py: the conda a dry run asks).
+    env = {k: v for k, v in conda_on_path(workdir).items() if k != "OPENROUTER_API_KEY"}
     proc = subprocess.run(
         [
             sys.executable,
@@ -53,6 +55,7 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
             "--directory",
             str(workdir),
             "-n",
+            *CONDA_DEPLOYMENT,
             "--configfile",
             str(cfg),
         ],

@@ -11,11 +11,14 @@ import importlib.util
 import io
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, snakemake
+from conda_stand_in import conda_on_path
+from conftest import REPO
 
 from aerie import gpu_slots
 
@@ -59,13 +62,27 @@ def expected(profile: dict, rule: str) -> tuple[dict, int | None]:
     return res, threads
 
 
+def dry_run(workdir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "-n", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def check_profile(name: str, workdir: Path, *extra: str) -> str:
     profile = yaml.safe_load((PROFILES / name / "profile.yaml").read_text())
     configfile = kimi_workdir(workdir)
     config = yaml.safe_load(configfile.read_text())
-    proc = snakemake(workdir, "-n", "--workflow-profile", str(PROFILES / name), *extra, "--configfile", str(configfile))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    # The profile enables conda deployment, and even a dry run asks conda where it keeps environments.
+    rc, out = dry_run(
+        workdir,
+        "--workflow-profile",
+        str(PROFILES / name),
+        *extra,
+        "--configfile",
+        str(configfile),
+        env=conda_on_path(workdir.parent),
+    )
+    assert rc == 0, out
     jobs = parse_jobs(out)
     rules = {j["rule"] for j in jobs}
     assert {"prompts", "responses", "tokens", "hidden", "draft_vocab", "drafter", "bench"} <= rules, rules
@@ -95,11 +112,58 @@ def check_profile(name: str, workdir: Path, *extra: str) -> str:
     return out
 
 
-def test_gpu_host_profile_resolves_per_rule_resources(workdir: Path) -> None:
+def test_gpu_host_profile_resolves_per_rule_resources_and_environments(workdir: Path) -> None:
+    """README step 6 as written, dry: each SGLang rule of the Kimi config in SGLang's env, nothing refused."""
     # --cores as on the host (the profile says `all`, which is 2 here and would cap the threads).
-    check_profile("gpu-host", workdir, "--cores", "128")
+    out = check_profile("gpu-host", workdir, "--cores", "128")
     profile = yaml.safe_load((PROFILES / "gpu-host" / "profile.yaml").read_text())
     assert profile["resources"]["gpu"] == 8 and profile["rerun-triggers"] == ["mtime", "input"]
+    assert_sglang_envs(out)
+
+
+def assert_sglang_envs(out: str) -> None:
+    for rule, setting in (("hidden", "hidden.backend"), ("bench", "bench.backend")):
+        assert (
+            f"aerie environment: rule {rule} ({setting}: sglang) runs in envs/sglang.yaml (conda deployment on)" in out
+        )
+    assert re.search(r"^Conda environment \S*envs/sglang\.yaml will be created", out, flags=re.M), out
+    assert re.search(r"^Conda environment \S*envs/aerie\.yaml will be created", out, flags=re.M), out
+
+
+@pytest.mark.parametrize("name", ["gpu-host", "slurm"])
+def test_gpu_profiles_enable_conda_deployment(name: str) -> None:
+    profile = yaml.safe_load((PROFILES / name / "profile.yaml").read_text())
+    assert profile["software-deployment-method"] == ["conda"]
+    default = yaml.safe_load((PROFILES / "default" / "profile.yaml").read_text())
+    assert "software-deployment-method" not in default  # the demo runs in the installed venv, no conda needed
+
+
+def test_sglang_backends_outside_sglangs_env_are_refused_before_any_job(workdir: Path, tmp_path: Path) -> None:
+    """The Kimi config without conda deployment (the default profile) fails the dry run - nothing runs, nothing is
+    paid - naming the setting and the fixes; with sglang importable by Snakemake's Python it runs there; a pilot that
+    only asks for a responses shard needs no SGLang and is not refused."""
+    configfile = str(kimi_workdir(workdir))
+    rc, out = dry_run(workdir, "--configfile", configfile)
+    assert rc != 0, out
+    assert "bench.backend: sglang runs rule bench in SGLang's own environment (envs/sglang.yaml)" in out, out
+    assert "--workflow-profile profiles/gpu-host" in out and "--software-deployment-method conda" in out
+    assert "set bench.backend: inprocess" in out
+    assert "Job stats" not in out  # refused while the DAG was built: no plan was printed
+    # The same with bench.backend inprocess: now rule hidden is the one refused.
+    rc, out = dry_run(workdir, "--configfile", configfile, "--config", "bench={'backend': 'inprocess'}")
+    assert rc != 0 and "hidden.backend: sglang runs rule hidden in SGLang's own environment" in out, out
+    assert "set hidden.backend: hf" in out
+    # sglang importable by this Python (a package of that name first on its path): the jobs would run here.
+    fake = tmp_path / "importable"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    rc, out = dry_run(workdir, "--configfile", configfile, env=env)
+    assert rc == 0, out
+    assert "aerie environment: rule bench (bench.backend: sglang) runs in Snakemake's own Python" in out
+    # The pilot (README step 5): only API responses, no job of rule hidden or bench in the plan.
+    rc, out = dry_run(workdir, "results/sharegpt/responses/shard-00000.jsonl", "--configfile", configfile)
+    assert rc == 0, out
 
 
 def test_slurm_profile_resolves_per_rule_resources(workdir: Path) -> None:

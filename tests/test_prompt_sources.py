@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
 from conftest import REPO, snakemake
 
 from aerie.prompt_sources import normalised_text, prompt_turns
@@ -229,10 +230,11 @@ def hf_config(workdir: Path, **source) -> dict:
     return config
 
 
-def dry_run(workdir: Path, config: dict) -> tuple[int, str]:
+def dry_run(workdir: Path, config: dict, conda: bool = False) -> tuple[int, str]:
     configfile = workdir / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
-    proc = snakemake(workdir, "-n", "--configfile", str(configfile))
+    deploy, env = (CONDA_DEPLOYMENT, conda_on_path(workdir)) if conda else ((), None)  # tests/conda_stand_in.py
+    proc = snakemake(workdir, "-n", *deploy, "--configfile", str(configfile), env=env)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -311,7 +313,7 @@ def test_kimi_example_plans_every_named_dataset_from_local_stand_ins(workdir: Pa
     config = kimi_stand_in_config(workdir, rows=5)
     for ds in config["datasets"].values():
         ds["shard_size"] = 2
-    rc, out = dry_run(workdir, config)
+    rc, out = dry_run(workdir, config, conda=True)  # its SGLang rules need conda deployment (profiles/gpu-host)
     assert rc == 0, out
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M))
     # 5 datasets x 3 shards (5 prompts); MT-bench (5 stand-in rows, 80 held out) is benchmark-only

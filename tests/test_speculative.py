@@ -402,7 +402,7 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
         assert m["tokens"] == 2 * gen
     assert methods["eagle3"]["acceptance_length"] == on_disk["acceptance_length"]
     # This drafter is random (untrained too): the verdict is computed, whatever it is.
-    from aerie.bench.run import beats_references, reference_acceptance
+    from aerie.bench.gate import beats_references, reference_acceptance
 
     assert on_disk["beats_references"] == beats_references(on_disk["acceptance_length"], reference_acceptance(on_disk))
     assert on_disk["degenerate_prompts"] == [p["id"] for p in on_disk["per_prompt"] if p["degenerate"]]
@@ -426,3 +426,20 @@ def test_run_benchmark_reports_a_divergence(bench_files, tmp_path, monkeypatch):
         assert p["lossless"] is False
         assert p["first_mismatch"] == p["generated_tokens"] - 1
         assert p["mismatch_logit_gap"] >= 0
+    # Every divergence, per method and prompt, with the target's margin there: what the gate's lossless check reads.
+    assert report["backend"] == "inprocess"
+    divs = {(d["method"], d["id"]): d for d in report["divergences"]}
+    assert set(divs) == {(m, p["id"]) for p in report["per_prompt"] for m in p["methods"]}
+    for p in report["per_prompt"]:
+        for m, info in p["methods"].items():
+            d = divs[(m, p["id"])]
+            assert (d["first_diff"], d["logit_gap"]) == (info["first_mismatch"], info["mismatch_logit_gap"])
+    from aerie.bench.gate import Gate, gate_failures
+
+    # The corrupted last token is no tie: strict and tolerant gates both call it a loss, naming where.
+    for gate in (Gate(min_speedup=0, must_beat_references=False), Gate(0, False, None, 1e-9)):
+        (msg,) = gate_failures(report, gate)
+        assert "differ from the baseline's greedy output, not at a near-tie" in msg and "from token" in msg
+    # A tolerance above every measured gap accepts them as near-ties (the gate reads the same figures).
+    top = max(d["logit_gap"] for d in report["divergences"])
+    assert gate_failures(report, Gate(0, False, None, top)) == []

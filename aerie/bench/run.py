@@ -24,6 +24,8 @@ import transformers
 
 from aerie.artifacts import atomic_write_json
 from aerie.bench.degenerate import degenerate_flags
+from aerie.bench.gate import beats_references
+from aerie.bench.prompts import load_bench_prompts
 from aerie.bench.speculative import (
     NgramProposer,
     SpecResult,
@@ -31,24 +33,11 @@ from aerie.bench.speculative import (
     greedy_generate,
     speculative_generate,
 )
-from aerie.prompts import read_prompts
 from aerie.target.model import end_of_turn_ids, load_target, set_threads
 from aerie.target.template import render_prompt_ids
 
 BENCH_FORMAT = "aerie.bench/2"
 REFERENCES = ("untrained", "ngram")  # drafters the trained one must beat
-
-
-def load_bench_prompts(prompt_files: Sequence[Path], max_prompts: int | None = None) -> list[dict[str, Any]]:
-    prompts: list[dict[str, Any]] = []
-    for path in prompt_files:
-        prompts.extend(read_prompts(Path(path)))
-    seen: set[str] = set()
-    for p in prompts:
-        if p["id"] in seen:
-            raise ValueError(f"duplicate prompt id {p['id']!r} across {list(map(str, prompt_files))}")
-        seen.add(p["id"])
-    return prompts[:max_prompts] if max_prompts is not None else prompts
 
 
 def _sync(device: torch.device) -> None:
@@ -188,6 +177,7 @@ def run_benchmark(
     totals = {m: _MethodTotals(accepted_pos=[0] * num_draft_steps, drafted_pos=[0] * num_draft_steps) for m in methods}
     per_prompt: list[dict[str, Any]] = []
     degenerate_ids: list[str] = []
+    divergences: list[dict[str, Any]] = []  # outputs that differ from greedy: the gate's lossless check
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
         runs: dict[str, list[tuple[Any, float]]] = {m: [] for m in methods}
         for r in range(repeats):
@@ -217,6 +207,10 @@ def run_benchmark(
         }
         if not base_stable:
             entry["baseline_nondeterministic"] = True
+            first = next(first_mismatch(b, ref) for b, _ in runs["baseline"] if b != ref)
+            divergences.append(
+                {"method": "baseline", "id": prompt["id"], "concurrency": None, "first_diff": first, "logit_gap": None}
+            )
         for m in proposers:
             res: SpecResult = runs[m][0][0]  # decoding is deterministic: acceptance from the first run
             mismatch = next((x for x in (first_mismatch(s.tokens, ref) for s, _ in runs[m]) if x is not None), None)
@@ -252,6 +246,15 @@ def run_benchmark(
             if mismatch is not None:
                 # Was it a near-tie (numerics) or a real divergence (a bug)? Look at the target's margin.
                 info["mismatch_logit_gap"] = logit_gap(target, ids + ref[:mismatch], dev)
+                divergences.append(
+                    {
+                        "method": m,
+                        "id": prompt["id"],
+                        "concurrency": None,
+                        "first_diff": mismatch,
+                        "logit_gap": info["mismatch_logit_gap"],
+                    }
+                )
                 log(
                     f"WARNING {prompt['id']} ({m}): output diverges from greedy at token {mismatch} "
                     f"(target top-2 logit gap there {info['mismatch_logit_gap']:.3g})"
@@ -309,6 +312,7 @@ def run_benchmark(
     refs = {m: summary[m]["acceptance_length"] or 0.0 for m in proposers if m != "eagle3"}
     report: dict[str, Any] = {
         "format": BENCH_FORMAT,
+        "backend": "inprocess",
         "target": str(target_path),
         "drafter": str(drafter_dir),
         "prompt_files": [str(p) for p in prompt_files],
@@ -328,6 +332,7 @@ def run_benchmark(
         "accepted_per_position": eagle["accepted_per_position"],
         "drafted_per_position": eagle["drafted_per_position"],
         "lossless": all(summary[m]["lossless"] for m in proposers),
+        "divergences": divergences,
         "methods": summary,
         "beats_references": beats_references(measured, refs),
         "simulated_acceptance_length": simulated,
@@ -359,111 +364,6 @@ def run_benchmark(
         f"{out_json}: baseline {base_tps or 0:.1f} tok/s; simulated acceptance {simulated or float('nan'):.2f} vs "
         f"measured {measured or float('nan'):.2f}; degenerate prompts {len(degenerate_ids)}/{len(prompts)}"
     )
-    return report
-
-
-def beats_references(acceptance_length: float | None, references: dict[str, float | None]) -> bool:
-    """Whether the trained drafter's acceptance length is strictly above every reference drafter's.
-
-    A tie is not a win: a drafter that accepts no more than the untrained one or prompt lookup shows nothing
-    that training bought. A missing figure counts as 0 (no verify step ran).
-    """
-    measured = acceptance_length or 0.0
-    return all(measured > (a or 0.0) for a in references.values())
-
-
-def reference_acceptance(report: dict[str, Any]) -> dict[str, float | None]:
-    """Acceptance length of every reference drafter measured in the run (all methods but ``eagle3``)."""
-    return {m: v["acceptance_length"] for m, v in report["methods"].items() if m != "eagle3"}
-
-
-@dataclass(frozen=True)
-class Gate:
-    """What a benchmark must show for the drafter to ship (config ``bench.gate``)."""
-
-    min_speedup: float = 1.0
-    must_beat_references: bool = True
-    max_simulated_gap: float | None = None  # e.g. 0.10: measured and simulated acceptance within 10%
-
-
-def gate_failures(report: dict[str, Any], gate: Gate) -> list[str]:
-    """Reasons the drafter must not ship (empty: it passes)."""
-    failures = []
-    # The lower of the pooled and the median paired speedup: a neighbour's load burst during the baseline
-    # runs inflates the pooled figure, and a noisy machine must not let a drafter pass.
-    figures = [x for x in (report.get("speedup"), report.get("speedup_median_paired")) if x is not None]
-    speedup = min(figures) if figures else None
-    if speedup is None or speedup < gate.min_speedup:
-        base, spec = report["baseline"]["tokens_per_s"], report["speculative"]["tokens_per_s"]
-        failures.append(
-            f"speedup {speedup or 0:.3f}x is below bench.gate.min_speedup {gate.min_speedup:g} "
-            f"({spec or 0:.1f} tok/s with the drafter vs {base or 0:.1f} without, same run; "
-            f"pooled {report.get('speedup') or 0:.3f}x, median paired "
-            f"{report.get('speedup_median_paired') or 0:.3f}x)"
-        )
-    if not report.get("lossless"):
-        failures.append("speculative output differs from greedy decoding (see per_prompt first_mismatch)")
-    # Decided from the measured figures with the same function that wrote the report's beats_references field.
-    refs = reference_acceptance(report)
-    if gate.must_beat_references and not beats_references(report["acceptance_length"], refs):
-        failures.append(
-            f"acceptance length {report['acceptance_length'] or 0:.2f} does not beat the reference "
-            f"drafters {', '.join(f'{m} {a or 0:.2f}' for m, a in refs.items())}"
-        )
-    gap = report.get("simulated_vs_measured")
-    if gate.max_simulated_gap is not None and gap is not None and gap > gate.max_simulated_gap:
-        failures.append(
-            f"measured acceptance {report['acceptance_length']:.2f} and the training eval's simulated "
-            f"{report['simulated_acceptance_length']:.2f} differ by {gap:.0%} "
-            f"(> bench.gate.max_simulated_gap {gate.max_simulated_gap:.0%})"
-        )
-    return failures
-
-
-def gated_benchmark(
-    target: dict[str, Any],
-    drafter_dir: Path,
-    prompt_files: Sequence[Path],
-    out_json: Path,
-    out_png: Path,
-    bench: dict[str, Any],
-    threads: int,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """The bench rule's work: run_benchmark with the config's ``bench`` settings, the plot, then the gate.
-
-    A drafter that fails the gate fails the job; Snakemake would delete the job's outputs, so the evidence is
-    kept first under names it does not own (``{run}.gate-failed.json`` / ``.png``)."""
-    from aerie.bench.plots import plot_benchmark
-
-    report = run_benchmark(
-        Path(target["path"]),
-        drafter_dir,
-        list(prompt_files),
-        out_json,
-        max_new_tokens=bench["max_new_tokens"],
-        num_draft_steps=bench["num_draft_steps"],
-        repeats=bench["repeats"],
-        warmup=bench["warmup"],
-        threads=bench.get("threads") or threads,
-        max_prompts=bench.get("max_prompts"),
-        device=target["device"],
-        dtype=target["dtype"],
-        references=bench["references"],
-        trust_remote_code=target.get("trust_remote_code", False),
-        log=log,
-    )
-    plot_benchmark(report, out_png)
-    gate = Gate(**bench["gate"])
-    failures = gate_failures(report, gate)
-    if failures:
-        kept = out_json.with_name(out_json.stem + ".gate-failed.json")
-        os.replace(out_json, kept)
-        os.replace(out_png, out_png.with_name(out_png.stem + ".gate-failed.png"))
-        message = "the drafter does not pay off: " + "; ".join(failures) + f" (full report: {kept})"
-        log(message)
-        raise SystemExit(message)
-    log(f"gate passed: {gate}")
     return report
 
 

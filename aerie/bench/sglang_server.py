@@ -27,8 +27,15 @@ SGLANG_DEFAULTS: dict[str, Any] = {
     "speculative_num_draft_tokens": 4,
     "mem_fraction_static": None,
     "extra_args": [],
+    "ngram_extra_args": [],
     "concurrency": [1],
 }
+
+# The servers a benchmark can start: no speculation, the trained EAGLE-3 drafter, SGLang's own n-gram speculation
+# (0.5.23: ``--speculative-algorithm NGRAM``, no draft model; python/sglang/srt/arg_groups/fields/spec.py lists it
+# among the builtins, arg_groups/speculative_hook.py ``_handle_ngram`` fills its defaults: speculative_eagle_topk =
+# speculative_ngram_max_bfs_breadth (10), speculative_num_draft_tokens 12, speculative_num_steps = 12 // 10).
+SERVER_MODES = ("baseline", "eagle3", "ngram")
 
 # Flags the harness sets itself; extra_args must not override them (argparse keeps the last value).
 MANAGED_FLAGS = frozenset(
@@ -50,6 +57,13 @@ MANAGED_FLAGS = frozenset(
     }
 )
 
+# The NGRAM server takes its own speculative settings from ngram_extra_args (SGLang's defaults otherwise).
+NGRAM_MANAGED_FLAGS = MANAGED_FLAGS - {
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+}
+
 _SECRET_FLAG = re.compile(r"api[-_]?key|secret|passw|auth|(?:hf|access|bearer)[-_]?token", re.IGNORECASE)
 
 MARKER_ENV = "AERIE_SGLANG_HARNESS_SERVER"  # set in the server's environment: finds its leftovers
@@ -68,12 +82,13 @@ def sglang_settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
     f = s["mem_fraction_static"]
     if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
         raise ValueError(f"sglang.mem_fraction_static must be in (0, 1], got {f!r}")
-    extra = s["extra_args"]
-    if not isinstance(extra, (list, tuple)) or not all(isinstance(a, str) for a in extra):
-        raise ValueError(f"sglang.extra_args must be a list of strings, got {extra!r}")
-    clash = sorted({a.split("=", 1)[0] for a in extra} & MANAGED_FLAGS)
-    if clash:
-        raise ValueError(f"sglang.extra_args sets {clash}, which the harness sets itself from the config")
+    for key, managed in (("extra_args", MANAGED_FLAGS), ("ngram_extra_args", NGRAM_MANAGED_FLAGS)):
+        args = s[key]
+        if not isinstance(args, (list, tuple)) or not all(isinstance(a, str) for a in args):
+            raise ValueError(f"sglang.{key} must be a list of strings, got {args!r}")
+        clash = sorted({a.split("=", 1)[0] for a in args} & managed)
+        if clash:
+            raise ValueError(f"sglang.{key} sets {clash}, which the harness sets itself from the config")
     conc = s["concurrency"]
     if (
         not isinstance(conc, (list, tuple))
@@ -81,7 +96,8 @@ def sglang_settings(section: Mapping[str, Any] | None) -> dict[str, Any]:
         or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in conc)
     ):
         raise ValueError(f"sglang.concurrency must be a non-empty list of integers >= 1, got {conc!r}")
-    s["extra_args"] = list(extra)
+    s["extra_args"] = list(s["extra_args"])
+    s["ngram_extra_args"] = list(s["ngram_extra_args"])
     s["concurrency"] = list(conc)
     return s
 
@@ -94,12 +110,20 @@ def server_command(
     drafter_dir: str | Path | None = None,
     python: str | None = None,
     host: str = "127.0.0.1",
+    mode: str | None = None,
 ) -> list[str]:
-    """The ``launch_server`` argv: baseline without ``drafter_dir``, EAGLE-3 with it.
+    """The ``launch_server`` argv of one of :data:`SERVER_MODES`: ``baseline`` (no speculation), ``eagle3`` (the
+    drafter at ``drafter_dir`` with the configured EAGLE-3 flags), ``ngram`` (SGLang's NGRAM algorithm with
+    ``ngram_extra_args``). ``mode`` defaults to eagle3 with a ``drafter_dir``, else baseline.
 
     Flag spellings are SGLang 0.5.23's (``--tp-size`` is the field's own flag, ``--tp`` only works as
     an argparse abbreviation). ``extra_args`` come last, verbatim.
     """
+    mode = mode or ("eagle3" if drafter_dir is not None else "baseline")
+    if mode not in SERVER_MODES:
+        raise ValueError(f"unknown server mode {mode!r} (known: {', '.join(SERVER_MODES)})")
+    if (mode == "eagle3") != (drafter_dir is not None):
+        raise ValueError("the eagle3 server needs drafter_dir, and only it takes one")
     s = sglang_settings(sglang)
     cmd = [
         python or sys.executable,
@@ -116,7 +140,9 @@ def server_command(
     ]
     if s["mem_fraction_static"] is not None:
         cmd += ["--mem-fraction-static", str(s["mem_fraction_static"])]
-    if drafter_dir is not None:
+    if mode == "ngram":
+        cmd += ["--speculative-algorithm", "NGRAM", *s["ngram_extra_args"]]
+    if mode == "eagle3":
         cmd += [
             "--speculative-algorithm",
             "EAGLE3",
