@@ -370,8 +370,9 @@ def test_sglang_backend_dispatch(world, tmp_path, monkeypatch):
     made = {}
 
     class FakeSGLangCapture:  # what aerie.sglang_capture provides on a GPU host, played by transformers here
-        def __init__(self, target_path, layer_ids, *, dtype, **kwargs):
+        def __init__(self, target_path, layer_ids, *, dtype, before_start, **kwargs):
             made.update(target_path=target_path, layer_ids=layer_ids, dtype=dtype, kwargs=kwargs)
+            before_start()  # where the lm_head copy is placed: after the checks, before the workers start
             self._hf = HFCapture(target_path, layer_ids, device="cpu", dtype="float32")
             self.num_hidden_layers, self.hidden_size, self.vocab_size = 5, 256, 300
 
@@ -381,7 +382,12 @@ def test_sglang_backend_dispatch(world, tmp_path, monkeypatch):
         def close(self):
             made["closed"] = True
 
-    monkeypatch.setitem(sys.modules, "aerie.sglang_capture", types.SimpleNamespace(SGLangCapture=FakeSGLangCapture))
+    from aerie.sglang_capture import mapping
+
+    stand_in = types.SimpleNamespace(
+        SGLangCapture=FakeSGLangCapture, lm_head_copy=mapping.lm_head_copy, target_dims=mapping.target_dims
+    )
+    monkeypatch.setitem(sys.modules, "aerie.sglang_capture", stand_in)
     out = tmp_path / "sglang.safetensors"
     _capture(world, out, backend="sglang", backend_options={"tp_size": 1}, dtype="float32", device="cpu")
     assert made == {

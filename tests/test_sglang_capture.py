@@ -117,7 +117,13 @@ class FakeBackend:
             os.kill(os.getpid(), signal.SIGSEGV)
         kind = payload.get("fake_model", "llama")
         # "light": SGLang's llama mapping without a forward (tests that never capture need no transformers model)
-        model = {"llama": LlamaLike, "light": LlamaLike, "deepseek": DeepseekLike, "no-eagle3": NoEagle3}[kind]()
+        model = {
+            "llama": LlamaLike,
+            "light": LlamaLike,
+            "deepseek": DeepseekLike,
+            "kimi": KimiLike,
+            "no-eagle3": NoEagle3,
+        }[kind]()
         if hasattr(model, "set_eagle3_layers_to_capture"):  # what SGLang's ModelRunner does at load
             model.set_eagle3_layers_to_capture(payload["return_aux_hidden_state_layer_ids"])
         hf = tiny_llama() if kind == "llama" else None
@@ -325,8 +331,9 @@ def test_kimi_ids_not_starting_at_one_are_refused_before_any_model_load(tmp_path
     target = tmp_path / "kimi"
     target.mkdir()
     (target / "config.json").write_text((FIXTURES / "kimi_k25_config.json").read_text())
-    with pytest.raises(SGLangCaptureError, match="add 1 only when the first id is 1"):
-        Cap(str(target), [2, 30, 58], tp_size=8)
+    for ids in ([0, 29, 57], [2, 30, 58]):  # SGLang would capture the inputs of these layers: one layer early
+        with pytest.raises(SGLangCaptureError, match="add 1 only when the first id is 1"):
+            Cap(str(target), ids, tp_size=8)
     with pytest.raises(ValueError, match="last decoder layer"):
         Cap(str(target), [1, 29, 60], tp_size=8)
 
@@ -489,6 +496,8 @@ def test_a_dead_worker_is_detected(tmp_path) -> None:
     [
         ("no-eagle3", [0, 2, 4], "has no set_eagle3_layers_to_capture"),
         ("deepseek", [2, 3, 4], r"outputs \[1, 2, 3\], not \[2, 3, 4\]"),
+        ("deepseek", [0, 2, 4], r"outputs \[-1, 1, 3\], not \[0, 2, 4\]"),  # -1: the embeddings
+        ("kimi", [0, 2, 4], r"outputs \[-1, 1, 3\], not \[0, 2, 4\]"),
     ],
 )
 def test_loaded_model_that_would_capture_wrong_layers_fails_construction(tmp_path, model, ids, message) -> None:
@@ -560,12 +569,13 @@ def test_a_worker_reports_a_backend_it_cannot_import(tmp_path) -> None:
     was_enabled = faulthandler.is_enabled()  # run_rank points faulthandler at its file: pytest's is restored below
     try:
         run_rank(
-            "aerie_no_such_module:Backend", pickle.dumps({}), 0, 0, queue.Queue(), outbox, os.getpid(), str(tmp_path)
+            "aerie_no_such_module:Backend", pickle.dumps({}), 0, 1, 0, queue.Queue(), outbox, os.getpid(), str(tmp_path)
         )
         run_rank(
             f"{FakeBackend.__module__}:FakeBackend",
             b"not a pickle",
             1,
+            2,
             0,
             queue.Queue(),
             outbox,

@@ -30,8 +30,9 @@ One module per job; each imports only those above it:
 
 from aerie.hidden.backends import BACKENDS, CaptureBackend, HFCapture, TargetSession, length_batches, open_backend
 from aerie.hidden.checks import CaptureChecks, HiddenStateError, check_agreement, check_captured
+from aerie.hidden.head import lm_head_topk, place_lm_head
 from aerie.hidden.run import ShardTask, capture_shards
-from aerie.hidden.shard import CaptureSettings, capture_into, capture_shard, lm_head_topk
+from aerie.hidden.shard import CaptureSettings, capture_into, capture_shard
 
 __all__ = [
     "BACKENDS",
@@ -50,4 +51,5 @@ __all__ = [
     "length_batches",
     "lm_head_topk",
     "open_backend",
+    "place_lm_head",
 ]

@@ -152,6 +152,7 @@ def open_backend(
     batch_tokens: int = 8192,
     options: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
+    log: Callable[[str], None] = print,
 ) -> tuple[CaptureBackend, torch.Tensor]:
     """(backend, the target's lm_head weight [V, H] on the capture device) for ``hidden.backend``.
 
@@ -169,14 +170,46 @@ def open_backend(
         )
         return cap, cap.lm_head
     if name == "sglang":
-        from aerie.sglang_capture import SGLangCapture  # SGLang's environment only: imported when asked for
-        from aerie.target.heads import read_target_heads
-        from aerie.target.model import pick_device
-
-        cap = SGLangCapture(target_path, layer_ids, dtype=dtype, **(options or {}))
-        # SGLang keeps its weights to itself: read only the lm_head tensor from the safetensors files
-        return cap, read_target_heads(target_path, roles=["lm_head"]).lm_head.to(pick_device(device))
+        cap, head, _ = open_sglang_capture(target_path, layer_ids, dtype=dtype, device=device, options=options, log=log)
+        return cap, head
     raise ValueError(f"hidden.backend: {name!r} is not one of {', '.join(BACKENDS)}")
+
+
+def open_sglang_capture(
+    target_path: str,
+    layer_ids: list[int],
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    options: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> tuple[Any, torch.Tensor, dict[str, Any]]:
+    """(SGLangCapture, the lm_head copy [V, H], what the copy holds where) for ``hidden.backend: sglang``; also
+    what ``aerie-sglang-capture check`` runs. ``options``: ``hidden.sglang``, SGLangCapture's keyword arguments.
+
+    SGLang keeps its weights to itself, so lm_head is read from the target's safetensors, onto the GPU
+    ``aerie.sglang_capture.lm_head_copy`` names (SGLang's rank-0 GPU unless ``target.device`` says otherwise),
+    with its top-k workspace, *before* SGLang starts: SGLang then sizes its KV pool around both."""
+    from aerie.hidden.head import place_lm_head
+    from aerie.sglang_capture import SGLangCapture, lm_head_copy, target_dims  # SGLang's env only, when asked for
+    from aerie.target.config import read_config, weight_dtype_bytes
+
+    options = dict(options or {})
+    config = read_config(target_path)
+    dims = target_dims(config)
+    resolved = "cpu" if device == "auto" and not torch.cuda.is_available() else device
+    copy = lm_head_copy(dims["vocab_size"], dims["hidden_size"], options, resolved, weight_dtype_bytes(config))
+    placed: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    # After SGLangCapture's checks (version, ids, arguments: seconds), before its workers start.
+    cap = SGLangCapture(
+        target_path,
+        layer_ids,
+        dtype=dtype,
+        before_start=lambda: placed.append(place_lm_head(target_path, copy, log)),
+        **options,
+    )
+    head, facts = placed[0]
+    return cap, head, facts
 
 
 class TargetSession:
@@ -231,6 +264,7 @@ class TargetSession:
                 batch_tokens=o["batch_tokens"],
                 options=o["backend_options"],
                 trust_remote_code=o["trust_remote_code"],
+                log=self.log,
             )
             if cap.num_hidden_layers != self.num_layers:
                 cap.close()

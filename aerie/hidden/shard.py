@@ -21,27 +21,7 @@ from aerie.formats.hidden import FP8, LAYOUTS, quantize_aux, write_hidden_shard
 from aerie.formats.tokens import mask_facts, read_tokens_shard
 from aerie.hidden.backends import TargetSession, length_batches
 from aerie.hidden.checks import CaptureChecks, HiddenStateError, check_agreement
-
-
-def lm_head_topk(
-    final: torch.Tensor, lm_head: torch.Tensor, k: int, max_elements: int = 1 << 26
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, H] final states -> (ids int64 [n, k], log-probs fp32 [n, k]) of the target's top-k next tokens.
-
-    Logits are computed in fp32 on lm_head's device, in row chunks (and, for a bf16 head, vocab chunks) so no
-    temporary exceeds ``max_elements`` floats: Kimi's [163840, 7168] head is never copied whole to fp32. The
-    log-probabilities are normalised over the full vocabulary, so their exp sums to the top-k mass."""
-    V, H = lm_head.shape
-    rows = max(1, max_elements // V)
-    vocab_chunk = V if lm_head.dtype == torch.float32 else max(1, max_elements // H)
-    ids_out, lp_out = [torch.zeros(0, k, dtype=torch.long)], [torch.zeros(0, k)]
-    for r in range(0, len(final), rows):
-        x = final[r : r + rows].to(lm_head.device, torch.float32)
-        logits = torch.cat([x @ lm_head[v : v + vocab_chunk].float().T for v in range(0, V, vocab_chunk)], -1)
-        top = logits.topk(k, dim=-1)  # sorted by logit, descending
-        lp_out.append((top.values - logits.logsumexp(-1, keepdim=True)).cpu())
-        ids_out.append(top.indices.cpu())
-    return torch.cat(ids_out), torch.cat(lp_out)
+from aerie.hidden.head import lm_head_topk
 
 
 @dataclass(frozen=True)

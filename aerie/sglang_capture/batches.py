@@ -73,3 +73,53 @@ def split_capture(
             f"SGLang's aux hidden states are {aux.shape[1]} wide, expected {num_aux} x {hidden_size} = {width} ({hint})"
         )
     return list(zip(aux.split(list(lengths)), final.split(list(lengths))))
+
+
+DIGEST_ROWS = 4096  # rows converted to fp32 at a time (Kimi: 4096 x 7168 x 4 bytes = 117 MB)
+
+
+def states_digest(aux: torch.Tensor | None, final: torch.Tensor | None) -> torch.Tensor | None:
+    """Per token: the sum and the sum of squares of each aux layer's state and of the final state, fp32 on the
+    CPU, [T, 2 * (A + 1)]. Tensor-parallel ranks compare theirs with rank 0's (replicated states agree to
+    rounding); None when SGLang returned no states (split_capture says why)."""
+    if aux is None or final is None or aux.dim() != 2 or final.dim() != 2 or aux.shape[0] != final.shape[0]:
+        return None
+    T, H = final.shape
+    if aux.shape[1] % H:
+        return None
+    out = torch.empty(T, 2 * (aux.shape[1] // H + 1))
+    for r in range(0, T, DIGEST_ROWS):
+        parts = torch.cat(
+            [aux[r : r + DIGEST_ROWS].reshape(-1, aux.shape[1] // H, H), final[r : r + DIGEST_ROWS, None]], 1
+        )
+        parts = parts.float()  # [rows, A + 1, H]
+        out[r : r + len(parts)] = torch.cat([parts.sum(-1), parts.square().sum(-1)], -1).cpu()
+    return out
+
+
+def check_replicated(digests: dict[int, torch.Tensor | None], batch: int, tolerance: float = 1e-3) -> float:
+    """Refuse a batch whose tensor-parallel ranks hold other states than rank 0 (``digests``: rank -> its
+    :func:`states_digest`); returns the largest difference from rank 0's, relative to rank 0's largest value."""
+    ref = digests.get(0)
+    worst = 0.0
+    for rank, d in sorted(digests.items()):
+        if rank == 0:
+            continue
+        if ref is None or d is None or d.shape != ref.shape:
+            shapes = (
+                f"{None if d is None else tuple(d.shape)} against rank 0's {None if ref is None else tuple(ref.shape)}"
+            )
+            raise SGLangCaptureError(
+                f"batch {batch}: tensor-parallel rank {rank} returned a state digest of shape {shapes}: the ranks "
+                f"do not hold the same token rows (SGLang split the batch's rows across ranks; dp attention?)"
+            )
+        diff = float((d - ref).abs().max() / ref.abs().max().clamp_min(1e-12)) if len(ref) else 0.0
+        if not diff <= tolerance:
+            raise SGLangCaptureError(
+                f"batch {batch}: tensor-parallel rank {rank} holds other hidden states than rank 0 (largest "
+                f"difference {diff:.2e} of rank 0's largest value, over {tolerance:g}): SGLang's states are not "
+                f"replicated across ranks (a partial sum captured before its all-reduce?), so rank 0's would be "
+                f"one rank's share, not the target's states"
+            )
+        worst = max(worst, diff)
+    return worst

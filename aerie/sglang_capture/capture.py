@@ -10,12 +10,13 @@ import queue
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aerie.sglang_capture.batches import check_sequences, split_capture
+from aerie.sglang_capture.batches import check_replicated, check_sequences, split_capture
 from aerie.sglang_capture.mapping import (
     ANY_VERSION_ENV,
     TESTED_SGLANG_VERSION,
@@ -50,6 +51,15 @@ class SGLangCapture:
     ``backend``: the class that talks to SGLang (default :class:`SGLang0523`), at the top level of an
     importable module, or its ``"module:Class"`` name. ``early_mapping_check``: refuse ids SGLang is known
     to map differently before the model loads (off only to exercise the check on the loaded model).
+    ``before_start``: called once the arguments are checked, before the workers start (aerie.hidden places its
+    lm_head copy there, so that SGLang sizes its memory pools around it).
+
+    Tensor parallelism: in SGLang 0.5.23 every rank holds the whole residual stream after each layer's
+    all-reduce (RowParallelLinear reduces; the LogitsProcessor gathers only the vocab-parallel logits), so
+    the aux and final states are replicated across ranks. Every rank runs every forward (their collectives
+    pair up); rank 0 sends the states, and every rank a per-token digest of its own (:func:`states_digest`),
+    which must agree with rank 0's: states that are not replicated (a partial sum, rows split across ranks)
+    fail the batch instead of being stored.
     """
 
     backend: Any = SGLang0523
@@ -71,6 +81,7 @@ class SGLangCapture:
         dtype: str = "auto",
         backend: Any = None,
         early_mapping_check: bool | None = None,
+        before_start: Callable[[], Any] | None = None,
         **sglang_kwargs: Any,
     ):
         self._procs: list[Any] = []
@@ -78,6 +89,7 @@ class SGLangCapture:
         self._fault_dir: str | None = None
         self._closed = False
         self._batch_id = 0
+        self.rank_agreement = 0.0  # the largest difference of a rank's states from rank 0's (tensor parallel)
         if backend is not None:
             self.backend = resolve_backend(backend) if isinstance(backend, str) else backend
         if early_mapping_check is not None:
@@ -106,6 +118,8 @@ class SGLangCapture:
         self.server_kwargs = sglang_server_kwargs(target_path, self.layer_ids, dtype, sglang_kwargs)
         backend_ref = backend_reference(self.backend)  # before SGLang is set up: the workers import it by name
         payload = pickle.dumps(self.backend.prepare(self.server_kwargs))
+        if before_start is not None:
+            before_start()
 
         ctx = torch.multiprocessing.get_context("spawn")
         self._outbox = ctx.Queue()
@@ -113,14 +127,25 @@ class SGLangCapture:
         atexit.register(self.close)
         try:
             with main_module_hidden():
-                for rank, gpu in enumerate(gpu_ids(self.server_kwargs)):
+                gpus = gpu_ids(self.server_kwargs)
+                for rank, gpu in enumerate(gpus):
                     inbox = ctx.Queue()
                     # Not daemonic: SGLang may start processes of its own. close() (also at exit) stops them, and a
                     # worker whose parent died stops by itself.
                     proc = ctx.Process(
                         target=run_rank,
                         name=f"aerie-sglang-capture-tp{rank}",
-                        args=(backend_ref, payload, rank, gpu, inbox, self._outbox, os.getpid(), self._fault_dir),
+                        args=(
+                            backend_ref,
+                            payload,
+                            rank,
+                            len(gpus),
+                            gpu,
+                            inbox,
+                            self._outbox,
+                            os.getpid(),
+                            self._fault_dir,
+                        ),
                     )
                     proc.start()
                     self._procs.append(proc)
@@ -161,12 +186,8 @@ class SGLangCapture:
                 self._batch_id += 1
                 for inbox in self._inboxes:  # every rank runs the same forward (their collectives pair up)
                     inbox.put((self._batch_id, [ids[i] for i in fwd]))
-                msg = self._receive(("result",), self.batch_timeout_s, "capturing")
-                if msg[2] != self._batch_id:
-                    raise SGLangCaptureError(f"rank 0 answered batch {msg[2]}, expected {self._batch_id}")
-                pieces = split_capture(
-                    msg[3], msg[4], [len(ids[i]) for i in fwd], len(self.layer_ids), self.hidden_size
-                )
+                aux, final = self._collect(self._batch_id)
+                pieces = split_capture(aux, final, [len(ids[i]) for i in fwd], len(self.layer_ids), self.hidden_size)
                 for i, piece in zip(fwd, pieces):
                     out[i] = piece
         except BaseException:
@@ -174,6 +195,21 @@ class SGLangCapture:
             self.close()
             raise
         return out
+
+    def _collect(self, batch: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0's (aux, final) of ``batch``, once every other rank's digest agrees with rank 0's."""
+        result, digests = None, {}
+        while result is None or len(digests) < len(self._procs):
+            msg = self._receive(("result", "digest"), self.batch_timeout_s, "capturing")
+            if msg[2] != batch:
+                raise SGLangCaptureError(f"rank {msg[1]} answered batch {msg[2]}, expected {batch}")
+            if msg[0] == "result":
+                result, digests[0] = (msg[3], msg[4]), msg[5]
+            else:
+                digests[msg[1]] = msg[3]
+        if len(self._procs) > 1:
+            self.rank_agreement = max(self.rank_agreement, check_replicated(digests, batch))
+        return result
 
     def _dead_workers_error(self, doing: str) -> SGLangCaptureError | None:
         """The error to raise when a worker has exited: its own report if it sent one, else how it ended."""

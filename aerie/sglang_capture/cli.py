@@ -1,8 +1,10 @@
 """``aerie-sglang-capture`` (also ``python -m aerie.sglang_capture``): GPU-host checks of the SGLang capture.
 
-``make-tiny KIND OUT`` writes a random-weight target; ``check --target T --layers ...`` captures with SGLang
-and compares every aux and final state with transformers' (exit 1 on a mismatch). Run ``check`` first on a
-new GPU host and after any change of the SGLang pin in envs/sglang.yaml.
+``make-tiny KIND OUT`` writes a random-weight target (``kimi``: Kimi K2.5's wrapper, code and tokenizer);
+``check --target T --layers ...`` opens the capture exactly as the hidden rule does (the lm_head copy placed
+first, then SGLang's workers, ``--tp`` of them) and compares every aux and final state, and the top-1 of the
+copy's top-k targets, with transformers' (exit 1 on a mismatch). Run ``check`` first on a new GPU host and
+after any change of the SGLang pin in envs/sglang.yaml.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from aerie.hidden.backends import open_sglang_capture
 from aerie.sglang_capture.capture import SGLangCapture
-from aerie.sglang_capture.check import compare_with_transformers, make_tiny_target
+from aerie.sglang_capture.check import TINY_KINDS, compare_with_transformers, make_tiny_target
 from aerie.sglang_capture.mapping import SGLangMappingError, target_dims
 from aerie.sglang_capture.worker import backend_reference, resolve_backend
 from aerie.target.config import read_config
@@ -30,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="GPU-host checks of aerie's SGLang capture backend (also: python -m aerie.sglang_capture).",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    mk = sub.add_parser("make-tiny", help="write a random-weight target folder (llama or deepseek)")
-    mk.add_argument("kind", choices=["llama", "deepseek"])
+    mk = sub.add_parser(
+        "make-tiny", help="write a random-weight target folder (llama, deepseek, or kimi: K2.5's wrapper and code)"
+    )
+    mk.add_argument("kind", choices=TINY_KINDS)
     mk.add_argument("out", type=Path)
     ck = sub.add_parser("check", help="capture with SGLang and compare with transformers (exit 1 on a mismatch)")
     ck.add_argument(
@@ -41,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model transformers can also load on one GPU in fp32 (make-tiny, the demo target)",
     )
     ck.add_argument("--layers", type=int, nargs="+", required=True, help="aerie aux ids (decoder-layer outputs)")
-    ck.add_argument("--tp", type=int, default=1)
+    ck.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs), as hidden.sglang.tp_size")
+    ck.add_argument(
+        "--device",
+        default="auto",
+        help="where the lm_head copy goes, as target.device (auto: SGLang's rank-0 GPU)",
+    )
     ck.add_argument("--seqs", type=int, default=4)
     ck.add_argument("--len", type=int, default=96, help="tokens per sequence (lengths vary from len/2 to len)")
     ck.add_argument("--trust-remote-code", action="store_true")
@@ -89,13 +99,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = torch.randint(max(2, a.len // 2), a.len + 1, (a.seqs,), generator=gen).tolist()
     seqs = [torch.randint(0, dims["vocab_size"], (n,), generator=gen) for n in lengths]
     started = time.perf_counter()
-    with SGLangCapture(str(a.target), a.layers, **options, **kwargs) as cap:
+    # As the hidden rule opens it: the lm_head copy on its GPU first, then SGLang's workers.
+    cap, head, head_facts = open_sglang_capture(
+        str(a.target), a.layers, device=a.device, options={**options, **kwargs}, log=lambda m: print(m, flush=True)
+    )
+    with cap:
         load_s = time.perf_counter() - started
         t0 = time.perf_counter()
         captured = cap.capture(seqs)
         capture_s = time.perf_counter() - t0
         info = cap.info
-    report = compare_with_transformers(a.target, cap.layer_ids, captured, seqs, trust_remote_code=a.trust_remote_code)
+    report = compare_with_transformers(
+        a.target, cap.layer_ids, captured, seqs, trust_remote_code=a.trust_remote_code, lm_head_copy=head
+    )
     report.update(
         {
             "sglang_version": cap.sglang_version,
@@ -103,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "target": str(a.target),
             "layer_ids": a.layers,
             "tp": a.tp,
+            "tp_rank_agreement": cap.rank_agreement,  # largest difference of a rank's states from rank 0's
+            "lm_head_copy": head_facts,  # where the hidden rule keeps it, and what it holds there
             "lengths": lengths,
             "runner_info": info,
             "load_s": round(load_s, 1),

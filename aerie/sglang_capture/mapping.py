@@ -10,6 +10,7 @@ DeepseekV2/V3 (and so Kimi K2.5) add the 1 only when the first id is 1 (see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aerie.target.config import FIRST_ID_MUST_BE_ONE, architectures, text_config
@@ -171,6 +172,76 @@ def gpu_ids(server_kwargs: Mapping[str, Any]) -> list[int]:
     tp = int(server_kwargs.get("tp_size", 1))
     base, step = int(server_kwargs.get("base_gpu_id", 0)), int(server_kwargs.get("gpu_id_step", 1))
     return [base + r * step for r in range(tp)]
+
+
+# ---- the lm_head copy for the compact layout's top-k targets ------------------------------------------------
+
+# aerie.hidden.head.lm_head_topk keeps each fp32 temporary under TOPK_CHUNK_ELEMENTS floats and never holds more than
+# TOPK_LIVE_TEMPORARIES of them at once (tests/test_lm_head_copy.py measures it): its workspace bound.
+TOPK_CHUNK_ELEMENTS = 1 << 26
+TOPK_LIVE_TEMPORARIES = 4
+
+
+@dataclass(frozen=True)
+class HeadCopy:
+    """Where the SGLang capture keeps its copy of the target's lm_head, and how much memory it holds there.
+
+    SGLang keeps its own (vocab-parallel) lm_head to itself, so the capture reads ``lm_head.weight`` from the
+    target's safetensors to compute the compact layout's top-k targets from SGLang's final states. The copy and
+    the top-k workspace go on ``gpu`` - by default SGLang's rank-0 GPU (``base_gpu_id``) - *before* the SGLang
+    workers start: SGLang sizes its KV pool from the free memory it measures (the minimum over its ranks), so it
+    leaves room for them instead of the copy eating SGLang's activation headroom. Kimi K2.5: [163840, 7168] bf16
+    = 2.35 GB + 1.07 GB workspace on GPU 0."""
+
+    vocab_size: int
+    hidden_size: int
+    dtype_bytes: int  # as stored in the checkpoint (Kimi K2.5: bf16, 2)
+    gpu: int | None  # the CUDA device index; None: host memory (target.device: cpu)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.vocab_size * self.hidden_size * self.dtype_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        """lm_head_topk's fp32 temporaries at their bound (a fp32 head needs no chunk copy, counted anyway)."""
+        return TOPK_LIVE_TEMPORARIES * TOPK_CHUNK_ELEMENTS * 4
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.workspace_bytes
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu is None else f"cuda:{self.gpu}"
+
+    def describe(self) -> str:
+        where = "host memory" if self.gpu is None else f"GPU {self.gpu}"
+        return (
+            f"lm_head copy for the top-k targets: [{self.vocab_size}, {self.hidden_size}] x {self.dtype_bytes} bytes "
+            f"= {self.weight_bytes / 1e9:.2f} GB + {self.workspace_bytes / 1e9:.2f} GB top-k workspace on {where}"
+        )
+
+
+def lm_head_copy(
+    vocab_size: int,
+    hidden_size: int,
+    sglang_options: Mapping[str, Any] | None = None,
+    device: str = "auto",
+    dtype_bytes: int = 2,
+) -> HeadCopy:
+    """Where the SGLang capture puts its lm_head copy (``target.device``: ``auto``/``cuda`` -> SGLang's rank-0 GPU,
+    ``cuda:N`` -> GPU N, ``cpu`` -> host memory) and its size; ``sglang_options``: ``hidden.sglang``. Torch-free:
+    the fit plan of ``snakemake -n`` counts it against that GPU."""
+    if device == "cpu":
+        gpu = None
+    elif device.startswith("cuda:"):
+        gpu = int(device.removeprefix("cuda:"))
+    elif device in ("auto", "cuda"):
+        gpu = gpu_ids(sglang_options or {})[0]
+    else:
+        raise ValueError(f"target.device: {device!r} is not auto, cpu, cuda or cuda:N")
+    return HeadCopy(int(vocab_size), int(hidden_size), int(dtype_bytes), gpu)
 
 
 def plan_forwards(

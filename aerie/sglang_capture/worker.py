@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from aerie.sglang_capture.batches import states_digest
 from aerie.sglang_capture.mapping import SGLangCaptureError
 
 
@@ -106,11 +107,21 @@ def _next_job(inbox: Any, parent_pid: int) -> Any:
 
 
 def run_rank(
-    backend_ref: str, payload: bytes, rank: int, gpu_id: int, inbox: Any, outbox: Any, parent_pid: int, fault_dir: str
+    backend_ref: str,
+    payload: bytes,
+    rank: int,
+    ranks: int,
+    gpu_id: int,
+    inbox: Any,
+    outbox: Any,
+    parent_pid: int,
+    fault_dir: str,
 ) -> None:
-    """One tensor-parallel rank: load, report, then run every batch the parent sends (all ranks run each
-    forward together; only rank 0 sends the states back). Every failure, including importing the backend
-    and unpickling the payload, goes to the parent as ``("error", rank, traceback)``."""
+    """One of ``ranks`` tensor-parallel ranks: load, report, then run every batch the parent sends (all ranks
+    run each forward together; rank 0 sends the states back, with more than one rank each rank also sends
+    the per-token digest of its own states, :func:`~aerie.sglang_capture.batches.states_digest`). Every
+    failure, including importing the backend and unpickling the payload, goes to the parent as
+    ``("error", rank, traceback)``."""
     runner = backend = None
     fault_file = None
     try:
@@ -122,8 +133,11 @@ def run_rank(
         while (job := _next_job(inbox, parent_pid)) is not None:
             batch_id, seqs = job
             aux, final = backend.extend(runner, seqs)
+            digest = states_digest(aux, final) if ranks > 1 else None
             if rank == 0:
-                outbox.put(("result", rank, batch_id, _to_shared_cpu(aux), _to_shared_cpu(final)))
+                outbox.put(("result", rank, batch_id, _to_shared_cpu(aux), _to_shared_cpu(final), digest))
+            else:
+                outbox.put(("digest", rank, batch_id, digest))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         outbox.put(("error", rank, traceback.format_exc()))
     finally:

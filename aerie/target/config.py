@@ -79,6 +79,17 @@ def target_num_hidden_layers(target_path: str | Path) -> int:
     return int(read_text_config(target_path)["num_hidden_layers"])
 
 
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def weight_dtype_bytes(config: Mapping[str, Any]) -> int:
+    """Bytes per element of the (text) model's unquantized weights - embeddings, lm_head - from config.json's
+    ``dtype`` / ``torch_dtype`` (2, bf16, when it names none)."""
+    text = text_config(config)
+    name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    return DTYPE_BYTES.get(str(name).removeprefix("torch."), 2)
+
+
 def is_mla(config: Mapping[str, Any]) -> bool:
     """Multi-latent attention (DeepSeek-V2/V3, Kimi K2.x): the text config sets ``kv_lora_rank``."""
     return text_config(config).get("kv_lora_rank") is not None
