@@ -250,3 +250,13 @@ class SGLangTP:
     def release(runner: Any) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class WaitsForTheCopy(SGLangTP):
+    """Refuses to load unless ``fake_marker`` exists: the parent writes it when it has placed its lm_head copy."""
+
+    @staticmethod
+    def load(payload: dict, rank: int, gpu_id: int) -> Any:
+        if not Path(payload["fake_marker"]).exists():
+            raise RuntimeError("SGLang started before the lm_head copy was placed")
+        return SGLangTP.load(payload, rank, gpu_id)

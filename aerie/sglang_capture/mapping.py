@@ -176,8 +176,10 @@ def gpu_ids(server_kwargs: Mapping[str, Any]) -> list[int]:
 
 # ---- the lm_head copy for the compact layout's top-k targets ------------------------------------------------
 
-# aerie.hidden.head.lm_head_topk keeps each fp32 temporary under TOPK_CHUNK_ELEMENTS floats and never holds more than
-# TOPK_LIVE_TEMPORARIES of them at once (tests/test_lm_head_copy.py measures it): its workspace bound.
+# aerie.hidden.head.lm_head_topk keeps each fp32 temporary under TOPK_CHUNK_ELEMENTS floats, and at most
+# TOPK_LIVE_TEMPORARIES are alive at once (by its code: the fp32 copy of a head chunk, the chunk logits so far, one
+# row block's logits, logsumexp's scratch): the workspace bound. `aerie-sglang-capture check` reports what the
+# allocator really reserves on the GPU (lm_head_copy.reserved_bytes).
 TOPK_CHUNK_ELEMENTS = 1 << 26
 TOPK_LIVE_TEMPORARIES = 4
 
