@@ -501,13 +501,17 @@ def figure_benchmark(bench_json: str | Path, out: Path, sglang_json: str | Path 
         label = "1.00x" if name == "baseline" else f"{methods[name]['speedup']:.2f}x"
         ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("output tokens/s")
-    ax.set_title(
-        f"in-process benchmark: concurrency 1, batch 1 ({bench.get('prompts')} prompts, {bench.get('device', '?')})",
-        fontsize=10,
+    # bench.backend sglang: the figures of the concurrency level where the drafter does worst (aerie.bench.serving)
+    where = (
+        f"SGLang serving at concurrency {bench['concurrency']}"
+        if bench.get("backend") == "sglang"
+        else "in-process benchmark: concurrency 1, batch 1"
     )
+    ax.set_title(f"{where} ({bench.get('prompts')} prompts, {bench.get('device', '?')})", fontsize=10)
     summary: dict[str, Any] = {"speedup": bench.get("speedup")}
     sg = json.loads(Path(sglang_json).read_text()) if sglang_json and Path(sglang_json).exists() else None
-    rows = (sg or {}).get("summary", {}).get("by_concurrency") or []
+    # The SGLang backend keeps the serving summary in the bench report itself.
+    rows = ((sg or {}).get("summary") or bench.get("serving_summary") or {}).get("by_concurrency") or []
     if rows:
         conc = [r["concurrency"] for r in rows]
         ax2.plot(conc, [r["baseline_output_tokens_per_s"] or 0 for r in rows], "o-", color="gray", label="baseline")

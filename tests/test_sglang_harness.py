@@ -247,7 +247,12 @@ def test_mode_statistics_and_lossless_comparison() -> None:
         [_rec("a", [1, 2, 3]), _rec("b", [4, 5])], [_rec("a", [1, 2, 9]), _rec("b", [4, 5])]
     )
     assert cmp["compared_on"] == "output_ids" and (cmp["compared"], cmp["identical"]) == (2, 1)
-    assert cmp["first_differing"] == [{"id": "a", "first_diff": 2, "baseline_tokens": 3, "eagle3_tokens": 3}]
+    assert cmp["first_differing"] == [
+        {"id": "a", "first_diff": 2, "baseline_tokens": 3, "eagle3_tokens": 3, "logit_gap": None}
+    ]
+    assert cmp["divergences"] == [{"id": "a", "first_diff": 2, "logit_gap": None}]
+    ngram = sglang_stats.compare_outputs([_rec("a", [1, 2])], [_rec("a", [1, 3])], "ngram", {"a": 0.25})
+    assert ngram["first_differing"][0]["ngram_tokens"] == 2 and ngram["divergences"][0]["logit_gap"] == 0.25
     no_ids = [{**_rec("a", [1, 2]), "output_ids": None}]
     assert sglang_stats.compare_outputs(no_ids, [_rec("a", [1, 3])])["compared_on"] == "text"
     assert sglang_stats.compare_outputs([_rec("a", [1])], [_rec("a", [1, 2])])["first_differing"][0]["first_diff"] == 1
@@ -392,132 +397,10 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
 
 # ---- whole runs against a fake SGLang server ---------------------------------------------------------------
 
-# Launched by the harness as `<sglang python> -m sglang.launch_server ...` (the wrapper puts this package
-# first on PYTHONPATH). It parses SGLang's flag names strictly, answers /health (503 while "loading"),
-# /generate and /get_server_info in the recorded shapes (no /server_info: the harness must fall back),
-# and starts a worker that ignores SIGTERM, as a stuck scheduler process would.
-FAKE_LAUNCH_SERVER = r"""
-import argparse, asyncio, copy, json, math, os, subprocess, sys, time, uuid
-from pathlib import Path
-from aiohttp import web
-
-fixtures = Path(os.environ["FAKE_SGLANG_FIXTURES"])
-state_dir = Path(os.environ["FAKE_SGLANG_STATE"])
-ap = argparse.ArgumentParser(prog="sglang.launch_server", allow_abbrev=False)
-ap.add_argument("--model-path", required=True)
-ap.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
-ap.add_argument("--host", default="127.0.0.1")
-ap.add_argument("--port", type=int, default=30000)
-ap.add_argument("--mem-fraction-static", type=float)
-ap.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"])
-ap.add_argument("--speculative-draft-model-path")
-ap.add_argument("--speculative-num-steps", type=int)
-ap.add_argument("--speculative-eagle-topk", type=int)
-ap.add_argument("--speculative-num-draft-tokens", type=int)
-ap.add_argument("--trust-remote-code", action="store_true")
-ap.add_argument("--api-key")
-ap.add_argument("--context-length", type=int)
-args = ap.parse_args()
-spec = args.speculative_algorithm == "EAGLE3"
-mode = "eagle3" if spec else "baseline"
-if spec and os.environ.get("FAKE_SGLANG_FAIL_EAGLE3"):
-    sys.exit("RuntimeError: draft model vocab does not match the target")
-ACCEPT, TOKEN_S, VERIFY_S = 3, 0.004, 0.005  # tokens per verify step; decode step / verify step seconds
-
-worker = subprocess.Popen([sys.executable, "-c",
-                           "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
-stats = {"argv": sys.argv[1:], "pid": os.getpid(), "child_pid": worker.pid, "requests": 0, "flushes": 0,
-         "unauthorized": 0, "bodies": [], "bad_shape": 0}
-def save():
-    (state_dir / f"{mode}.json").write_text(json.dumps(stats))
-save()
-gen_fixture = json.loads((fixtures / f"generate_{mode}.json").read_text())
-info_fixture = json.loads((fixtures / f"server_info_{mode}.json").read_text())
-started = time.monotonic()
-cum = {"tokens": 0, "verify": 0}
-
-def authorized(request):
-    ok = not args.api_key or request.headers.get("Authorization") == f"Bearer {args.api_key}"
-    stats["unauthorized"] += not ok
-    return ok
-
-async def health(request):
-    return web.Response(status=200 if time.monotonic() - started > 0.3 else 503)
-
-async def generate(request):
-    if not authorized(request):
-        return web.json_response({"object": "error", "message": "Unauthorized", "code": 401}, status=401)
-    body = await request.json()
-    stats["requests"] += 1
-    if len(stats["bodies"]) < 4:
-        stats["bodies"].append(body)
-    sp = body["sampling_params"]
-    prompt = body["input_ids"] if "input_ids" in body else [ord(c) for c in body["text"]]
-    max_new = sp["max_new_tokens"]
-    n = max_new if len(prompt) % 2 == 0 else max_new // 2
-    ids = [100 + (sum(prompt) * 31 + 7 * i) % 5000 for i in range(n)]
-    if spec and prompt[:7] == [ord(c) for c in "DIVERGE"]:
-        ids[n // 2] += 1
-    if prompt[:4] == [ord(c) for c in "LOOP"]:  # a degenerate answer: a two-token cycle
-        ids = [7, 8] * (n // 2) + [7] * (n % 2)
-    verify = math.ceil(n / ACCEPT)
-    t0 = time.monotonic()
-    await asyncio.sleep(verify * VERIFY_S if spec else n * TOKEN_S)
-    out = copy.deepcopy(gen_fixture)
-    meta = out["meta_info"]
-    keys = set(meta)
-    out["output_ids"], out["text"] = ids, "".join(f"<{i}>" for i in ids)
-    meta.update(id=uuid.uuid4().hex, prompt_tokens=len(prompt), completion_tokens=n, cached_tokens=0,
-                e2e_latency=time.monotonic() - t0, response_sent_to_client_ts=time.time(),
-                finish_reason={"type": "length", "length": n} if n == max_new else {"type": "stop", "matched": ids[-1]})
-    if spec:
-        drafts = args.speculative_num_draft_tokens - 1
-        correct = max(0, n - 1 - verify)
-        meta.update(spec_verify_ct=verify, spec_accept_length=n / verify, spec_num_proposed_drafts=verify * drafts,
-                    spec_num_correct_drafts=correct, spec_accept_rate=correct / (verify * drafts),
-                    spec_correct_drafts_histogram=[0] * (ACCEPT - 1) + [verify])
-        cum["tokens"] += n - 1  # 0.5.23's counter: decode-step tokens only, the first one comes from prefill
-        cum["verify"] += verify
-    stats["bad_shape"] += set(meta) != keys
-    return web.json_response(out)
-
-async def get_server_info(request):
-    if not authorized(request):
-        return web.json_response({"message": "Unauthorized"}, status=401)
-    info = copy.deepcopy(info_fixture)
-    info.update(model_path=args.model_path, port=args.port, tp_size=args.tp_size, api_key=args.api_key,
-                mem_fraction_static=args.mem_fraction_static, launch_command=" ".join(sys.argv))
-    if spec:
-        info.update(speculative_draft_model_path=args.speculative_draft_model_path,
-                    speculative_num_steps=args.speculative_num_steps,
-                    speculative_eagle_topk=args.speculative_eagle_topk,
-                    speculative_num_draft_tokens=args.speculative_num_draft_tokens)
-    state = info["internal_states"][0]
-    state.pop("avg_spec_accept_length", None)
-    if spec and cum["verify"]:
-        state["avg_spec_accept_length"] = cum["tokens"] / cum["verify"]
-    return web.json_response(info)
-
-async def flush_cache(request):
-    if not authorized(request):
-        return web.Response(status=401)
-    stats["flushes"] += 1
-    cum.update(tokens=0, verify=0)  # Scheduler.flush_cache -> metrics_reporter.reset_metrics()
-    return web.Response(text="Cache flushed.\n")
-
-async def on_shutdown(app):
-    save()
-
-app = web.Application()
-app.router.add_get("/health", health)
-app.router.add_get("/health_generate", health)
-app.router.add_post("/generate", generate)
-app.router.add_get("/get_server_info", get_server_info)
-app.router.add_route("*", "/flush_cache", flush_cache)
-app.on_shutdown.append(on_shutdown)
-print(f"fake sglang {mode} on {args.host}:{args.port}", flush=True)
-web.run_app(app, host=args.host, port=args.port, print=None)
-"""
+# Launched by the harness as `<sglang python> -m sglang.launch_server ...` (the wrapper puts this package first on
+# PYTHONPATH): tests/fixtures/sglang/fake_launch_server.py, SGLang 0.5.23's flags and recorded HTTP shapes (its
+# docstring says how it answers).
+FAKE_LAUNCH_SERVER = (FIXTURES / "fake_launch_server.py").read_text()
 
 
 @pytest.fixture()
@@ -600,11 +483,13 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         warmup=1,
         stop_grace_s=0.5,
         server_env=fake_sglang.env,
+        references=["ngram"],
         log=logs.append,
     )
 
     assert json.loads(out.read_text()) == report
-    assert report["format"] == "aerie.sglang-bench/2" and report["complete"] and report["error"] is None
+    assert report["format"] == "aerie.sglang-bench/3" and report["complete"] and report["error"] is None
+    assert report["modes"] == ["baseline", "eagle3", "ngram"]
     assert "flush_cache" in report["notes"]["acceptance"] and "prefill" in report["notes"]["acceptance"]
     assert SECRET not in out.read_text()
     assert report["input"] == "input_ids" and report["sampling"] == {
@@ -615,10 +500,11 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     assert report["drafter_config"]["architectures"] == ["LlamaForCausalLMEagle3"]
 
     # What each server process was really started with: the harness's command line, through the sglang python.
-    for mode, drafter in (("baseline", None), ("eagle3", fake_sglang.drafter)):
+    for mode, drafter in (("baseline", None), ("eagle3", fake_sglang.drafter), ("ngram", None)):
         st = json.loads((fake_sglang.state / f"{mode}.json").read_text())
         port = int(st["argv"][st["argv"].index("--port") + 1])
-        assert st["argv"] == sglang_server.server_command("/models/target", port, sglang, drafter_dir=drafter)[3:]
+        cmd = sglang_server.server_command("/models/target", port, sglang, drafter_dir=drafter, mode=mode)
+        assert st["argv"] == cmd[3:]
         server = report["servers"][mode]
         assert server["command"][0] == fake_sglang.python and "***" in server["command"]
         assert server["command"][3:] == sglang_server.redact_command(st["argv"])
@@ -626,7 +512,12 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         assert server["server_info_endpoint"] == "/get_server_info"  # /server_info is absent: fallback taken
         assert server["server_info"]["version"] == "0.5.23" and "api_key" not in server["server_info"]
         # Warm-up + every prompt at every concurrency, authenticated, greedy, ids, special tokens kept.
-        assert st["requests"] == 1 + 2 * (4 + 3) and st["unauthorized"] == 0 and st["bad_shape"] == 0
+        probes = len(st["probes"])
+        assert st["requests"] == 1 + 2 * (4 + 3) + probes and st["unauthorized"] == 0 and st["bad_shape"] == 0
+        # The outputs that left the baseline's (chat/1 on the EAGLE3 server, at both concurrency levels) were probed,
+        # untimed, at the first differing token: prompt + the baseline's 12 tokens before it.
+        want = [{"prompt_tokens": len("DIVERGE here") + 12, "position": 12}] * 2 if mode == "eagle3" else []
+        assert st["probes"] == want
         assert st["flushes"] == 4
         assert all(
             b["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}
@@ -638,6 +529,10 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         assert not sglang_server.process_alive(st["pid"]) and not sglang_server.process_alive(st["child_pid"])
         assert server["leftover_pids_killed"] == [st["child_pid"]]
     assert report["servers"]["eagle3"]["server_info"]["speculative_num_steps"] == 3
+    # NGRAM at SGLang's own defaults (_handle_ngram): a breadth-10 tree of 12 draft tokens.
+    ngram_info = report["servers"]["ngram"]["server_info"]
+    assert ngram_info["speculative_algorithm"] == "NGRAM" and ngram_info["speculative_num_draft_tokens"] == 12
+    assert ngram_info["speculative_eagle_topk"] == 10 and ngram_info["max_running_requests"] == 48
 
     # The fake keeps SGLang 0.5.23's counter: reset by /flush_cache, decode-step tokens only. Its value is reported
     # as read; the acceptance figure is the per-request mean of completion_tokens / spec_verify_ct.
@@ -685,21 +580,33 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         if r["set"] == "chat":
             assert (lossless["compared"], lossless["identical"], lossless["differing"]) == (4, 3, 1)
             assert lossless["first_differing"] == [
-                {"id": "chat/1", "first_diff": 12, "baseline_tokens": 24, "eagle3_tokens": 24}
+                {"id": "chat/1", "first_diff": 12, "baseline_tokens": 24, "eagle3_tokens": 24, "logit_gap": 3.0}
             ]
         else:
             assert (lossless["compared"], lossless["identical"]) == (3, 3)
 
+        # SGLang's NGRAM reference: its own acceptance (2 tokens per verify step here), the same outputs.
+        ng, ref = r["ngram"], r["references"]["ngram"]
+        assert ng["accept_length_mean"] == 2.0 and ng["correct_drafts_histogram"] == [
+            0,
+            sum(p["spec_verify_ct"] for p in ng["per_request"]),
+        ]
+        assert ref["lossless"]["identical"] == r["prompts"] and ref["speedup"] > 1.0
+        assert e["correct_drafts_histogram"] == [0, 0, e["spec_verify_ct"]]
+
     s = report["summary"]
     assert s["lossless"] == {"compared": 14, "identical": 12, "differing": 2, "all_identical": False}
+    assert s["references"]["ngram"]["accept_length_mean"] == 2.0
+    assert s["references"]["ngram"]["lossless"]["all_identical"] is True
+    assert all(c["speedup_by_mode"]["ngram"] > 1.0 for c in s["by_concurrency"])
     assert s["baseline_cross_concurrency"] == {"compared": 7, "identical": 7}
     assert s["accept_length_mean"] == 3.0 and s["accept_length_mean_excluding_degenerate"] == 3.0
     assert s["server_avg_spec_accept_length"] == pytest.approx(server_counter(maths))  # the last reading
-    assert s["degenerate_requests"] == {"baseline": 2, "eagle3": 2}
+    assert s["degenerate_requests"] == {"baseline": 2, "eagle3": 2, "ngram": 2}
     assert [c["concurrency"] for c in s["by_concurrency"]] == [1, 3]
     assert all(c["speedup"] > 1.3 for c in s["by_concurrency"])
     assert s["speedup_min"] <= s["speedup_geomean"] <= s["speedup_max"]
-    assert s["failed_requests"] == {"baseline": 0, "eagle3": 0}
+    assert s["failed_requests"] == {"baseline": 0, "eagle3": 0, "ngram": 0}
     assert any("killed processes left by the server" in m for m in logs)
 
 

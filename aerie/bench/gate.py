@@ -18,11 +18,26 @@ Torch-free.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+BENCH_FORMAT = "aerie.bench/2"  # the report both backends write (docs/formats.md)
+
+
+def simulated_acceptance(drafter_dir: Path, num_draft_steps: int) -> float | None:
+    """The training eval's held-out simulated acceptance length for ``num_draft_steps`` drafts (``eval.json``)."""
+    path = Path(drafter_dir) / "eval.json"
+    if not path.exists():
+        return None
+    ev = json.loads(path.read_text())
+    by_steps = ev.get("simulated_acceptance_length_by_steps") or []
+    if len(by_steps) >= num_draft_steps:
+        return float(by_steps[num_draft_steps - 1])
+    return ev.get("simulated_acceptance_length")
 
 
 def beats_references(acceptance_length: float | None, references: dict[str, float | None]) -> bool:

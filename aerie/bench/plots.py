@@ -16,7 +16,7 @@ def _figure():
 
 
 def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
-    """Two panels from an ``aerie.bench/2`` report: acceptance per position, and tokens/s per method."""
+    """Two panels from an ``aerie.bench/2`` report (either backend): acceptance per position, tokens/s per method."""
     plt = _figure()
     methods = report["methods"]
     k = report["num_draft_steps"]
@@ -55,7 +55,9 @@ def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
             va="bottom",
             fontsize=9,
         )
-    ax_tps.set_ylabel("tokens / s (batch 1)")
+    # In-process: batch 1; under SGLang: the concurrency level where the drafter does worst (aerie.bench.serving).
+    level = report.get("concurrency")
+    ax_tps.set_ylabel("tokens / s " + (f"(concurrency {level})" if level is not None else "(batch 1)"))
     ax_tps.set_title(f"Throughput on {report['device']}, {report['prompts']} prompts, same run", fontsize=10)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ Times are end to end per request (prefill + decode), measured with ``time.perf_c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -24,7 +23,7 @@ import transformers
 
 from aerie.artifacts import atomic_write_json
 from aerie.bench.degenerate import degenerate_flags
-from aerie.bench.gate import beats_references
+from aerie.bench.gate import BENCH_FORMAT, beats_references, simulated_acceptance
 from aerie.bench.prompts import load_bench_prompts
 from aerie.bench.speculative import (
     NgramProposer,
@@ -36,7 +35,6 @@ from aerie.bench.speculative import (
 from aerie.target.model import end_of_turn_ids, load_target, set_threads
 from aerie.target.template import render_prompt_ids
 
-BENCH_FORMAT = "aerie.bench/2"
 REFERENCES = ("untrained", "ngram")  # drafters the trained one must beat
 
 
@@ -93,18 +91,6 @@ def _untrained_drafter(target: torch.nn.Module, trained, seed: int = 0):
     torch.manual_seed(seed)
     fresh = Eagle3Drafter.from_target(target, trained.cfg, trained.d2t, trained.t2d, init_head_from_target=True)
     return fresh.to(device=next(trained.parameters()).device, dtype=next(trained.parameters()).dtype).eval()
-
-
-def _simulated_acceptance(drafter_dir: Path, num_draft_steps: int) -> float | None:
-    """The training eval's held-out simulated acceptance length for ``num_draft_steps`` drafts."""
-    path = Path(drafter_dir) / "eval.json"
-    if not path.exists():
-        return None
-    ev = json.loads(path.read_text())
-    by_steps = ev.get("simulated_acceptance_length_by_steps") or []
-    if len(by_steps) >= num_draft_steps:
-        return float(by_steps[num_draft_steps - 1])
-    return ev.get("simulated_acceptance_length")
 
 
 def run_benchmark(
@@ -307,7 +293,7 @@ def run_benchmark(
             "lossless": tot.lossless,
         }
     eagle = summary["eagle3"]
-    simulated = _simulated_acceptance(Path(drafter_dir), num_draft_steps)
+    simulated = simulated_acceptance(Path(drafter_dir), num_draft_steps)
     measured = eagle["acceptance_length"]
     refs = {m: summary[m]["acceptance_length"] or 0.0 for m in proposers if m != "eagle3"}
     report: dict[str, Any] = {

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aerie.bench.sglang_stats import mode_stats
+from aerie.bench.sglang_stats import first_difference, mode_stats
 from aerie.prompts import PromptSet
 
 # The /server_info fields worth keeping (it also returns every server argument, --api-key included).
@@ -75,6 +75,8 @@ def parse_generate_response(body: Any) -> dict[str, Any]:
         "e2e_latency_s": meta.get("e2e_latency"),
         "spec_verify_ct": verify,
         "accept_length": completion / verify if completion is not None and verify else None,
+        # [j]: verify steps that accepted j drafts (bonus token not counted); acceptance per draft position
+        "spec_correct_drafts_histogram": meta.get("spec_correct_drafts_histogram"),
         "finish_reason": kind,
         "output_ids": ids,
         "text": body.get("text"),
@@ -165,6 +167,29 @@ class SGLangClient:
             return {"id": pid, "latency_s": latency, "error": f"invalid JSON: {raw[:200].decode(errors='replace')}"}
         return {"id": pid, "latency_s": latency, **parse_generate_response(body)}
 
+    async def top2_gap(self, session, input_ids: list[int]) -> float | None:
+        """The target's top-1 minus top-2 logprob for the token after ``input_ids`` (None when unreadable).
+
+        One greedy token with ``return_logprob`` and ``top_logprobs_num: 2``: for an all-greedy batch SGLang 0.5.23
+        takes logprobs as log_softmax of the raw logits (layers/sampler.py), so this is the top-2 logit gap; the
+        answer's ``meta_info.output_top_logprobs[0]`` is ``[[logprob, token_id, text], ...]``, best first
+        (tests/fixtures/sglang/generate_logprobs.json). The first token comes from prefill: no speculation."""
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1, "skip_special_tokens": False},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        }
+        try:
+            async with session.post(self.base + "/generate", json=body, headers=self.headers) as resp:
+                if resp.status != 200:
+                    return None
+                meta = json.loads(await resp.read()).get("meta_info") or {}
+            top = (meta.get("output_top_logprobs") or [None])[0] or []
+            return float(top[0][0]) - float(top[1][0]) if len(top) >= 2 else None
+        except Exception:  # noqa: BLE001 - an unreadable margin counts as a loss in the gate, never as a tie
+            return None
+
     async def run_set(self, session, inputs: Sequence[tuple[str, Any]], concurrency: int) -> tuple[list[dict], float]:
         sem = asyncio.Semaphore(concurrency)
 
@@ -201,6 +226,31 @@ class SGLangClient:
             return False
 
 
+async def probe_divergences(
+    client: SGLangClient,
+    session,
+    records: Sequence[dict[str, Any]],
+    baseline: Sequence[dict[str, Any]],
+    inputs: Mapping[str, Any],
+) -> dict[str, float | None]:
+    """For each output that differs from the baseline's (same prompt), the target's top-2 logit gap at the first
+    differing token, read from this server (prompt ids + the baseline's output before it). ``{prompt id: gap}``;
+    None where it cannot be read (text input, no ids, or the server did not answer)."""
+    base = {r["id"]: r for r in baseline if not r.get("error")}
+    gaps: dict[str, float | None] = {}
+    for r in records:
+        b = base.get(r["id"])
+        if r.get("error") or b is None or r.get("output_ids") is None or b.get("output_ids") is None:
+            continue
+        d = first_difference(b["output_ids"], r["output_ids"])
+        if d is None:
+            continue
+        prompt = inputs.get(r["id"])
+        ok = isinstance(prompt, list) and d < len(b["output_ids"])
+        gaps[r["id"]] = await client.top2_gap(session, prompt + b["output_ids"][:d]) if ok else None
+    return gaps
+
+
 async def drive_server(
     client: SGLangClient,
     prompt_sets: Sequence[PromptSet],
@@ -210,11 +260,14 @@ async def drive_server(
     flush_cache: bool,
     mode: str,
     log: Callable[[str], None],
+    baseline_runs: Mapping[tuple[str, int], dict[str, Any]] | None = None,
 ) -> tuple[dict[tuple[str, int], dict[str, Any]], dict | None]:
     """Warm the server up, then run every prompt set at every concurrency level, each after a cache flush.
 
-    Returns ``runs[(set, concurrency)] = {records, wall_s, cache_flushed, server_avg_spec_accept_length}`` and
-    the last ``/server_info`` reading (:func:`parse_server_info`)."""
+    With ``baseline_runs`` (a speculative server), once every timed run is done, each output that differs from the
+    baseline's is probed for the target's margin there (:func:`probe_divergences`), untimed.
+    Returns ``runs[(set, concurrency)] = {records, wall_s, cache_flushed, server_avg_spec_accept_length,
+    logit_gaps}`` and the last ``/server_info`` reading (:func:`parse_server_info`)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=client.timeout_s, sock_connect=30)
@@ -250,4 +303,15 @@ async def drive_server(
                     f"{stats['output_tokens_per_s'] or 0:.1f} tok/s"
                     + (f", acceptance {al:.2f} per request (server counter {server})" if al else "")
                 )
+        for key, run in runs.items():
+            base = (baseline_runs or {}).get(key)
+            if base is not None:
+                run["logit_gaps"] = await probe_divergences(
+                    client, session, run["records"], base["records"], dict(inputs[key[0]])
+                )
+                if run["logit_gaps"]:
+                    log(
+                        f"{mode} {key[0]} @ concurrency {key[1]}: outputs differing from the baseline's, top-2 "
+                        f"logit gap at the first difference: {run['logit_gaps']}"
+                    )
     return runs, info

@@ -60,10 +60,13 @@ from aerie.bench.sglang_server import (
     server_command,
     sglang_settings,
 )
-from aerie.bench.sglang_stats import MODES, SERVER_COUNTER_NOTE, build_rows, summarize
+from aerie.bench.sglang_stats import SERVER_COUNTER_NOTE, build_rows, summarize
 from aerie.prompts import BENCHMARK_KINDS, PromptSet, parse_prompt_set
 
-SGLANG_BENCH_FORMAT = "aerie.sglang-bench/2"  # /2: degenerate outputs as in the in-process benchmark, notes
+# /2: degenerate outputs as in the in-process benchmark, notes; /3: reference servers (SGLang's NGRAM), the target's
+# logit gap at each divergence, acceptance histograms
+SGLANG_BENCH_FORMAT = "aerie.sglang-bench/3"
+REFERENCE_MODES = ("ngram",)  # servers without a trained drafter the harness can run beside baseline and eagle3
 
 
 def _drafter_config(drafter_dir: Path) -> dict[str, Any]:
@@ -145,9 +148,14 @@ def run_sglang_benchmark(
     server_env: Mapping[str, str] | None = None,
     log_dir: str | Path | None = None,
     record_outputs: bool = True,
+    references: Sequence[str] = (),
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Benchmark the target served by SGLang without and with the drafter; write and return the report.
+
+    ``references``: further servers run after those two, each over the same prompts (``ngram``: SGLang's NGRAM
+    speculative algorithm, ``sglang.ngram_extra_args``). Every speculative server's outputs are compared with
+    the baseline's, and each divergence is probed for the target's top-2 logit gap there, on that server.
 
     ``render(messages)`` returns the prompt as token ids (sent as ``input_ids``) or as a string (sent as
     ``text``); None renders ids with the tokenizer at ``target_path``. ``sglang`` is the config's
@@ -157,6 +165,10 @@ def run_sglang_benchmark(
     the report (the lossless check still compares them).
     """
     settings = sglang_settings(sglang)
+    unknown = [m for m in references if m not in REFERENCE_MODES]
+    if unknown:
+        raise ValueError(f"unknown reference servers {unknown} (known: {', '.join(REFERENCE_MODES)})")
+    modes = ("baseline", "eagle3", *dict.fromkeys(references))
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     target_path, drafter_dir, out_json = str(target_path), Path(drafter_dir), Path(out_json)
@@ -219,14 +231,16 @@ def run_sglang_benchmark(
     servers: dict[str, dict[str, Any]] = {}
     error: BaseException | None = None
     error_text: str | None = None
-    for mode in MODES:
+    for mode in modes:
         drafter = drafter_dir if mode == "eagle3" else None
         marker = f"{run_id}-{mode}"
         log_path = log_dir / f"{stem}.{mode}.server.log"
         launched: dict[str, list[str]] = {}
 
-        def command_for_port(port: int, drafter=drafter, launched=launched) -> list[str]:
-            launched["cmd"] = server_command(target_path, port, settings, drafter_dir=drafter, python=sglang_python)
+        def command_for_port(port: int, drafter=drafter, launched=launched, mode=mode) -> list[str]:
+            launched["cmd"] = server_command(
+                target_path, port, settings, drafter_dir=drafter, python=sglang_python, mode=mode
+            )
             return launched["cmd"]
 
         info: dict[str, Any] = {
@@ -253,7 +267,17 @@ def run_sglang_benchmark(
                 log(f"{mode}: ready at {base} after {info['ready_s']:.0f}s")
                 client.base = base
                 runs[mode], server_info = asyncio.run(
-                    drive_server(client, prompt_sets, inputs, settings["concurrency"], warmup, flush_cache, mode, log)
+                    drive_server(
+                        client,
+                        prompt_sets,
+                        inputs,
+                        settings["concurrency"],
+                        warmup,
+                        flush_cache,
+                        mode,
+                        log,
+                        baseline_runs=runs.get("baseline") if mode != "baseline" else None,
+                    )
                 )
                 if server_info is not None:
                     info["server_info"] = {
@@ -274,7 +298,7 @@ def run_sglang_benchmark(
         if error is not None:
             break
 
-    rows = build_rows(prompt_sets, settings["concurrency"], runs, record_outputs)
+    rows = build_rows(prompt_sets, settings["concurrency"], runs, record_outputs, modes)
     sglang_version = next(
         (
             s["server_info"].get("version")
@@ -286,7 +310,8 @@ def run_sglang_benchmark(
     report: dict[str, Any] = {
         "format": SGLANG_BENCH_FORMAT,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "complete": error is None and all(r["baseline"] and r["eagle3"] for r in rows),
+        "complete": error is None and all(r[m] for r in rows for m in modes),
+        "modes": list(modes),
         "error": error_text,
         "target": target_path,
         "drafter": str(drafter_dir),
@@ -304,7 +329,7 @@ def run_sglang_benchmark(
         "versions": _versions(sglang_version),
         "host": {"hostname": platform.node(), "gpus": _gpus()},
         "rows": rows,
-        "summary": summarize(rows, prompt_sets, settings["concurrency"], runs),
+        "summary": summarize(rows, prompt_sets, settings["concurrency"], runs, modes),
         "notes": {
             "acceptance": SERVER_COUNTER_NOTE,
             "degenerate": "degenerate lists the flags of aerie.bench.degenerate (loop: the output ends in a "
@@ -409,6 +434,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="load the tokenizer with trust_remote_code (default: target.trust_remote_code)",
     )
+    ap.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        choices=list(REFERENCE_MODES),
+        help="also run this reference server (ngram: SGLang's NGRAM speculative algorithm; repeatable)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (default 2)")
     ap.add_argument("--no-flush-cache", action="store_true", help="do not flush the radix cache between runs")
     ap.add_argument("--health-path", default="/health", help="readiness endpoint (/health or /health_generate)")
@@ -484,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server_env=env,
         log_dir=a.log_dir,
         record_outputs=not a.no_outputs,
+        references=a.reference,
     )
     try:  # the figure is a convenience: SGLang's env may lack matplotlib
         from aerie.bench.plots import plot_sglang_benchmark

@@ -66,6 +66,7 @@ def mode_stats(
         "cached_tokens",
         "spec_verify_ct",
         "accept_length",
+        "spec_correct_drafts_histogram",
         "degenerate",
         "finish_reason",
         "output_ids",
@@ -88,6 +89,11 @@ def mode_stats(
     spec = [r for r in ok if r.get("spec_verify_ct")]
     spec_clean = [r for r in spec if not r.get("degenerate")]
     verify = sum(int(r["spec_verify_ct"]) for r in spec)
+    histogram: list[int] = []  # [j]: verify steps that accepted j drafts, over every request
+    for r in spec:
+        for j, count in enumerate(r.get("spec_correct_drafts_histogram") or []):
+            histogram.extend([0] * (j + 1 - len(histogram)))
+            histogram[j] += int(count)
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -109,6 +115,7 @@ def mode_stats(
         "accept_length_mean_excluding_degenerate": (
             statistics.fmean(r["accept_length"] for r in spec_clean) if spec_clean else None
         ),
+        "correct_drafts_histogram": histogram if spec else None,
         "server_avg_spec_accept_length": server_avg_spec_accept_length,
         "cache_flushed": cache_flushed,
         "finish_reasons": dict(Counter(str(r.get("finish_reason")) for r in ok)),
@@ -119,29 +126,39 @@ def mode_stats(
     }
 
 
-def _first_diff(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+def first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """Index of the first differing element (a length difference counts), or None if equal."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare_outputs(baseline: Sequence[dict[str, Any]], eagle3: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-prompt output equality of two runs over the same prompts (ids when both have them, else text)."""
+def compare_outputs(
+    baseline: Sequence[dict[str, Any]],
+    other: Sequence[dict[str, Any]],
+    mode: str = "eagle3",
+    logit_gaps: Mapping[str, float | None] | None = None,
+) -> dict[str, Any]:
+    """Per-prompt output equality of two runs over the same prompts (ids when both have them, else text).
+
+    ``logit_gaps``: the target's top-2 logit gap at each divergence, when the server was probed for it
+    (:func:`aerie.bench.sglang_client.probe_divergences`); ``divergences`` lists every differing prompt."""
     b_by_id = {r["id"]: r for r in baseline if not r.get("error")}
-    pairs = [(b_by_id[r["id"]], r) for r in eagle3 if not r.get("error") and r["id"] in b_by_id]
+    pairs = [(b_by_id[r["id"]], r) for r in other if not r.get("error") and r["id"] in b_by_id]
     use_ids = all(b.get("output_ids") is not None and e.get("output_ids") is not None for b, e in pairs)
     key = "output_ids" if use_ids else "text"
     differing = []
     for b, e in pairs:
-        d = _first_diff(b.get(key) or [], e.get(key) or [])
+        d = first_difference(b.get(key) or [], e.get(key) or [])
         if d is not None:
             differing.append(
                 {
                     "id": e["id"],
                     "first_diff": d,
                     "baseline_tokens": b.get("completion_tokens"),
-                    "eagle3_tokens": e.get("completion_tokens"),
+                    f"{mode}_tokens": e.get("completion_tokens"),
+                    "logit_gap": (logit_gaps or {}).get(e["id"]),
                 }
             )
     return {
@@ -150,7 +167,20 @@ def compare_outputs(baseline: Sequence[dict[str, Any]], eagle3: Sequence[dict[st
         "identical": len(pairs) - len(differing),
         "differing": len(differing),
         "first_differing": differing[:_MAX_DIFF_EXAMPLES],
+        "divergences": [{"id": d["id"], "first_diff": d["first_diff"], "logit_gap": d["logit_gap"]} for d in differing],
     }
+
+
+def _run_stats(run: dict[str, Any] | None, record_outputs: bool) -> dict[str, Any] | None:
+    if run is None:
+        return None
+    return mode_stats(
+        run["records"],
+        run["wall_s"],
+        run.get("server_avg_spec_accept_length"),
+        record_outputs,
+        cache_flushed=run.get("cache_flushed"),
+    )
 
 
 def build_rows(
@@ -158,37 +188,66 @@ def build_rows(
     concurrency: Sequence[int],
     runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]],
     record_outputs: bool = True,
+    modes: Sequence[str] = MODES,
 ) -> list[dict[str, Any]]:
-    """Rows from raw runs: ``runs[mode][(set, c)] = {records, wall_s, server_avg_spec_accept_length}``."""
+    """Rows from raw runs: ``runs[mode][(set, c)] = {records, wall_s, server_avg_spec_accept_length, logit_gaps}``.
+
+    ``speedup`` / ``speedup_per_request`` / ``lossless`` compare eagle3 with the baseline; ``references`` holds the
+    same for every further mode (SGLang's NGRAM)."""
     rows = []
     for ps in prompt_sets:
         for c in concurrency:
             row: dict[str, Any] = {"set": ps.name, "concurrency": c, "prompts": len(ps.prompts)}
-            for mode in MODES:
+            for mode in modes:
+                row[mode] = _run_stats(runs.get(mode, {}).get((ps.name, c)), record_outputs)
+            versus = {}
+            for mode in modes[1:]:
+                b, e = row["baseline"], row[mode]
                 run = runs.get(mode, {}).get((ps.name, c))
-                row[mode] = (
-                    mode_stats(
-                        run["records"],
-                        run["wall_s"],
-                        run.get("server_avg_spec_accept_length"),
-                        record_outputs,
-                        cache_flushed=run.get("cache_flushed"),
-                    )
-                    if run is not None
-                    else None
-                )
-            b, e = row["baseline"], row["eagle3"]
-            row["speedup"] = _ratio(e["output_tokens_per_s"], b["output_tokens_per_s"]) if b and e else None
-            row["speedup_per_request"] = (
-                _ratio(e["per_request_tokens_per_s_mean"], b["per_request_tokens_per_s_mean"]) if b and e else None
-            )
-            row["lossless"] = (
-                compare_outputs(runs["baseline"][(ps.name, c)]["records"], runs["eagle3"][(ps.name, c)]["records"])
-                if b and e
-                else None
-            )
+                versus[mode] = {
+                    "speedup": _ratio(e["output_tokens_per_s"], b["output_tokens_per_s"]) if b and e else None,
+                    "speedup_per_request": (
+                        _ratio(e["per_request_tokens_per_s_mean"], b["per_request_tokens_per_s_mean"])
+                        if b and e
+                        else None
+                    ),
+                    "lossless": (
+                        compare_outputs(
+                            runs["baseline"][(ps.name, c)]["records"], run["records"], mode, run.get("logit_gaps")
+                        )
+                        if b and e
+                        else None
+                    ),
+                }
+            row.update(versus.get("eagle3") or {"speedup": None, "speedup_per_request": None, "lossless": None})
+            row["references"] = {m: v for m, v in versus.items() if m != "eagle3"}
             rows.append(row)
     return rows
+
+
+def _acceptance(rows: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
+    """Acceptance over every request of ``mode`` that ran a verify step (all rows)."""
+    reqs = [p for r in rows if r.get(mode) for p in r[mode]["per_request"] if not p["error"] and p["spec_verify_ct"]]
+    clean = [p for p in reqs if not p["degenerate"]]
+    verify = sum(p["spec_verify_ct"] for p in reqs)
+    return {
+        "accept_length_mean": statistics.fmean(p["accept_length"] for p in reqs) if reqs else None,
+        "accept_length_pooled": _ratio(sum(p["completion_tokens"] for p in reqs), verify) if reqs else None,
+        "accept_length_mean_excluding_degenerate": (
+            statistics.fmean(p["accept_length"] for p in clean) if clean else None
+        ),
+    }
+
+
+def _lossless(checks: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    done = [x for x in checks if x]
+    compared, identical = sum(x["compared"] for x in done), sum(x["identical"] for x in done)
+    return {
+        "compared": compared,
+        "identical": identical,
+        "differing": compared - identical,
+        "all_identical": bool(done) and compared == identical,
+    }
 
 
 def summarize(
@@ -196,26 +255,24 @@ def summarize(
     prompt_sets: Sequence[PromptSet],
     concurrency: Sequence[int],
     runs: Mapping[str, Mapping[tuple[str, int], dict[str, Any]]],
+    modes: Sequence[str] = MODES,
 ) -> dict[str, Any]:
     """The report's ``summary``: throughput and speedup per concurrency, acceptance over every EAGLE3 request,
-    the lossless check over rows and of baseline against itself across concurrency levels, failures."""
+    the lossless check over rows and of baseline against itself across concurrency levels, failures; the same
+    per reference mode under ``references``."""
     by_c = []
     for c in concurrency:
         entry: dict[str, Any] = {"concurrency": c}
-        for mode in MODES:
+        for mode in modes:
             stats = [r[mode] for r in rows if r["concurrency"] == c and r[mode]]
             tok, wall = sum(s["output_tokens"] for s in stats), sum(s["wall_s"] for s in stats)
             entry[f"{mode}_output_tokens_per_s"] = _ratio(tok, wall) if stats else None
-        entry["speedup"] = _ratio(entry["eagle3_output_tokens_per_s"], entry["baseline_output_tokens_per_s"])
+        entry["speedup"] = _ratio(entry.get("eagle3_output_tokens_per_s"), entry["baseline_output_tokens_per_s"])
+        entry["speedup_by_mode"] = {
+            m: _ratio(entry[f"{m}_output_tokens_per_s"], entry["baseline_output_tokens_per_s"]) for m in modes[1:]
+        }
         by_c.append(entry)
     speedups = [r["speedup"] for r in rows if r["speedup"]]
-    spec_reqs = [
-        p for r in rows if r["eagle3"] for p in r["eagle3"]["per_request"] if not p["error"] and p["spec_verify_ct"]
-    ]
-    spec_clean = [p for p in spec_reqs if not p["degenerate"]]
-    lossless = [r["lossless"] for r in rows if r["lossless"]]
-    compared = sum(x["compared"] for x in lossless)
-    identical = sum(x["identical"] for x in lossless)
     cross = {"compared": 0, "identical": 0}
     base_runs = runs.get("baseline", {})
     for ps in prompt_sets:
@@ -223,7 +280,7 @@ def summarize(
         for c in concurrency[1:]:
             other = base_runs.get((ps.name, c))
             if first and other:
-                cmp = compare_outputs(first["records"], other["records"])
+                cmp = compare_outputs(first["records"], other["records"], "baseline")
                 cross["compared"] += cmp["compared"]
                 cross["identical"] += cmp["identical"]
     last_server = next(
@@ -234,25 +291,19 @@ def summarize(
         ),
         None,
     )
-    verify = sum(p["spec_verify_ct"] for p in spec_reqs)
     return {
         "by_concurrency": by_c,
         "speedup_min": min(speedups) if speedups else None,
         "speedup_max": max(speedups) if speedups else None,
         "speedup_geomean": math.exp(statistics.fmean(math.log(s) for s in speedups)) if speedups else None,
-        "accept_length_mean": statistics.fmean(p["accept_length"] for p in spec_reqs) if spec_reqs else None,
-        "accept_length_pooled": _ratio(sum(p["completion_tokens"] for p in spec_reqs), verify) if spec_reqs else None,
-        "accept_length_mean_excluding_degenerate": (
-            statistics.fmean(p["accept_length"] for p in spec_clean) if spec_clean else None
-        ),
+        **_acceptance(rows, "eagle3"),
         "server_avg_spec_accept_length": last_server,
-        "lossless": {
-            "compared": compared,
-            "identical": identical,
-            "differing": compared - identical,
-            "all_identical": bool(lossless) and compared == identical,
-        },
+        "lossless": _lossless([r["lossless"] for r in rows]),
         "baseline_cross_concurrency": cross,
-        "failed_requests": {m: sum(r[m]["failed"] for r in rows if r[m]) for m in MODES},
-        "degenerate_requests": {m: sum(r[m]["degenerate_requests"] for r in rows if r[m]) for m in MODES},
+        "references": {
+            m: {**_acceptance(rows, m), "lossless": _lossless([r["references"][m]["lossless"] for r in rows])}
+            for m in modes[2:]
+        },
+        "failed_requests": {m: sum(r[m]["failed"] for r in rows if r[m]) for m in modes},
+        "degenerate_requests": {m: sum(r[m]["degenerate_requests"] for r in rows if r[m]) for m in modes},
     }

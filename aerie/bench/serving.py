@@ -1,0 +1,305 @@
+"""The bench rule's SGLang backend (``bench.backend: sglang``): the gated benchmark at the target's real size.
+
+The serving harness (:mod:`aerie.bench.sglang_harness`) starts SGLang in turn without speculation (``baseline``), with
+the trained drafter and the config's EAGLE-3 flags (``eagle3``), and with each reference SGLang serves without
+training (``ngram``: its NGRAM speculative algorithm), each over every benchmark prompt at every ``sglang.concurrency``
+level after a cache flush, greedy (temperature 0); it keeps its full report beside the bench report
+(``{run}.sglang.json``, ``aerie.sglang-bench/3``). :func:`bench_report_from_serving` turns it into the in-process
+benchmark's report (``aerie.bench/2``), which the same plot and gate (:mod:`aerie.bench.gate`) read:
+
+- speed: per concurrency level, output tokens/s pooled over the prompt sets and the median over prompts of the paired
+  per-request ratio; the report's top-level figures (``baseline``, ``speculative``, ``speedup``,
+  ``speedup_median_paired``, each method's tokens/s) are those of the level where the drafter does worst (the lower
+  of the two ratios), named in ``concurrency``: the drafter must pay off at every level the config serves at;
+  ``by_concurrency`` lists every level.
+- acceptance: tokens committed per verify step, pooled over every request of the method, the prefill token left out
+  (``sum(completion_tokens - 1) / sum(spec_verify_ct)``: the in-process definition); per draft position from
+  SGLang's ``spec_correct_drafts_histogram``.
+- lossless (temperature 0): every speculative output must equal the baseline server's output for the same prompt at
+  the same concurrency level; each that differs is a divergence, with the target's top-2 logit gap at the first
+  differing token, read from the speculative server (``probe_divergences``): a near-tie within
+  ``bench.gate.lossless_max_gap`` is numerics (batch shapes, multi-token verify), anything else is a loss.
+
+Runs in SGLang's environment (envs/sglang.yaml): torch-free at import; the prompts are rendered by the target's own
+chat template (transformers, SGLang's) before any server starts.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from aerie.artifacts import atomic_write_json
+from aerie.bench.gate import BENCH_FORMAT, beats_references, simulated_acceptance
+from aerie.bench.prompts import bench_prompt_sets
+from aerie.bench.sglang_server import sglang_settings
+
+TIMING = (
+    "server throughput: output tokens over the wall time of each (prompt set, concurrency) run; the servers "
+    "(baseline, eagle3, then each reference) run one after another over the same prompts, the radix cache flushed "
+    "before every run; top-level figures at the concurrency level where the drafter does worst"
+)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def _requests(rows: Sequence[dict[str, Any]], mode: str, concurrency: int | None = None) -> list[dict[str, Any]]:
+    """Every answered request of ``mode`` (at one concurrency level, or all)."""
+    return [
+        p
+        for r in rows
+        if r.get(mode) and (concurrency is None or r["concurrency"] == concurrency)
+        for p in r[mode]["per_request"]
+        if not p.get("error")
+    ]
+
+
+def _median_paired(rows: Sequence[dict[str, Any]], mode: str, concurrency: int) -> float | None:
+    """Median over prompts of (per-request tok/s of ``mode``) / (the baseline's, same prompt), at one level."""
+    base = {
+        (r["set"], p["id"]): p
+        for r in rows
+        if r["concurrency"] == concurrency and r.get("baseline")
+        for p in r["baseline"]["per_request"]
+        if not p.get("error")
+    }
+    ratios = []
+    for r in rows:
+        if r["concurrency"] != concurrency or not r.get(mode):
+            continue
+        for p in r[mode]["per_request"]:
+            b = base.get((r["set"], p["id"]))
+            if p.get("error") or b is None or not p.get("latency_s") or not b.get("latency_s"):
+                continue
+            ratio = _ratio(p["completion_tokens"] / p["latency_s"], b["completion_tokens"] / b["latency_s"])
+            if ratio is not None:
+                ratios.append(ratio)
+    return statistics.median(ratios) if ratios else None
+
+
+def _acceptance(reqs: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
+    spec = [p for p in reqs if p.get("spec_verify_ct")]
+    verify = sum(int(p["spec_verify_ct"]) for p in spec)
+    committed = sum(int(p["completion_tokens"]) - 1 for p in spec)  # the first token comes from prefill
+    clean = [p for p in spec if not p.get("degenerate")]
+    histogram: list[int] = []
+    for p in spec:
+        for j, count in enumerate(p.get("spec_correct_drafts_histogram") or []):
+            histogram.extend([0] * (j + 1 - len(histogram)))
+            histogram[j] += int(count)
+    accepted = [sum(histogram[i:]) for i in range(1, steps + 1)]  # steps whose i-th draft was accepted
+    return {
+        "verify_steps": verify,
+        "acceptance_length": _ratio(committed, verify),
+        "acceptance_length_excluding_degenerate": _ratio(
+            sum(int(p["completion_tokens"]) - 1 for p in clean), sum(int(p["spec_verify_ct"]) for p in clean)
+        ),
+        "acceptance_per_position": [_ratio(a, sum(histogram)) for a in accepted] if histogram else [None] * steps,
+        "accepted_per_position": accepted,
+        "drafted_per_position": None,  # SGLang reports accepted drafts per step, not proposed ones per position
+    }
+
+
+def bench_report_from_serving(
+    serving: Mapping[str, Any],
+    *,
+    prompt_files: Sequence[Path],
+    serving_report: Path,
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """The ``aerie.bench/2`` report (the in-process benchmark's schema) of a harness report (module docstring)."""
+    modes = list(serving["modes"])
+    methods = modes[1:]
+    rows = serving["rows"]
+    steps = int(serving["sglang"]["speculative_num_steps"])
+    drafter_dir = Path(serving["drafter"])
+
+    levels = []
+    for entry in serving["summary"]["by_concurrency"]:
+        c = entry["concurrency"]
+        level: dict[str, Any] = {
+            "concurrency": c,
+            "baseline_tokens_per_s": entry["baseline_output_tokens_per_s"],
+            "methods": {},
+        }
+        for m in methods:
+            level["methods"][m] = {
+                "tokens_per_s": entry[f"{m}_output_tokens_per_s"],
+                "speedup": _ratio(entry[f"{m}_output_tokens_per_s"], entry["baseline_output_tokens_per_s"]),
+                "speedup_median_paired": _median_paired(rows, m, c),
+            }
+        levels.append(level)
+
+    def gate_figure(level: dict[str, Any]) -> float:
+        """What the gate takes at this level: the lower of the pooled and the median paired speedup."""
+        e = level["methods"]["eagle3"]
+        figures = [x for x in (e["speedup"], e["speedup_median_paired"]) if x is not None]
+        return min(figures) if figures else 0.0
+
+    at = min(levels, key=gate_figure)
+    c = at["concurrency"]
+
+    def totals(mode: str) -> dict[str, Any]:
+        stats = [r[mode] for r in rows if r["concurrency"] == c and r.get(mode)]
+        tokens, seconds = sum(s["output_tokens"] for s in stats), sum(s["wall_s"] for s in stats)
+        return {"tokens_per_s": _ratio(tokens, seconds), "tokens": tokens, "seconds": seconds}
+
+    divergences = []
+    for r in rows:
+        for m in methods:
+            check = r["lossless"] if m == "eagle3" else (r["references"].get(m) or {}).get("lossless")
+            for d in (check or {}).get("divergences") or []:
+                divergences.append({"method": m, "id": d["id"], "concurrency": r["concurrency"], **d})
+    summary: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        lossless_checks = [r["lossless"] if m == "eagle3" else r["references"][m]["lossless"] for r in rows]
+        summary[m] = {
+            **totals(m),
+            "speedup": at["methods"][m]["speedup"],
+            "speedup_median_paired": at["methods"][m]["speedup_median_paired"],
+            **_acceptance(_requests(rows, m), steps),
+            "lossless": all(x is not None and x["differing"] == 0 for x in lossless_checks),
+        }
+    eagle = summary["eagle3"]
+    measured = eagle["acceptance_length"]
+    refs = {m: summary[m]["acceptance_length"] for m in methods if m != "eagle3"}
+    simulated = simulated_acceptance(drafter_dir, steps)
+
+    base_by_id: dict[str, dict[str, Any]] = {}
+    for p in _requests(rows, "baseline", c):
+        base_by_id.setdefault(p["id"], p)
+    degenerate = sorted({p["id"] for p in _requests(rows, "baseline") if p.get("degenerate")})
+    per_prompt = []
+    for pid, b in base_by_id.items():
+        b_tps = _ratio(b["completion_tokens"], b["latency_s"])
+        entry: dict[str, Any] = {
+            "id": pid,
+            "prompt_tokens": b.get("prompt_tokens"),
+            "generated_tokens": b["completion_tokens"],
+            "degenerate": b.get("degenerate") or [],
+            "baseline_s": [b["latency_s"]],
+            "baseline_tokens_per_s": b_tps,
+            "methods": {},
+        }
+        for m in methods:
+            p = next((x for x in _requests(rows, m, c) if x["id"] == pid), None)
+            if p is None:
+                continue
+            div = next((d for d in divergences if d["method"] == m and d["id"] == pid and d["concurrency"] == c), None)
+            tps = _ratio(p["completion_tokens"], p["latency_s"])
+            entry["methods"][m] = {
+                "seconds": [p["latency_s"]],
+                "tokens_per_s": tps,
+                "speedup": _ratio(tps, b_tps),
+                "verify_steps": p.get("spec_verify_ct"),
+                "acceptance_length": _ratio(p["completion_tokens"] - 1, p.get("spec_verify_ct")),
+                "finish_reason": p.get("finish_reason"),
+                "lossless": div is None,
+                "first_mismatch": div["first_diff"] if div else None,
+                **({"mismatch_logit_gap": div["logit_gap"]} if div else {}),
+            }
+        per_prompt.append(entry)
+
+    servers = serving["servers"]
+    return {
+        "format": BENCH_FORMAT,
+        "backend": "sglang",
+        "target": serving["target"],
+        "drafter": str(drafter_dir),
+        "prompt_files": [str(p) for p in prompt_files],
+        "prompts": sum(ps["prompts"] for ps in serving["prompt_sets"]),
+        "num_draft_steps": steps,
+        "max_new_tokens": max_new_tokens,
+        "repeats": 1,
+        "warmup": serving["warmup"],
+        "timing": TIMING,
+        "concurrency": c,
+        "baseline": totals("baseline"),
+        "speculative": {k: eagle[k] for k in ("tokens_per_s", "tokens", "seconds", "verify_steps")},
+        "speedup": eagle["speedup"],
+        "speedup_median_paired": eagle["speedup_median_paired"],
+        "acceptance_length": measured,
+        "acceptance_length_excluding_degenerate": eagle["acceptance_length_excluding_degenerate"],
+        "acceptance_per_position": eagle["acceptance_per_position"],
+        "accepted_per_position": eagle["accepted_per_position"],
+        "drafted_per_position": None,
+        "lossless": all(summary[m]["lossless"] for m in methods),
+        "divergences": divergences,
+        "methods": summary,
+        "by_concurrency": levels,
+        "beats_references": beats_references(measured, refs),
+        "simulated_acceptance_length": simulated,
+        "simulated_vs_measured": (abs(simulated - measured) / measured) if simulated and measured else None,
+        "degenerate_prompts": degenerate,
+        "eos_token_ids": None,  # the server ends a turn by the target folder's own settings
+        "aux_layer_ids": serving["drafter_config"].get("eagle_aux_hidden_state_layer_ids"),
+        "device": f"SGLang, tp {serving['sglang']['tp']}",
+        "dtype": ((servers.get("baseline") or {}).get("server_info") or {}).get("dtype"),
+        "gpus": (serving.get("host") or {}).get("gpus"),
+        "versions": {**serving["versions"], "python": platform.python_version()},
+        "serving_report": str(serving_report),
+        "serving_summary": serving["summary"],
+        "servers": {m: {k: s.get(k) for k in ("command_line", "ready_s", "log", "error")} for m, s in servers.items()},
+        "per_prompt": per_prompt,
+    }
+
+
+def run_serving_benchmark(
+    target: Mapping[str, Any],
+    drafter_dir: Path,
+    prompt_files: Sequence[Path],
+    out_json: Path,
+    *,
+    sglang: Mapping[str, Any] | None,
+    max_new_tokens: int,
+    max_prompts: int | None = None,
+    warmup: int = 1,
+    references: Sequence[str] = ("ngram",),
+    render: Callable[[list[dict[str, Any]]], list[int] | str] | None = None,
+    sglang_python: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the harness over the benchmark prompts and write ``out_json`` (``aerie.bench/2``); return the report.
+
+    The harness's own report goes beside it as ``{run}.sglang.json``, the servers' logs as
+    ``{run}.sglang.{mode}.server.log``. Servers run with this interpreter unless ``sglang_python`` is given
+    (in the bench job: SGLang's environment) and inherit its environment (the job's CUDA_VISIBLE_DEVICES)."""
+    from aerie.bench.sglang_harness import run_sglang_benchmark, tokenizer_render
+
+    settings = sglang_settings(sglang)
+    sets = bench_prompt_sets(prompt_files, max_prompts)
+    if not sets:
+        raise ValueError(f"no benchmark prompts in {list(map(str, prompt_files))}")
+    if render is None:
+        render = tokenizer_render(target["path"], trust_remote_code=bool(target.get("trust_remote_code")))
+    out_json = Path(out_json)
+    serving_json = out_json.with_name(out_json.stem + ".sglang.json")
+    serving = run_sglang_benchmark(
+        target["path"],
+        drafter_dir,
+        sets,
+        serving_json,
+        sglang=settings,
+        max_new_tokens=max_new_tokens,
+        render=render,
+        sglang_python=sglang_python,
+        warmup=warmup,
+        references=references,
+        log=log,
+    )
+    report = bench_report_from_serving(
+        serving, prompt_files=prompt_files, serving_report=serving_json, max_new_tokens=max_new_tokens
+    )
+    atomic_write_json(out_json, report)
+    for m, sm in report["methods"].items():
+        log(
+            f"{m}: speedup {sm['speedup'] or float('nan'):.3f}x (median paired "
+            f"{sm['speedup_median_paired'] or float('nan'):.3f}x) at concurrency {report['concurrency']}, acceptance "
+            f"length {sm['acceptance_length'] or float('nan'):.2f}, lossless={sm['lossless']}"
+        )
+    return report

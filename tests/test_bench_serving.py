@@ -1,0 +1,193 @@
+"""The bench rule with ``bench.backend: sglang``: its script function (aerie.bench.job.gated_benchmark) drives the
+serving harness against the stand-in SGLang (tests/fixtures/sglang/fake_launch_server.py: SGLang 0.5.23's flags and
+recorded HTTP shapes) started as a real subprocess with this interpreter, as the job starts SGLang with its env's
+Python: the baseline, the trained drafter with the config's EAGLE-3 flags and SGLang's NGRAM reference; it writes the
+in-process benchmark's report and plot, and the shared gate passes or fails the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from tiny_world import char_chat_tokenizer, write_prompts
+
+from aerie.bench import sglang_server
+from aerie.bench.job import gated_benchmark
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+SPECIALS = ["<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+SGLANG = {"tp": 1, "concurrency": [1, 2], "extra_args": ["--trust-remote-code"]}
+
+
+@pytest.fixture()
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """A target folder (a character tokenizer with a chat template: what the job renders prompts with), a drafter
+    folder, two datasets' bench prompts, and the stand-in importable as ``sglang`` by this interpreter."""
+    tok, vocab = char_chat_tokenizer(SPECIALS)
+    target = tmp_path / "target"
+    tok.save_pretrained(target)
+    drafter = tmp_path / "results" / "drafter" / "run"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "vocab_size": len(vocab),
+                "draft_vocab_size": 64,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
+            }
+        )
+    )
+    (drafter / "eval.json").write_text(json.dumps({"simulated_acceptance_length_by_steps": [1.9, 2.6, 2.9]}))
+    prompt_files = []
+    for name, texts in (
+        ("chat", ["hello there, how are you", "TIE breaks here", "LOOP forever and ever"]),
+        ("math", ["what is 12+30?", "sort 3 1 2 please"]),
+    ):
+        path = tmp_path / "results" / name / "prompts" / "bench.jsonl"
+        path.parent.mkdir(parents=True)
+        write_prompts(path, texts, dataset=name)
+        prompt_files.append(path)
+    pkg = tmp_path / "fakepkg" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch_server.py").write_text((FIXTURES / "fake_launch_server.py").read_text())
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(pkg.parent), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FAKE_SGLANG_FIXTURES", str(FIXTURES))
+    monkeypatch.setenv("FAKE_SGLANG_STATE", str(state))
+    monkeypatch.setenv("FAKE_SGLANG_WORKER_STOPS", "1")  # the harness test covers killing one that does not
+    # The stand-in's triggers in this tokenizer's ids (its default is character codes).
+    triggers = {word: [vocab[c] for c in word] for word in ("DIVERGE", "TIE", "LOOP")}
+    monkeypatch.setenv("FAKE_SGLANG_TRIGGERS", json.dumps(triggers))
+    yield {"target": target, "drafter": drafter, "prompts": prompt_files, "state": state, "out": tmp_path / "bench"}
+    for f in state.glob("*.json"):  # never leave a stand-in behind, even when a test failed
+        s = json.loads(f.read_text())
+        for pid in (s["pid"], s["child_pid"]):
+            if sglang_server.process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def bench_settings(**gate) -> dict:
+    """config bench: as the schema fills it, with bench.backend sglang."""
+    return {
+        "backend": "sglang",
+        "max_new_tokens": 24,
+        "num_draft_steps": 3,
+        "repeats": 1,
+        "warmup": 1,
+        "gate": {"min_speedup": 1.0, "must_beat_references": True, "max_simulated_gap": None, **gate},
+    }
+
+
+def run(world: dict, bench: dict, logs: list[str]) -> dict:
+    out = world["out"] / "run.json"
+    return gated_benchmark(
+        {"path": str(world["target"]), "trust_remote_code": False},
+        world["drafter"],
+        world["prompts"],
+        out,
+        out.with_suffix(".png"),
+        bench,
+        sglang=SGLANG,
+        threads=1,
+        log=logs.append,
+    )
+
+
+def test_sglang_backend_writes_the_in_process_report_and_passes_the_gate(world: dict) -> None:
+    logs: list[str] = []
+    report = run(world, bench_settings(lossless_max_gap=0.5), logs)
+    out = world["out"] / "run.json"
+    assert json.loads(out.read_text()) == report and (world["out"] / "run.png").read_bytes()[:4] == b"\x89PNG"
+    assert any(line.startswith("gate passed") for line in logs), logs
+
+    # The three servers, each with the flags of its mode, through this interpreter (the job's environment).
+    for mode in ("baseline", "eagle3", "ngram"):
+        st = json.loads((world["state"] / f"{mode}.json").read_text())
+        port = int(st["argv"][st["argv"].index("--port") + 1])
+        drafter = world["drafter"] if mode == "eagle3" else None
+        want = sglang_server.server_command(str(world["target"]), port, SGLANG, drafter_dir=drafter, mode=mode)
+        assert [sys.executable, "-m", "sglang.launch_server", *st["argv"]] == want
+        assert st["bad_shape"] == 0 and st["flushes"] == 2 * 2  # 2 datasets x 2 concurrency levels
+
+    # The in-process benchmark's schema: every key it writes (format 2), the same meaning.
+    inprocess_keys = {
+        "format", "target", "drafter", "prompt_files", "prompts", "num_draft_steps", "max_new_tokens", "repeats",
+        "warmup", "timing", "baseline", "speculative", "speedup", "speedup_median_paired", "acceptance_length",
+        "acceptance_length_excluding_degenerate", "acceptance_per_position", "accepted_per_position",
+        "drafted_per_position", "lossless", "divergences", "methods", "beats_references",
+        "simulated_acceptance_length", "simulated_vs_measured", "degenerate_prompts", "eos_token_ids",
+        "aux_layer_ids", "device", "dtype", "versions", "per_prompt", "backend",
+    }  # fmt: skip
+    assert inprocess_keys <= set(report), inprocess_keys - set(report)
+    assert report["format"] == "aerie.bench/2" and report["backend"] == "sglang"
+    assert report["prompts"] == 5 and report["num_draft_steps"] == 3 and set(report["methods"]) == {"eagle3", "ngram"}
+    # Speed at the worst concurrency level; every level listed.
+    assert report["concurrency"] in (1, 2) and [lv["concurrency"] for lv in report["by_concurrency"]] == [1, 2]
+    worst = min(
+        min(lv["methods"]["eagle3"]["speedup"], lv["methods"]["eagle3"]["speedup_median_paired"])
+        for lv in report["by_concurrency"]
+    )
+    assert min(report["speedup"], report["speedup_median_paired"]) == pytest.approx(worst)
+    assert report["speedup"] == pytest.approx(
+        report["speculative"]["tokens_per_s"] / report["baseline"]["tokens_per_s"]
+    )
+    assert report["speedup"] > 1.3  # stand-in: 5 ms per 3 tokens vs 4 ms per token
+    # Acceptance: committed tokens per verify step without the prefill token; per position from SGLang's histogram.
+    e = report["methods"]["eagle3"]
+    reqs = [p for r in report["per_prompt"] for p in [r["methods"]["eagle3"]]]
+    assert e["acceptance_length"] > report["methods"]["ngram"]["acceptance_length"] > 1.0
+    assert report["beats_references"] is True
+    assert e["acceptance_per_position"] == [1.0, 1.0, 0.0]  # the stand-in accepts 2 drafts every step
+    assert all(p["verify_steps"] > 0 for p in reqs)
+    assert report["simulated_acceptance_length"] == 2.9  # the drafter's eval for 3 steps
+    # Lossless: the TIE prompt's EAGLE3 output left the baseline's, at a near-tie (0.02) that the gate tolerates.
+    divs = report["divergences"]
+    assert {(d["method"], d["id"], d["concurrency"]) for d in divs} == {
+        ("eagle3", "chat/1", 1),
+        ("eagle3", "chat/1", 2),
+    }
+    assert all(d["logit_gap"] == pytest.approx(0.02) and d["first_diff"] == 12 for d in divs)
+    assert report["lossless"] is False and report["methods"]["ngram"]["lossless"] is True
+    assert report["degenerate_prompts"] == ["chat/2"]
+    # The harness's own report beside it, and the report figure reads the bench JSON alone.
+    serving = json.loads(Path(report["serving_report"]).read_text())
+    assert serving["format"] == "aerie.sglang-bench/3" and serving["modes"] == ["baseline", "eagle3", "ngram"]
+    from aerie.report import figure_benchmark
+
+    summary = figure_benchmark(out, world["out"] / "figure.png")
+    assert summary["speedup"] == report["speedup"] and set(summary["sglang_speedup"]) == {1, 2}
+
+
+def test_sglang_backend_fails_the_job_on_the_shared_gate(world: dict) -> None:
+    """Outputs identical required (lossless_max_gap 0) and an impossible speed goal: the job fails, naming both, and
+    keeps the report under gate-failed names (Snakemake deletes a failed job's outputs)."""
+    logs: list[str] = []
+    with pytest.raises(SystemExit) as failed:
+        run(world, bench_settings(min_speedup=50.0, lossless_max_gap=0.0), logs)
+    message = str(failed.value)
+    assert message.startswith("the drafter does not pay off: speedup ") and "below bench.gate.min_speedup 50" in message
+    assert "at concurrency" in message and "eagle3 on chat/1 at concurrency 1 from token 12" in message
+    assert not (world["out"] / "run.json").exists() and not (world["out"] / "run.png").exists()
+    kept = json.loads((world["out"] / "run.gate-failed.json").read_text())
+    assert kept["backend"] == "sglang" and (world["out"] / "run.gate-failed.png").exists()
+
+
+def test_kimi_config_benchmarks_under_sglang_with_ngram_reference() -> None:
+    from aerie.bench.settings import bench_references, check_bench_config
+
+    config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    assert config["bench"]["backend"] == "sglang" and bench_references(config["bench"]) == ["ngram"]
+    check_bench_config(config)
+    with pytest.raises(ValueError, match=r"bench.references: untrained cannot run with bench.backend: sglang"):
+        check_bench_config({**config, "bench": {**config["bench"], "references": ["untrained", "ngram"]}})
+    with pytest.raises(ValueError, match=r"sglang.tp: 8 GPUs per server, but rule bench gets resources.bench_gpus: 4"):
+        check_bench_config({**config, "resources": {**config["resources"], "bench_gpus": 4}})
