@@ -86,4 +86,5 @@ class AuxHiddenCapture:
             raise RuntimeError(f"aux layers {missing} produced no output in the last forward: capture is off")
         states = [self._captured[i] for i in self.layer_ids]
         self._captured.clear()
-        return torch.cat(states, dim=-1)
+        # A target spread over several GPUs (device_map) captures each layer on its own device: join on the first's.
+        return torch.cat([s.to(states[0].device) for s in states], dim=-1)

@@ -66,6 +66,10 @@ def slurm_overrides() -> list[str]:
         "runtime=30",
         "--set-resources",
         *[f"{r}:{k}" for r in rules for k in ("slurm_partition=debug", "mem_mb=500", "gpu=0")],
+        # The profile deploys each rule's conda env; this node has no conda and the demo needs only the installed
+        # venv. env-modules replaces conda in the profile's list, and no rule declares modules: nothing is deployed.
+        "--software-deployment-method",
+        "env-modules",
     ]
 
 

@@ -126,7 +126,10 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown reference drafters {unknown}; known: {list(REFERENCES)}")
     set_threads(threads)
-    target, tok, dev = load_target(target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    # Larger than one GPU: spread over the job's GPUs (aerie.target.placement); too large for them all: refused.
+    target, tok, dev = load_target(
+        target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, spread=True
+    )
     # The drafter computes in the target's dtype (its folder stores bf16, as SGLang serves it). Its export
     # has no embeddings: like SGLang's EAGLE worker, it takes the target's.
     drafter = Eagle3Drafter.from_pretrained(drafter_dir, dtype=next(target.parameters()).dtype)

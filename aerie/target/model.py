@@ -38,14 +38,46 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
-    """(model in eval mode, tokenizer, device) for a local save_pretrained folder."""
+def visible_gpu_memory() -> list[int]:
+    """Total bytes of each visible CUDA device (the job's own: CUDA_VISIBLE_DEVICES); [] without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def load_target(
+    path: str | Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    *,
+    spread: bool = False,
+):
+    """(model in eval mode, tokenizer, device of its input embeddings) for a local save_pretrained folder.
+
+    ``spread``: place the weights by :mod:`aerie.target.placement` (one GPU when they fit it, else balanced over
+    every visible GPU with ``device_map``/``max_memory``; too large for them all: ValueError before loading).
+    Without it, or on the CPU, the whole model goes to ``device``."""
     from transformers import AutoModelForCausalLM
 
+    from aerie.target.placement import plan_placement, weight_bytes
+
     dev = pick_device(device)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=pick_dtype(dtype, dev), trust_remote_code=trust_remote_code
-    ).to(dev)
+    torch_dtype = pick_dtype(dtype, dev)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    placement = None
+    if spread and dev.type == "cuda":
+        placement = plan_placement(weight_bytes(path, str(torch_dtype).removeprefix("torch.")), visible_gpu_memory())
+        if placement.kind == "spread":
+            kwargs.update(device_map="auto", max_memory=placement.max_memory)
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    if placement is not None and placement.kind == "spread":
+        off = sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} & {"cpu", "disk"})
+        if off:  # accelerate put layers off the GPUs after all: every step would stream them
+            raise ValueError(f"{path}: {placement.describe()} left layers on {off}; set bench.backend: sglang")
+        dev = model.get_input_embeddings().weight.device
+    else:
+        model = model.to(dev)
     model.eval()
     return model, load_tokenizer(path, trust_remote_code), dev
 
