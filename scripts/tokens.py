@@ -20,6 +20,8 @@ tokenize_shard(
     overlong=cfg["overlong"],
     drop_truncated=cfg["drop_truncated"],
     max_dropped_fraction=cfg["max_dropped_fraction"],
+    reasoning_requested=snakemake.params.reasoning_requested,
+    keep_missing_reasoning=cfg["keep_missing_reasoning"],
     drop_filtered=cfg["drop_filtered"],
     drop_degenerate=cfg["drop_degenerate"],
     special_token_text=cfg["special_token_text"],

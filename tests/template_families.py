@@ -168,6 +168,17 @@ FAMILIES = [
         basic="<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>"
         "Paris.<|return|>",
     ),
+    # The finished turn repeats the generation prompt's open block (`<SPECIAL_11>Assistant\n<think>\n`) with the
+    # answer in it and renders no reasoning at all: nothing it renders for a finished turn is what the model writes.
+    Family(
+        "Nemotron Nano v2",
+        "NVIDIA-Nemotron-Nano-v2.jinja",
+        ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<TOOLCALL>", "</TOOLCALL>"),
+        None,
+        "<SPECIAL_12>",
+        stops=("<SPECIAL_12>",),
+        basic=None,
+    ),
     Family(
         "Llama 3.1 (no reasoning)",
         "meta-llama-Llama-3.1-8B-Instruct.jinja",
@@ -374,6 +385,23 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "GLM 4.6": {"normalised": ["edge_whitespace"]},
     "MiniMax M2": {"refused": {"no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"]}},
     "gpt-oss": {"refused": {"prefix_mismatch": ["after_tool"]}},
+    # Nemotron Nano v2 never renders reasoning_content, and its finished turn puts the answer inside the block the
+    # generation prompt opened: a record with reasoning is refused, one without it too (no `</think>` written).
+    "Nemotron Nano v2": {
+        "refused": {
+            "template_drops_reasoning": [
+                "basic",
+                "system",
+                "multi_turn",
+                "after_tool",
+                "edge_whitespace",
+                "unicode",
+                "gsm8k",
+            ],
+            "prefix_mismatch": ["tool_call"],
+            "reasoning_block_unclosed": ["empty_reasoning", "missing_reasoning"],
+        }
+    },
     "Llama 3.1 (no reasoning)": {
         "refused": {"template_drops_reasoning": ["reasoning_given"]},
         "normalised": ["edge_whitespace"],

@@ -19,6 +19,7 @@ from template_families import EXPECTED, FAMILIES, Family, family_records, family
 
 from aerie.artifacts import split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, read_tokens_shard
+from aerie.target.markers import check_template_markers
 from aerie.target.template import ChatTemplateError
 from aerie.target.turns import TurnRefused, render_turn
 from aerie.tokens.stage import tokenize_shard
@@ -33,6 +34,7 @@ TURN_END = {
     "MiniMax M2": "[e~[",
     "gpt-oss": "<|return|>",
     "Llama 3.1 (no reasoning)": "<|eot_id|>",
+    "Nemotron Nano v2": "<SPECIAL_12>",
 }
 TOOL_CALL_END = {"gpt-oss": "<|call|>", "GLM 4.6": "<|observation|>"}
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
@@ -62,6 +64,7 @@ def deepseek_v31_calls(rec: dict) -> str:
 UPSTREAM_BLOBS = {
     "DeepSeek-V3.2.jinja": "98d56589f0ede0b6e925007f9c68264bae9cff27",
     "GLM-4.6.jinja": "4a09db53c8ade84034d943e4ca36d89f16f938e8",
+    "NVIDIA-Nemotron-Nano-v2.jinja": "c8ab5848300b99891fec60877fefabd071b562c0",
     "Kimi-K3.jinja": "48de47fc9029bf1d2bd611de8613c79f4a3b80ea",
     "MiniMax-M2.jinja": "9302ccedb217e95fcdbf55b6cfda952420d82875",
     "Qwen-Qwen3-0.6B.jinja": "699ff8df401fe4788525e9c1f9b86a99eadd6230",
@@ -154,6 +157,7 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp
             str(targets[fam.name]),
             max_seq_len=1 << 20,
             max_dropped_fraction=1.0,
+            reasoning_requested=False,  # every record reaches the template (missing reasoning: see below)
             log=lambda m: None,
         )
     except FidelityError as err:  # every record refused: the shard is refused, with the counts
@@ -276,3 +280,88 @@ def test_shard_does_not_depend_on_how_records_are_chunked(targets, tmp_path, mon
             elif chunk_chars == 1 << 20:
                 assert len(batches) == 1, name
         assert all(o == outputs[0] for o in outputs[1:]), name
+
+
+def run_family(target: Path, records: list[dict], tmp_path: Path, **kw) -> tuple[dict, dict]:
+    """(report, {sample id: generated ids}) of the tokens stage on ``records``."""
+    write_jsonl(tmp_path / "r.jsonl", records)
+    report = tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(target),
+        max_seq_len=1 << 20,
+        log=lambda m: None,
+        **kw,
+    )
+    tensors, meta = read_tokens_shard(tmp_path / "t.safetensors")
+    seqs = split_packed(tensors["input_ids"], tensors["seq_offsets"])
+    return report, {sid: s.tolist()[n:] for sid, s, n in zip(meta["sample_ids"], seqs, meta["prompt_lengths"])}
+
+
+@pytest.mark.parametrize("name", ["Kimi K2-Thinking", "Kimi K3", "Qwen3", "DeepSeek V3.2 (thinking)"])
+def test_missing_reasoning_is_dropped_per_provider_where_the_template_trains_it_as_empty(
+    name: str, targets, tmp_path
+) -> None:
+    """On these templates a turn without reasoning renders the same whether the reasoning is empty or missing, so
+    a provider that strips the trace would train "the model did not think": with reasoning requested (the
+    default) the missing one is dropped and counted for its provider; the empty one is what the model wrote."""
+    from aerie.target.model import load_tokenizer
+
+    fam = next(f for f in FAMILIES if f.name == name)
+    tok = load_tokenizer(targets[name])
+    recs = {r["id"]: r for r in family_records(fam)}
+    records = [
+        {**recs["basic"], "provider": "A"},
+        {**recs["empty_reasoning"], "provider": "A"},
+        {**recs["missing_reasoning"], "provider": "B"},
+    ]
+    report, generated = run_family(targets[name], records, tmp_path, max_dropped_fraction=0.5)
+    assert report["dropped"] == {"no_reasoning": 1} and report["drop_examples"] == {
+        "no_reasoning": ["missing_reasoning"]
+    }
+    assert report["providers"]["B"]["dropped_reasons"] == {"no_reasoning": 1}
+    assert report["providers"]["B"]["no_reasoning_rate"] == 1.0 and report["providers"]["A"]["no_reasoning_rate"] == 0
+    assert generated["empty_reasoning"] == expected_generated(tok, fam, recs["empty_reasoning"])
+    # Kept on request, it trains what the template renders: the same ids as the empty one (why it is dropped).
+    kept, generated = run_family(targets[name], records, tmp_path, keep_missing_reasoning=True)
+    assert kept["dropped"] == {} and generated["missing_reasoning"] == generated["empty_reasoning"]
+
+
+def test_a_finished_turn_inside_the_open_reasoning_block_is_refused(targets, tmp_path) -> None:
+    """NVIDIA Nemotron Nano v2: the generation prompt ends `<think>\\n` and the finished turn repeats it with the
+    answer after it and no `</think>`. No fallback or prefix check sees it (the finished turn does begin with the
+    prompt); the reasoning-block check on the template's own text does. With thinking off (`/no_think`: the
+    prompt closes the block) the same record is what the model writes and is rebuilt as the template renders it."""
+    from aerie.target.model import load_tokenizer
+
+    fam = next(f for f in FAMILIES if f.name == "Nemotron Nano v2")
+    tok = load_tokenizer(targets[fam.name])
+    recs = {r["id"]: r for r in family_records(fam)}
+    no_think = {
+        **recs["missing_reasoning"],
+        "id": "no_think",
+        "messages": [{"role": "system", "content": "/no_think"}, *recs["missing_reasoning"]["messages"]],
+    }
+    records = [recs["empty_reasoning"], recs["missing_reasoning"], no_think]
+    report, generated = run_family(
+        targets[fam.name], records, tmp_path, reasoning_requested=False, max_dropped_fraction=1.0
+    )
+    assert report["dropped"] == {"reasoning_block_unclosed": 2} and report["rebuild_paths"]["refused"] == 2
+    assert "repeats the open block" in report["refusal_messages"]["reasoning_block_unclosed"]
+    assert list(generated) == ["no_think"] and generated["no_think"] == expected_generated(tok, fam, no_think)
+    assert tok.decode(generated["no_think"], skip_special_tokens=False) == "Paris.\n<SPECIAL_12>"
+    turn = render_turn(tok, no_think["messages"], None, "Paris.")
+    assert turn.generation_prompt.endswith("<think></think>")
+
+
+def test_every_family_tokenizer_keeps_its_template_markers_one_id(targets) -> None:
+    from aerie.target.model import load_tokenizer
+
+    for fam in FAMILIES:
+        tok = load_tokenizer(targets[fam.name])
+        markers = check_template_markers(tok, targets[fam.name])
+        end = TURN_END.get(fam.name, DEEPSEEK_EOS)
+        assert markers[end] == tok.convert_tokens_to_ids(end), fam.name
+        writes_think = "<think>" in tok.chat_template
+        assert ("<think>" in markers) == writes_think and ("</think>" in markers) == writes_think, fam.name

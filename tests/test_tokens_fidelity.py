@@ -507,19 +507,54 @@ def test_truncated_and_filtered_answers_get_no_turn_end(tok, fmt, kimi_target, t
     assert all(int(t["input_ids"][int(t["seq_offsets"][s + 1]) - 1]) not in fmt.stop_ids for s in (6, 7, 8, 9))
 
 
-def test_empty_and_missing_reasoning_are_counted_apart(tok, kimi_target, tmp_path) -> None:
+def test_missing_reasoning_is_dropped_per_provider_and_empty_reasoning_is_kept(tok, kimi_target, tmp_path) -> None:
+    """Reasoning requested (the default, a thinking target): a text-only record whose reasoning is missing (null) is
+    missing data, dropped and counted per provider; empty reasoning is what the model wrote and is trained."""
     msgs = [{"role": "user", "content": "Q"}]
     recs = [
-        record("p", msgs, "plan", "a"),
-        record("e", msgs, "", "b"),
-        record("w", msgs, " \n", "c"),
-        record("n", msgs, None, "d"),
+        {**record("p", msgs, "plan", "a"), "provider": "A"},
+        {**record("e", msgs, "", "b"), "provider": "A"},
+        {**record("w", msgs, " \n", "c"), "provider": "A"},
+        {**record("n", msgs, None, "d"), "provider": "B"},
     ]
-    report, t, _ = run_stage(tmp_path, kimi_target, recs)
+    report, t, _ = run_stage(tmp_path, kimi_target, recs, max_dropped_fraction=0.5)
     assert (report["reasoning_present"], report["empty_reasoning"], report["no_reasoning"]) == (1, 2, 1)
-    # Kimi-K2-Thinking's prompt does not open the block: each is rendered as the template renders it.
+    assert report["dropped"] == {"no_reasoning": 1} and report["drop_examples"]["no_reasoning"] == ["n"]
+    assert (report["kept"], report["reasoning_requested"], report["missing_reasoning_policy"]) == (3, 4, "drop")
+    a, b = report["providers"]["A"], report["providers"]["B"]
+    assert (b["dropped_reasons"], b["no_reasoning"], b["no_reasoning_rate"]) == ({"no_reasoning": 1}, 1, 1.0)
+    assert (a["dropped_reasons"], a["no_reasoning_rate"], a["kept"]) == ({}, 0.0, 3)
+    # Kimi-K2-Thinking's prompt does not open the block: empty reasoning is rendered as the template renders it.
     assert generated_text(tok, t, 1) == "<think></think>b<|im_end|>"
-    assert generated_text(tok, t, 3) == "<think></think>d<|im_end|>"
+    # tokens.keep_missing_reasoning: kept, trained as the template renders a turn without reasoning.
+    kept, t, _ = run_stage(tmp_path, kimi_target, recs, keep_missing_reasoning=True)
+    assert (kept["kept"], kept["dropped"], kept["missing_reasoning_policy"]) == (4, {}, "keep")
+    assert kept["providers"]["B"]["no_reasoning"] == 1 and generated_text(tok, t, 3) == "<think></think>d<|im_end|>"
+
+
+def test_whether_reasoning_was_requested_is_read_from_the_record_first(tok, fmt, kimi_target, tmp_path) -> None:
+    msgs = [{"role": "user", "content": "Q"}]
+    good = [record(f"g{i}", msgs, "plan", f"answer {i}") for i in range(6)]
+    recs = good + [
+        # The responses stage was told to require reasoning and got none: requested, whatever the setting says.
+        record("flagged", msgs, None, "a", flags=["no_reasoning"]),
+        # Flagged too, but the model wrote an empty block: what it wrote, trained.
+        record("flagged_empty", msgs, "", "b", flags=["no_reasoning"]),
+        # OpenRouter's reasoning object as sent: asked (exclude: thought, but not returned) or turned off.
+        record("asked", msgs, None, "c", params={"reasoning": {"effort": "high", "exclude": True}}),
+        record("off", msgs, None, "d", params={"reasoning": {"enabled": False}}),
+        record("none", msgs, None, "e", params={"reasoning": {"effort": "none"}}),
+        record("plain", msgs, None, "f"),  # says nothing: the dataset's settings decide
+        # Exact sampled ids are what the model did (here: no reasoning block at all): never missing data.
+        {**exact_record(tok, fmt, "exact", msgs, "g<|im_end|>"), "flags": ["no_reasoning"]},
+    ]
+    assert recs[-1]["reasoning"] is None
+    report, _, meta = run_stage(tmp_path, kimi_target, recs, reasoning_requested=False, max_dropped_fraction=0.5)
+    assert report["dropped"] == {"no_reasoning": 2} and report["drop_examples"]["no_reasoning"] == ["flagged", "asked"]
+    assert {"flagged_empty", "off", "none", "plain", "exact"} <= set(meta["sample_ids"])
+    report, _, meta = run_stage(tmp_path, kimi_target, recs, reasoning_requested=True, max_dropped_fraction=0.5)
+    assert report["drop_examples"]["no_reasoning"] == ["flagged", "asked", "plain"]
+    assert report["reasoning_requested"] == 6 + 5 and "exact" in meta["sample_ids"]  # all but "off", "none"
 
 
 def test_the_rebuild_ignores_tokenizer_state_left_by_earlier_calls(tok, kimi_target, tmp_path) -> None:
@@ -543,7 +578,7 @@ def test_looping_answers_are_dropped_and_counted_per_provider(tok, kimi_target, 
     recs = [{**record(f"a{i}", msgs, "plan it", f"answer number {i} is fine."), "provider": "A"} for i in range(6)]
     recs += [
         {**record("loop", msgs, "plan", "the cat " * 40), "provider": "B"},
-        {**record("b1", msgs, None, "short"), "provider": "B"},
+        {**record("b1", msgs, "", "short"), "provider": "B"},
         {**record("b2", msgs, "r", "x", finish_reason="length"), "provider": "B"},
     ]
     report, _, _ = run_stage(tmp_path, kimi_target, recs, max_dropped_fraction=0.5)

@@ -5,7 +5,7 @@ with the mask facts in its metadata so any reader can check the mask again. Sinc
 sequence: each record's prompt (its own tools, template kwargs, and a generation prompt that may differ per
 record, e.g. none after a tool result) gives its own prompt length and generation prompt. ``aerie.tokens/2``
 shards (one generation prompt for the whole shard) are still read and checked. The fidelity report beside a
-shard is ``aerie.tokens-report/3``.
+shard is ``aerie.tokens-report/4``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from aerie.artifacts import FormatError, load_packed, save_packed
 
 TOKENS_FORMAT = "aerie.tokens/3"
 READABLE_TOKENS_FORMATS = (TOKENS_FORMAT, "aerie.tokens/2")
-REPORT_FORMAT = "aerie.tokens-report/3"
+REPORT_FORMAT = "aerie.tokens-report/4"
 # Metadata a hidden shard copies from its tokens shard so the mask can be checked again there (the keys a
 # shard has: /3 writes all, /2 only generation_prompt_ids, stop_ids, cut_sequences).
 MASK_FACT_KEYS = (

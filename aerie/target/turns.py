@@ -7,7 +7,10 @@ them. Nothing is hard-coded per model: Qwen3's ``<think>\\nR\\n</think>\\n\\nC``
 Where the template cannot express the turn it is refused (``TurnRefused``, with the counted reason) or, in
 two cases, falls back to framing learned from the template's own renders: the reasoning framing of a
 tool-call turn (``FALLBACK_TOOL_CALL_FRAMING``), or the reasoning markers where the generation prompt and
-the turn's render meet (``FALLBACK_REASONING_MARKERS``).
+the turn's render meet (``FALLBACK_REASONING_MARKERS``). Whatever the path, the template's text of the finished
+turn must be text the model writes: one that leaves the reasoning block open around the model's answer or at
+the turn's end is refused (``reasoning_block_unclosed``: e.g. NVIDIA Nemotron Nano v2, whose finished turn
+repeats the ``<think>\\n`` its generation prompt opened and puts the answer after it, with no ``</think>``).
 """
 
 from __future__ import annotations
@@ -169,7 +172,42 @@ def render_turn(
         fallback_reason=why if path == "fallback" else "",
     )
     _locate_text(turn, layout, reasoning, content)
+    unclosed = _unclosed_reasoning_block(turn, think_start_text, think_end_text)
+    if unclosed:
+        raise TurnRefused(
+            "reasoning_block_unclosed",
+            (
+                f"the template's rendering of the finished turn leaves the reasoning block open ({think_start_text!r} "
+                f"with no {think_end_text!r}) {unclosed}: the model closes its reasoning before it answers or ends "
+                f"its turn, so this text is not what it wrote (e.g. a template whose finished turn repeats the open "
+                f"block of its generation prompt {generation_prompt!r}, as NVIDIA Nemotron Nano v2's does, with a "
+                f"record whose reasoning is empty or missing)"
+            ),
+        )
     return turn
+
+
+def _unclosed_reasoning_block(turn: TurnText, start: str | None, end: str | None) -> str:
+    """Where the template's text of the finished turn has the model write inside an open reasoning block ("" when
+    nowhere): its content, or the end of the turn. The block's state runs through the framing only (the generation
+    prompt, then the template's text between the model's texts), from the tokenizer's markers; the model's own
+    text is its own (special-token text in it is counted elsewhere). A truncated turn is cut before the end."""
+    if not start or not end:
+        return ""
+
+    def after(text: str, is_open: bool) -> bool:
+        last_start, last_end = text.rfind(start), text.rfind(end)
+        return is_open if last_start == last_end == -1 else last_start > last_end
+
+    is_open = after(turn.generation_prompt, False)
+    text, pos = turn.generated, 0
+    regions = sorted(turn.regions, key=lambda r: r[1]) if turn.layout_known else []
+    for name, a, b in regions:
+        is_open = after(text[pos:a], is_open)
+        if name == "content" and is_open:
+            return "around the model's answer"
+        pos = b
+    return "at the end of the turn" if after(text[pos:], is_open) else ""
 
 
 def _refusal(

@@ -10,6 +10,12 @@ the opener of the next turn for templates that write none). So Qwen3's ``<think>
 GLM's ``\\n<think>R</think>\\nC<|user|>``, gpt-oss's channels and Kimi K3's tags need no code of their own.
 Each record's prompt length is its loss-mask boundary.
 
+Whatever the template renders for a finished turn, a record the target's text cannot produce is refused with a
+counted reason (an answer inside a reasoning block left open, e.g. Nemotron Nano v2's repeated open block). A
+text-only record whose reasoning is missing (``null``) while reasoning was requested is missing data, dropped
+(``no_reasoning``, per provider; ``aerie.tokens.reasoning``); empty reasoning is the model's own. Before any of
+it, the tokenizer as loaded must keep every special marker of the template one id (``aerie.target.markers``).
+
 Where the template cannot express the turn the record is refused with a counted reason, or framed by one
 of two fallbacks learned from the template's own renders (path ``fallback``, counted per reason): a
 template that drops the final turn's reasoning but renders reasoning in a tool-call turn (Kimi K2's
@@ -28,6 +34,7 @@ Modules, one job each (imported where used; nothing is re-exported here):
   drop gate (``too_many_dropped``), pack the kept sequences and write the shard and its report;
 - ``rebuild``: the generated ids of one record from the template's text of its turn (``rebuild_generated``),
   and why a text rebuild differs from the ids the model sampled (``classify_mismatch``);
+- ``reasoning``: whether a record's request asked for reasoning (torch-free: rule ``tokens`` reads it);
 - ``fidelity``: the shard's fidelity report (counts, examples, mismatch classes, per-provider rates) and the
   providers that differ from the others across shards (``provider_stats``, ``provider_outliers``).
 """

@@ -1,7 +1,7 @@
 """The tokens stage's fidelity report: what each shard kept, dropped and found, and providers that differ.
 
 One job: counting. ``ShardReport`` gathers, per shard, the counts, a few examples per drop reason and
-mismatch class, and per-provider rates, and writes them as the report (``aerie.tokens-report/3``,
+mismatch class, and per-provider rates, and writes them as the report (``aerie.tokens-report/4``,
 docs/formats.md); ``provider_stats`` pools those rates over shards and ``provider_outliers`` names a
 provider far from the others (with the config line that would exclude it).
 """
@@ -46,6 +46,8 @@ class _ProviderStats:
         self.samples = 0
         self.kept = 0
         self.dropped = 0
+        self.dropped_reasons: Counter[str] = Counter()
+        self.no_reasoning = 0  # reasoning missing (null): stripped by the provider when it was requested
         self.reasoning_present = 0
         self.truncated = 0
         self.degenerate = 0
@@ -60,11 +62,14 @@ class _ProviderStats:
             "samples": n,
             "kept": self.kept,
             "dropped": self.dropped,
+            "dropped_reasons": dict(sorted(self.dropped_reasons.items())),
+            "no_reasoning": self.no_reasoning,
             "generated_tokens_mean": round(statistics.fmean(lengths), 2) if lengths else None,
             "generated_tokens_p50": _percentile(lengths, 0.5),
             "generated_tokens_p90": _percentile(lengths, 0.9),
             "generated_tokens_p99": _percentile(lengths, 0.99),
             "reasoning_present_rate": rate(self.reasoning_present),
+            "no_reasoning_rate": rate(self.no_reasoning),
             "truncation_rate": rate(self.truncated),
             "loop_rate": round(self.degenerate / self.checked, 6) if self.checked else None,
             "mismatch_rate": round(self.mismatched / self.checked, 6) if self.checked else None,
@@ -95,6 +100,7 @@ class ShardReport:
     def drop(self, reason: str, sample_id: str, provider: str, message: str = "") -> None:
         self.dropped[reason] += 1
         self.providers[provider].dropped += 1
+        self.providers[provider].dropped_reasons[reason] += 1
         if len(self.drop_examples[reason]) < MAX_EXAMPLES:
             self.drop_examples[reason].append(sample_id)
         if message and reason not in self.refusal_messages:
@@ -105,7 +111,9 @@ class ShardReport:
         if sum(m["class"] == cls for m in self.mismatches) < MAX_EXAMPLES:
             self.mismatches.append({"class": cls, **example})
 
-    def as_dict(self, dataset: str, *, samples: int, kept: int, special_token_text_policy: str) -> dict[str, Any]:
+    def as_dict(
+        self, dataset: str, *, samples: int, kept: int, special_token_text_policy: str, missing_reasoning_policy: str
+    ) -> dict[str, Any]:
         """The report as written next to the shard."""
         c = self.counts
         return {
@@ -122,6 +130,8 @@ class ShardReport:
             "reasoning_present": c["reasoning_present"],
             "empty_reasoning": c["empty_reasoning"],
             "no_reasoning": c["no_reasoning"],
+            "reasoning_requested": c["reasoning_requested"],
+            "missing_reasoning_policy": missing_reasoning_policy,
             "special_token_text_policy": special_token_text_policy,
             "special_token_text": c["special_token_text"],
             "special_token_text_examples": self.special_text_examples,
@@ -181,7 +191,14 @@ class ShardReport:
 # ----------------------------------------------------------------------------------------------------------
 # provider equivalence across shards (issue 12 item 7)
 
-PROVIDER_RATES = ("reasoning_present_rate", "truncation_rate", "loop_rate", "mismatch_rate", "drop_rate")
+PROVIDER_RATES = (
+    "reasoning_present_rate",
+    "no_reasoning_rate",
+    "truncation_rate",
+    "loop_rate",
+    "mismatch_rate",
+    "drop_rate",
+)
 OUTLIER_RATE_GAP = 0.2  # a rate this far (absolute) from the other providers' median names the provider
 OUTLIER_LENGTH_FACTOR = 2.0  # mean generated length this many times shorter or longer than the others'
 OUTLIER_MIN_SAMPLES = 20  # fewer samples than this say nothing about a provider
@@ -194,12 +211,23 @@ def provider_stats(reports: Sequence[dict[str, Any]]) -> dict[tuple[str, str], d
         for provider, s in (rep.get("providers") or {}).items():
             p = pooled.setdefault(
                 (str(rep.get("dataset") or ""), provider),
-                {"samples": 0, "kept": 0, "dropped": 0, "lengths": [], "weighted": Counter(), "checked": 0},
+                {
+                    "samples": 0,
+                    "kept": 0,
+                    "dropped": 0,
+                    "dropped_reasons": Counter(),
+                    "no_reasoning": 0,
+                    "lengths": [],
+                    "weighted": Counter(),
+                    "checked": 0,
+                },
             )
             n = int(s.get("samples") or 0)
             p["samples"] += n
             p["kept"] += int(s.get("kept") or 0)
             p["dropped"] += int(s.get("dropped") or 0)
+            p["dropped_reasons"].update({k: int(v) for k, v in (s.get("dropped_reasons") or {}).items()})
+            p["no_reasoning"] += int(s.get("no_reasoning") or 0)
             p["lengths"] += list(s.get("generated_tokens") or [])
             for k in PROVIDER_RATES:  # rates pooled by their shard's sample count
                 if s.get(k) is not None:
@@ -212,6 +240,8 @@ def provider_stats(reports: Sequence[dict[str, Any]]) -> dict[tuple[str, str], d
             "samples": p["samples"],
             "kept": p["kept"],
             "dropped": p["dropped"],
+            "dropped_reasons": dict(sorted(p["dropped_reasons"].items())),
+            "no_reasoning": p["no_reasoning"],
             "generated_tokens_mean": round(statistics.fmean(lengths), 2) if lengths else None,
             "generated_tokens_p50": _percentile(lengths, 0.5),
             "generated_tokens_p90": _percentile(lengths, 0.9),

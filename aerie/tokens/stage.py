@@ -26,11 +26,13 @@ from aerie.bench.degenerate import degenerate_flags
 from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.formats.tokens import FidelityError, write_tokens_shard
 from aerie.target.chat import PROBE_USER, next_turn_opener, read_chat_format
+from aerie.target.markers import check_template_markers
 from aerie.target.model import load_tokenizer, read_generation_config
 from aerie.target.template import TemplateRaised, tool_calls_for_template
 from aerie.target.text_encoder import TextEncoder
 from aerie.target.turns import TurnRefused, TurnText, render_turn
 from aerie.tokens.fidelity import MAX_EXAMPLES, MISMATCH_CLASSES, ShardReport
+from aerie.tokens.reasoning import reasoning_requested as _reasoning_requested
 from aerie.tokens.rebuild import Drop, classify_mismatch, first_diff, mismatch_example, rebuild_generated
 
 SPECIAL_TOKEN_TEXT_POLICIES = ("keep", "plain", "drop")
@@ -66,24 +68,27 @@ def _malformed(record: Any) -> str:
     return f"missing field '{missing[0]}'" if missing else ""
 
 
-def _early_drop(record: dict[str, Any], *, drop_truncated: bool, drop_filtered: bool) -> str:
-    """The drop reason a record gets before its turn is rendered ("" when it goes on to the template)."""
+def _early_drop(
+    record: dict[str, Any], *, drop_truncated: bool, drop_filtered: bool, missing_reasoning_dropped: bool
+) -> str:
+    """The drop reason a record gets before its turn is rendered ("" when it goes on to the template).
+    ``missing_reasoning_dropped``: this record's request asked for reasoning and the setting drops it missing."""
     reasoning, content = record.get("reasoning"), record["content"] or ""
     finish = str(record["finish_reason"])
     if finish == "length" and drop_truncated:
         return "truncated_response"
     if finish in FILTERED_FINISH_REASONS and drop_filtered:
         return f"finish_{finish}"  # a filtered or failed answer is not the model's turn
-    # API responses flagged at regeneration (empty answer, reasoning missing) are not trained on.
-    bad = [f for f in record.get("flags", []) if f in ("empty", "no_reasoning")]
-    if bad:
-        return bad[0]
+    if "empty" in record.get("flags", []):  # flagged at regeneration: finished without an answer
+        return "empty"
     if not _valid_text(reasoning, content):
         return "invalid_text"
     if record.get("output_token_ids") is None:
         # Text only: the ids must come from the text, so text that lost information is not trained on.
         if not reasoning and _reasoning_tokens(record.get("usage")) > 0:
             return "reasoning_missing"  # the server counted reasoning tokens it did not return
+        if reasoning is None and missing_reasoning_dropped:
+            return "no_reasoning"  # requested, not returned: the provider stripped it (empty "" is the model's)
         if "\ufffd" in (reasoning or "") or "\ufffd" in content:
             return "replacement_characters"
     return ""
@@ -188,8 +193,10 @@ def _drop_gate_error(
     hint = ""
     if rep.dropped.keys() & {"no_reasoning", "reasoning_missing"}:
         hint = (
-            " - the server returned no reasoning for a thinking model: the provider drops it or its reasoning "
-            "parser is off; pick a provider that returns reasoning (responses.provider) or enable it"
+            " - the server returned no reasoning although it was requested: the provider drops it or its reasoning "
+            "parser is off; pick a provider that returns reasoning (responses.provider; the report counts each "
+            "provider's missing reasoning) or enable it (tokens.keep_missing_reasoning: true trains the answers "
+            "alone, as if the model had not thought)"
         )
     elif rep.dropped.keys() & set(rep.refusal_messages):
         top = next(k for k, _ in rep.dropped.most_common() if k in rep.refusal_messages)
@@ -223,6 +230,8 @@ def tokenize_shard(
     drop_degenerate: bool = True,
     special_token_text: str = "keep",
     max_dropped_fraction: float = 0.25,
+    reasoning_requested: bool = True,
+    keep_missing_reasoning: bool = False,
     trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
     tokenizer=None,
@@ -233,6 +242,10 @@ def tokenize_shard(
     Fails (FidelityError, nothing written) when more than ``max_dropped_fraction`` of the samples are
     dropped beyond chance (``too_many_dropped``), e.g. a provider that returns no reasoning or a template that
     cannot express the turns.
+    ``reasoning_requested``: the dataset's responses settings asked the target for its reasoning
+    (``aerie.tokens.reasoning.requested_by_config``; a record's own flags and request say it first): a text-only
+    record whose reasoning is then missing (``null``) is dropped (``no_reasoning``) unless
+    ``keep_missing_reasoning``.
     ``tokenizer`` overrides loading it from the target; ``chunk_chars``: how much model text is rendered and
     encoded together (``_rendered_ahead``; the output is the same for any value). The other settings are
     ``tokens.*`` (docs/formats.md).
@@ -242,6 +255,7 @@ def tokenize_shard(
             f"tokens.special_token_text must be one of {SPECIAL_TOKEN_TEXT_POLICIES}, not {special_token_text!r}"
         )
     tok = tokenizer if tokenizer is not None else load_tokenizer(target_path, trust_remote_code)
+    check_template_markers(tok, target_path, as_server=False)  # rule tokenizer_check did it at the run's start
     fmt = read_chat_format(tok, read_generation_config(target_path))
     enc = TextEncoder(tok)  # private backend copies: no state left by earlier transformers calls
     stop_ids = set(fmt.stop_ids)
@@ -261,7 +275,12 @@ def tokenize_shard(
         counts or raises each at its record."""
         if _malformed(r):
             return None
-        early = _early_drop(r, drop_truncated=drop_truncated, drop_filtered=drop_filtered)
+        early = _early_drop(
+            r,
+            drop_truncated=drop_truncated,
+            drop_filtered=drop_filtered,
+            missing_reasoning_dropped=not keep_missing_reasoning and _reasoning_requested(r, reasoning_requested),
+        )
         if early:
             return early
         try:
@@ -292,9 +311,11 @@ def tokenize_shard(
         reasoning, content = r.get("reasoning"), r["content"] or ""
         finish = str(r["finish_reason"])
         rep.finish_reasons[finish] += 1
+        rep.counts["reasoning_requested"] += _reasoning_requested(r, reasoning_requested)
         # Empty and missing reasoning are different facts: a provider that strips it vs a model that wrote none.
         if reasoning is None:
             rep.counts["no_reasoning"] += 1
+            stats.no_reasoning += 1
         elif not reasoning.strip():
             rep.counts["empty_reasoning"] += 1
         else:
@@ -483,7 +504,11 @@ def tokenize_shard(
     write_tokens_shard(out_path, tensors, meta)
 
     report = rep.as_dict(
-        dataset, samples=len(records), kept=len(kept_ids), special_token_text_policy=special_token_text
+        dataset,
+        samples=len(records),
+        kept=len(kept_ids),
+        special_token_text_policy=special_token_text,
+        missing_reasoning_policy="keep" if keep_missing_reasoning else "drop",
     )
     atomic_write_json(report_path, report)
     rep.log_summary(report, out_path.name, report_path, log)

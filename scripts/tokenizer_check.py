@@ -1,0 +1,13 @@
+"""Rule tokenizer_check: the target's tokenizer as loaded keeps each special marker of its chat template one id
+(aerie.target.markers; the check file is an input of every responses and tokens job)."""
+
+from aerie.rulelog import open_rule_log
+from aerie.target.markers import write_tokenizer_check
+
+log = open_rule_log(snakemake.log[0])
+write_tokenizer_check(
+    snakemake.params.target["path"],
+    snakemake.output[0],
+    trust_remote_code=snakemake.params.target.get("trust_remote_code", False),
+    log=log,
+)
