@@ -66,7 +66,7 @@ def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
 
 
 def plot_sglang_benchmark(report: dict[str, Any], out_png: Path) -> None:
-    """From an ``aerie.sglang-bench/2`` report: output tok/s per concurrency, baseline vs EAGLE3, per set."""
+    """From an ``aerie.sglang-bench/3`` report: output tok/s per concurrency, baseline vs EAGLE3, per set."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     sets = sorted({r["set"] for r in report["rows"]})

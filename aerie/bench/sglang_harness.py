@@ -1,6 +1,8 @@
 """Serving benchmark on the GPU host: the target under SGLang, without and with the EAGLE-3 drafter.
 
-For each mode in turn (``baseline``, then ``eagle3``) the harness starts ``python -m
+The bench job's SGLang backend (:mod:`aerie.bench.serving`) runs it inside the pipeline; ``aerie-sglang-bench``
+runs it by hand. For each mode in turn (``baseline``, ``eagle3``, then any reference: ``ngram``, SGLang's NGRAM
+speculative algorithm) the harness starts ``python -m
 sglang.launch_server`` on a free loopback port (:func:`aerie.api.serve.serve_on_loopback`), waits for
 ``/health``, sends warm-up requests, then runs every prompt set at every configured concurrency level
 against the native ``/generate`` endpoint (greedy: temperature 0, ``skip_special_tokens: false``,
@@ -10,9 +12,11 @@ the target's chat template (``input_ids``) or to a string (``text``), so both mo
 The radix cache is flushed before every (set, concurrency) run so neither mode profits from prefixes
 cached by an earlier run.
 
-SGLang lives in its own environment (envs/sglang.yaml); the harness runs in aerie's (aiohttp and
-requests for the servers, transformers for the chat template) and launches the server with
-``--sglang-python`` (default: this interpreter).
+SGLang lives in its own environment (envs/sglang.yaml); the harness runs there too in the bench job (which
+starts the servers with its own interpreter), or in any environment with aiohttp, requests and transformers when
+run by hand, launching the server with ``--sglang-python`` (default: this interpreter). After a speculative
+server's timed runs, each output that differs from the baseline's is probed on that server for the target's top-2
+logit gap at the first differing token (:func:`aerie.bench.sglang_client.probe_divergences`).
 
 One job per module: :mod:`aerie.bench.sglang_server` (settings, command lines, the server's processes),
 :mod:`aerie.bench.sglang_client` (requests and responses), :mod:`aerie.bench.sglang_stats` (statistics;
@@ -27,7 +31,7 @@ runs the same)::
         --prompt-set mtbench:prompts/mt_bench_questions.jsonl --prompt-set gsm8k:prompts/gsm8k_test.jsonl \\
         --prompt-set humaneval --out results/bench/kimi-k2.5-eagle3.sglang.json
 
-Output: one JSON file, format ``aerie.sglang-bench/2``, documented in docs/formats.md.
+Output: one JSON file, format ``aerie.sglang-bench/3``, documented in docs/formats.md.
 """
 
 from __future__ import annotations
