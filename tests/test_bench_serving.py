@@ -191,3 +191,52 @@ def test_kimi_config_benchmarks_under_sglang_with_ngram_reference() -> None:
         check_bench_config({**config, "bench": {**config["bench"], "references": ["untrained", "ngram"]}})
     with pytest.raises(ValueError, match=r"sglang.tp: 8 GPUs per server, but rule bench gets resources.bench_gpus: 4"):
         check_bench_config({**config, "resources": {**config["resources"], "bench_gpus": 4}})
+
+
+def test_the_bench_rule_runs_the_sglang_backend_and_fails_on_the_gate(world: dict, tmp_path: Path) -> None:
+    """`snakemake results/bench/run.json` with bench.backend sglang: the rule's parse-time checks, its environment
+    check (sglang importable by Snakemake's Python: the stand-in), params and script, against the stand-in servers;
+    a drafter short of bench.gate.min_speedup fails the job, whose report is kept under the gate-failed name."""
+    import subprocess
+
+    work = tmp_path / "work"
+    (work / "prompts").mkdir(parents=True)
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"question number {i}?"}]} for i in range(6)]
+    (work / "prompts" / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drafter = work / "results" / "drafter" / "run"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text((world["drafter"] / "config.json").read_text())
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config.update(
+        run="run",
+        target={"path": str(world["target"]), "device": "cpu", "dtype": "float32", "num_hidden_layers": 8},
+        datasets={
+            "chat": {
+                "source": {
+                    "kind": "jsonl",
+                    "path": "prompts/chat.jsonl",
+                    "messages_field": "messages",
+                    "id_field": "id",
+                },
+                "shard_size": 2,
+                "bench_prompts": 3,
+            }
+        },
+        bench={"backend": "sglang", "max_new_tokens": 24, "warmup": 0, "gate": {"min_speedup": 50.0}},
+        sglang={"tp": 1, "concurrency": [1]},
+        resources={"responses_gpus": 0, "hidden_gpus": 0, "drafter_gpus": 0, "bench_gpus": 1},
+    )
+    configfile = work / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(work)]
+    cmd += ["results/bench/run.json", "--cores", "1", "--allowed-rules", "bench", "bench_prompts"]
+    proc = subprocess.run([*cmd, "--configfile", str(configfile)], capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out  # the gate failed the job
+    log = (work / "results" / "logs" / "bench" / "run.log").read_text()
+    assert "the drafter does not pay off: speedup" in log and "below bench.gate.min_speedup 50" in log, log
+    kept = json.loads((work / "results" / "bench" / "run.gate-failed.json").read_text())
+    assert kept["backend"] == "sglang" and kept["prompts"] == 3 and set(kept["methods"]) == {"eagle3", "ngram"}
+    assert kept["speedup"] > 1.3 and kept["lossless"] is True and kept["beats_references"] is True
+    assert not (work / "results" / "bench" / "run.json").exists()
+    assert json.loads((work / "results" / "bench" / "run.sglang.json").read_text())["complete"] is True

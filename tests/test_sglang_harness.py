@@ -382,6 +382,8 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
             "--server-env",
             "SGLANG_X=1",
             "--extra-args=--trust-remote-code --api-key k",
+            "--reference",
+            "ngram",
         ]
     )
     target, drafter, sets, out = seen["args"]
@@ -391,7 +393,7 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
     assert kw["sglang"]["tp"] == 8 and kw["sglang"]["concurrency"] == [1, 4]
     assert kw["sglang"]["extra_args"] == ["--trust-remote-code", "--api-key", "k"]
     assert kw["max_new_tokens"] == 1024 and kw["sglang_python"] == "/envs/sglang/bin/python"
-    assert kw["server_env"] == {"SGLANG_X": "1"}
+    assert kw["server_env"] == {"SGLANG_X": "1"} and kw["references"] == ["ngram"]
     assert seen["render"] == ("/models/Kimi-K2.5", {"as_text": False, "trust_remote_code": True})
 
 
