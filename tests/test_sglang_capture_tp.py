@@ -142,3 +142,27 @@ def test_rank_digests_tell_replicated_states_from_others() -> None:
     # Rows beyond one conversion chunk are digested like the others.
     big_aux, big_final = aux.repeat(700, 1), final.repeat(700, 1)
     torch.testing.assert_close(states_digest(big_aux, big_final), d0.repeat(700, 1))
+
+
+def test_the_readme_first_gpu_step_runs_kimis_path_with_valid_commands() -> None:
+    """The README's first GPU step lists the Kimi wrapper runs (one GPU, two-way TP, the refusal), and every
+    `aerie-sglang-capture` line in it parses with the tool's own argument parser."""
+    import re
+    import shlex
+
+    from aerie.sglang_capture.cli import build_parser
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## The first GPU step", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```bash\n(.*?)^```", section, flags=re.M | re.S).group(1).replace("\\\n", " ")
+    runs = [
+        shlex.split(line.split("aerie-sglang-capture", 1)[1])
+        for line in block.splitlines()
+        if "aerie-sglang-capture" in line
+    ]
+    parsed = [build_parser().parse_args(args) for args in runs]
+    kimi = [a for a in parsed if a.cmd == "check" and "kimi" in str(a.target)]
+    assert any(a.cmd == "make-tiny" and a.kind == "kimi" for a in parsed)
+    assert {(a.tp, a.expect_refusal) for a in kimi} == {(1, False), (2, False), (1, True)}
+    assert all(a.trust_remote_code for a in kimi)
+    assert [a.layers[0] for a in kimi if a.expect_refusal] == [0]
