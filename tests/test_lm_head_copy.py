@@ -95,7 +95,7 @@ def test_the_copy_is_placed_after_the_checks_and_before_sglang_starts(tmp_path) 
     def log(line: str) -> None:
         marker.write_text(line)
 
-    options = {"backend": "sglang_standin:WaitsForTheCopy", "fake_marker": str(marker), "tp_size": 2}
+    options = {"backend": "sglang_standin:WaitsForTheCopy", "fake_marker": str(marker)}
     cap, head, facts = open_sglang_capture(str(target), [1, 3, 4], device="cpu", options=options, log=log)
     try:
         assert cap.info["layers_to_capture"] == [2, 4, 5] and head.shape == (200, 64) and facts["device"] == "cpu"

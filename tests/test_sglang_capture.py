@@ -355,6 +355,10 @@ def test_server_kwargs_capture_mode_and_user_settings() -> None:
         {"pp_size": 2},
         {"enable_dp_attention": True},
         {"dp_size": 2},
+        {"attn_dp_size": 2},
+        {"attn_cp_size": 2},
+        {"dcp_size": 2},
+        {"enable_prefill_cp": True},
         {"tp_size": 0},
         {"tp_size": "8"},
     ):

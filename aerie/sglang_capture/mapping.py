@@ -30,8 +30,19 @@ MANAGED_KWARGS = frozenset(
         "return_hidden_states_mode",
     }
 )
-# Settings the capture cannot support: hidden rows would be split across ranks or pipeline stages.
-REFUSED_KWARGS = {"pp_size": 1, "dp_size": 1, "enable_dp_attention": False, "nnodes": 1}
+# Settings the capture cannot support: hidden rows would be split across ranks or pipeline stages (SGLang 0.5.23's
+# ServerArgs: pipeline, data-parallel attention, attention/decode/prefill context parallelism, several nodes).
+# Under plain tensor parallelism every rank holds every row, which the capture checks batch by batch.
+REFUSED_KWARGS = {
+    "pp_size": 1,
+    "dp_size": 1,
+    "attn_dp_size": 1,
+    "enable_dp_attention": False,
+    "attn_cp_size": 1,
+    "dcp_size": 1,
+    "enable_prefill_cp": False,
+    "nnodes": 1,
+}
 
 
 class SGLangUnavailableError(ImportError):
