@@ -22,6 +22,8 @@ Two storage layouts (``hidden.layout``, both documented in docs/formats.md):
 One module per job; each imports only those above it:
 
 - :mod:`~aerie.hidden.checks`: the checks on the full-precision states (:class:`HiddenStateError`);
+- :mod:`~aerie.hidden.head`: the top-k targets from the lm_head, and the ``sglang`` backend's copy of the head
+  (placed on SGLang's rank-0 GPU before SGLang sizes its memory pools);
 - :mod:`~aerie.hidden.backends`: the ``hf`` and ``sglang`` backends and :class:`TargetSession`, the target
   loaded at most once and its loads counted;
 - :mod:`~aerie.hidden.shard`: one tokens shard -> one checked, compressed hidden shard (:func:`capture_shard`);
