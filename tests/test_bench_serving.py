@@ -148,6 +148,10 @@ def test_sglang_backend_writes_the_in_process_report_and_passes_the_gate(world: 
     assert report["beats_references"] is True
     assert e["acceptance_per_position"] == [1.0, 1.0, 0.0]  # the stand-in accepts 2 drafts every step
     assert all(p["verify_steps"] > 0 for p in reqs)
+    tie = next(p for p in report["per_prompt"] if p["id"] == "chat/1")  # the trained drafter's values at the top too
+    assert (tie["lossless"], tie["first_mismatch"]) == (False, 12) and tie["speedup"] == tie["methods"]["eagle3"][
+        "speedup"
+    ]
     assert report["simulated_acceptance_length"] == 2.9  # the drafter's eval for 3 steps
     # Lossless: the TIE prompt's EAGLE3 output left the baseline's, at a near-tie (0.02) that the gate tolerates.
     divs = report["divergences"]

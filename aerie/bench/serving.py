@@ -203,6 +203,13 @@ def bench_report_from_serving(
                 "first_mismatch": div["first_diff"] if div else None,
                 **({"mismatch_logit_gap": div["logit_gap"]} if div else {}),
             }
+        eagle_entry = entry["methods"].get("eagle3") or {}  # the trained drafter's values also at the top (format 1)
+        entry.update(
+            {
+                k: eagle_entry.get(k)
+                for k in ("speedup", "verify_steps", "acceptance_length", "lossless", "first_mismatch")
+            }
+        )
         per_prompt.append(entry)
 
     servers = serving["servers"]
