@@ -36,6 +36,7 @@ from aerie.artifacts import atomic_write_json
 from aerie.bench.gate import BENCH_FORMAT, beats_references, simulated_acceptance
 from aerie.bench.prompts import bench_prompt_sets
 from aerie.bench.sglang_server import sglang_settings
+from aerie.bench.sglang_stats import correct_drafts_histogram
 
 TIMING = (
     "server throughput: output tokens over the wall time of each (prompt set, concurrency) run; the servers "
@@ -87,11 +88,7 @@ def _acceptance(reqs: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
     verify = sum(int(p["spec_verify_ct"]) for p in spec)
     committed = sum(int(p["completion_tokens"]) - 1 for p in spec)  # the first token comes from prefill
     clean = [p for p in spec if not p.get("degenerate")]
-    histogram: list[int] = []
-    for p in spec:
-        for j, count in enumerate(p.get("spec_correct_drafts_histogram") or []):
-            histogram.extend([0] * (j + 1 - len(histogram)))
-            histogram[j] += int(count)
+    histogram = correct_drafts_histogram(spec)
     accepted = [sum(histogram[i:]) for i in range(1, steps + 1)]  # steps whose i-th draft was accepted
     return {
         "verify_steps": verify,

@@ -45,6 +45,17 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
+def correct_drafts_histogram(records: Sequence[dict[str, Any]]) -> list[int]:
+    """``[j]``: verify steps that accepted ``j`` drafts (the bonus token not counted), summed over the records'
+    ``spec_correct_drafts_histogram`` (SGLang 0.5.23's per-request meta_info)."""
+    histogram: list[int] = []
+    for r in records:
+        for j, count in enumerate(r.get("spec_correct_drafts_histogram") or []):
+            histogram.extend([0] * (j + 1 - len(histogram)))
+            histogram[j] += int(count)
+    return histogram
+
+
 def mode_stats(
     records: Sequence[dict[str, Any]],
     wall_s: float,
@@ -89,11 +100,7 @@ def mode_stats(
     spec = [r for r in ok if r.get("spec_verify_ct")]
     spec_clean = [r for r in spec if not r.get("degenerate")]
     verify = sum(int(r["spec_verify_ct"]) for r in spec)
-    histogram: list[int] = []  # [j]: verify steps that accepted j drafts, over every request
-    for r in spec:
-        for j, count in enumerate(r.get("spec_correct_drafts_histogram") or []):
-            histogram.extend([0] * (j + 1 - len(histogram)))
-            histogram[j] += int(count)
+    histogram = correct_drafts_histogram(spec)
     return {
         "requests": len(records),
         "ok": len(ok),
