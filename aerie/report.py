@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from aerie.api.money import SpendStory, spend_story
 from aerie.artifacts import iter_jsonl
 
 FIGURES = ("spend", "lengths", "quality", "hidden", "training", "benchmark")
@@ -107,32 +108,71 @@ def load_quotas(paths: Sequence[str | Path]) -> dict[str, dict[str, Any]]:
 
 
 def figure_spend(
-    records: list[dict[str, Any]], out: Path, quotas: dict[str, dict[str, Any]] | None = None
+    records: list[dict[str, Any]],
+    out: Path,
+    quotas: dict[str, dict[str, Any]] | None = None,
+    story: SpendStory | None = None,
 ) -> dict[str, Any]:
-    """USD per dataset, stacked by provider; responses per dataset and backend beside it, each bar marked
-    with the share of its prompts answered when the dataset's output-token quota cut it."""
+    """USD per dataset: journaled, stacked by provider, then what the account billed beyond the journals (billed
+    retries, lost to interrupted requests; aerie.api.money.spend_story), so the bars add up to the account; the title
+    compares the total with it. Responses per dataset and backend beside it, each bar marked with the share of its
+    prompts answered when the dataset's output-token quota cut it. Without a ``story``: the records' costs."""
+    from aerie.api.money import LOST, PENDING, RETRIES, UNATTRIBUTED
+
     plt = _plt()
-    spend: dict[str, Counter] = defaultdict(Counter)
     counts: dict[str, Counter] = defaultdict(Counter)
+    from_records: dict[str, Counter] = defaultdict(Counter)
     for r in records:
         counts[r["dataset"]][r["backend"]] += 1
         if r["cost"] is not None:
-            spend[r["dataset"]][r["provider"]] += r["cost"]
-    total = sum(sum(c.values()) for c in spend.values())
-    datasets = sorted(counts)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    if total > 0:
-        providers = sorted({p for c in spend.values() for p in c})
-        bottom = [0.0] * len(datasets)
-        for p in providers:
-            vals = [spend[d][p] for d in datasets]
-            ax.bar(datasets, vals, bottom=bottom, label=p)
+            from_records[r["dataset"]][r["provider"]] += r["cost"]
+    if story is None:
+        story = SpendStory({d: dict(c) for d, c in from_records.items()}, {})
+    total = story.total
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    datasets = sorted(set(counts) | set(story.journaled) | set(story.billed))
+    if total > 0 or story.pending > 0:
+        bars = datasets + (["(no request)"] if story.unattributed > 0 else [])
+        providers = sorted({p for c in story.journaled.values() for p in c})
+        bottom = [0.0] * len(bars)
+
+        def stack(vals: list[float], **style: Any) -> None:
+            nonlocal bottom
+            ax.bar(bars, vals, bottom=bottom, **style)
             bottom = [b + v for b, v in zip(bottom, vals)]
+
+        for p in providers:
+            stack(
+                [story.journaled.get(d, {}).get(p, 0.0) for d in datasets] + [0.0] * (len(bars) - len(datasets)),
+                label=p,
+            )
+        billed = [story.billed.get(d) for d in datasets]
+        for field, name, color, hatch in (("retries", RETRIES, "0.75", "//"), ("lost", LOST, "salmon", "xx")):
+            vals = [getattr(u, field) if u is not None else 0.0 for u in billed] + [0.0] * (len(bars) - len(datasets))
+            if any(vals):
+                stack(vals, label=name, color=color, hatch=hatch, edgecolor="0.3")
+        if story.unattributed > 0:
+            stack(
+                [0.0] * len(datasets) + [story.unattributed],
+                label=UNATTRIBUTED,
+                color="0.9",
+                hatch="..",
+                edgecolor="0.3",
+            )
         for i, b in enumerate(bottom):
             ax.annotate(f"${b:.4g}", (i, b), ha="center", va="bottom", fontsize=9)
         ax.set_ylabel("USD")
-        ax.legend(title="provider", fontsize=8)
-        ax.set_title(f"API spend per dataset and provider (total ${total:.4g})")
+        ax.legend(fontsize=7)
+        title = f"API spend ${total:.4g}: ${story.journaled_usd:.4g} journaled"
+        extra = total - story.journaled_usd
+        title += f" + ${extra:.4g} billed beyond the journals" if extra > 0 else ""
+        if story.account is not None:
+            title += f"\n= the account: ${story.account:.4g} ({story.source})"
+        else:
+            title += f"\n({story.source})"
+        if story.pending > 0:
+            title += f"; ${story.pending:.4g} {PENDING}"
+        ax.set_title(title, fontsize=9)
     else:
         api = any(r["backend"] not in ("hf", None) for r in records)
         _note(
@@ -142,19 +182,20 @@ def figure_spend(
             else "no API spend (in-process generation or self-hosted server: cost 0)",
         )
         ax.set_title("API spend per dataset and provider")
-    if datasets:
+    if counts:
+        shown = sorted(counts)
         backends = sorted({b for c in counts.values() for b in c}, key=str)
-        bottom = [0] * len(datasets)
+        bottom2 = [0] * len(shown)
         for b in backends:
-            vals = [counts[d][b] for d in datasets]
-            ax2.bar(datasets, vals, bottom=bottom, label=str(b))
-            bottom = [x + v for x, v in zip(bottom, vals)]
-        for i, d in enumerate(datasets):
+            vals = [counts[d][b] for d in shown]
+            ax2.bar(shown, vals, bottom=bottom2, label=str(b))
+            bottom2 = [x + v for x, v in zip(bottom2, vals)]
+        for i, d in enumerate(shown):
             q = (quotas or {}).get(d)
             if q and q["quota_reached"]:
                 ax2.annotate(
                     f"quota {q['max_output_tokens']:,} tokens:\n{q['samples']:,} of {q['prompts']:,} prompts",
-                    (i, bottom[i]),
+                    (i, bottom2[i]),
                     ha="center",
                     va="bottom",
                     fontsize=8,
@@ -165,7 +206,19 @@ def figure_spend(
         _note(ax2, "no responses")
     ax2.set_title("responses per dataset and backend")
     _save(fig, out)
-    return {"total_usd": total, "by_dataset": {d: dict(c) for d, c in spend.items()}, "quotas": quotas or {}}
+    return {
+        "total_usd": total,
+        "journaled_usd": story.journaled_usd,
+        "billed_retries_usd": sum(u.retries for u in story.billed.values()),
+        "lost_usd": sum(u.lost for u in story.billed.values()),
+        "unattributed_usd": story.unattributed,
+        "pending_usd": story.pending,
+        "account_usd": story.account,
+        "account_source": story.source,
+        "by_dataset": story.journaled,
+        "billed_by_dataset": {d: {"billed_retries": u.retries, "lost": u.lost} for d, u in story.billed.items()},
+        "quotas": quotas or {},
+    }
 
 
 def figure_lengths(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
@@ -559,7 +612,7 @@ def write_figures(
         raise ValueError(f"no output path for figures {sorted(missing)}")
     records = load_responses(responses)
     return {
-        "spend": figure_spend(records, Path(outputs["spend"]), load_quotas(responses)),
+        "spend": figure_spend(records, Path(outputs["spend"]), load_quotas(responses), spend_story(list(responses))),
         "lengths": figure_lengths(records, Path(outputs["lengths"])),
         "quality": figure_quality(records, token_reports, Path(outputs["quality"])),
         "hidden": figure_hidden(hidden, Path(outputs["hidden"])),

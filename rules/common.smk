@@ -165,7 +165,9 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
 
 def refuse_over_budget():
     """Called from onstart (real runs only): refuse to start when the estimate exceeds what the budget
-    leaves after the journaled spend and the spend lost to interrupted requests."""
+    leaves after the journals and what the account billed (or may bill) beyond them."""
+    from aerie.api.money import usd
+
     result = cost_preview()
     if result is None:
         return
@@ -176,13 +178,8 @@ def refuse_over_budget():
         and result.pending_usd > budget - used
         and not config["allow_over_budget"]
     ):
-        lost = (
-            f" (${result.lost:.2f} of the spend lost to interrupted requests)"
-            if result.lost
-            else ""
-        )
         raise WorkflowError(
-            f"the pending API work is estimated at ${result.pending_usd:.2f} but only ${budget - used:.2f} of "
-            f"responses.budget_usd ${budget:.2f} remains{lost}; raise the budget, reduce the prompts or the "
-            "quotas, or set --config allow_over_budget=True to run until the budget stops it"
+            f"the pending API work is estimated at {usd(result.pending_usd)} but only {usd(budget - used)} of "
+            f"responses.budget_usd ${budget:.2f} remains (spent: {result.words}); raise the budget, reduce the "
+            "prompts or the quotas, or set --config allow_over_budget=True to run until the budget stops it"
         )

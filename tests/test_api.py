@@ -490,7 +490,6 @@ def test_intents_are_journaled_before_each_request_and_every_request_is_accounte
         )
     lines = read_jsonl(intents_path(out))
     sent = [i for i in lines if i["event"] == "sent"]
-    failed = [i for i in lines if i["event"] == "failed"]
     records = read_jsonl(out)
     assert len(sent) == sum(r["attempts"] for r in records) == len(request_log(log))
     assert {i["format"] for i in lines} == {"aerie.request-intent/2"}
@@ -679,3 +678,159 @@ def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
             )
         assert time.monotonic() - t0 < 10  # retried, it would back off 2 + 4 + 8 + ... seconds first
         assert not untrusted.exists()
+
+
+# ---- one run, one account: several datasets and shards in one process (aerie.api.job) --------------------------
+
+
+def write_prompt_file(path: Path, prompts: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(json.dumps({"format": "aerie.prompts/1", **p, "source": {"kind": "test"}}) + "\n" for p in prompts)
+    )
+    return path
+
+
+def job_config(base: str, datasets: dict[str, dict], **responses) -> dict:
+    """A pipeline config with every key the responses job reads (schema defaults), datasets on the emulator."""
+    return {
+        "target": {"path": "unused-by-openrouter"},
+        "datasets": {name: {"source": {"kind": "jsonl", "path": "unused"}, **d} for name, d in datasets.items()},
+        "responses": {
+            "backend": "openrouter",
+            "model": MODEL,
+            "base_url": base,
+            "api_key_env": "OPENROUTER_API_KEY",
+            "temperature": 1.0,
+            "top_p": 0.95,
+            "max_new_tokens": 512,
+            "seed": 0,
+            "send_seed": False,
+            "concurrency": 30,
+            "connect_timeout_s": 30,
+            "read_timeout_s": 60,
+            "max_attempts": 8,
+            "backoff_base_s": 0.02,
+            "backoff_max_s": 0.2,
+            "progress_interval_s": 60,  # no account poll while these short runs go: only the start's figures
+            "require_reasoning": True,
+            "expected_output_tokens": 100,
+            "live_prices": False,
+            "price_per_million_input_usd": CHUTES.prompt_price * 1e6,
+            "price_per_million_output_usd": CHUTES.completion_price * 1e6,
+            "provider": {"sort": "price"},
+            "reasoning": {"enabled": True},
+            **responses,
+        },
+    }
+
+
+def expected_request_cost(prompts: list[dict]) -> float:
+    """What the job expects a request to cost before it has measured 20 (aerie.api.money.expected_sample_cost)."""
+    from aerie.api.money import estimate_prompt_tokens
+
+    prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in prompts) / len(prompts)
+    return 100 * CHUTES.completion_price + prompt_tokens * CHUTES.prompt_price
+
+
+def test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota(tmp_path: Path, monkeypatch) -> None:
+    """Three datasets of two shards each, in one job: at most `concurrency` requests in flight in all (the
+    emulator's own count), the budget held to the request, the quota'd dataset held to the token over both of
+    its shards, and the datasets taking turns until the budget stops them."""
+    from aerie.api.job import ApiShardTask, regenerate_api_shards
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    per = exact_cost(100)
+    tasks = []
+    for name in ("a", "b", "q"):
+        for shard in range(2):
+            prompts = [
+                {**p, "id": f"{name}/{shard}/{i}", "dataset": name}
+                for i, p in enumerate(make_prompts(60, tag=f"{name}{shard}"))
+            ]
+            path = write_prompt_file(tmp_path / "prompts" / name / f"shard-{shard:05d}.jsonl", prompts)
+            tasks.append(ApiShardTask(name, path, results / name / "responses" / f"shard-{shard:05d}.jsonl"))
+    emu = EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", latency_mean=0.1)
+    with serve_in_thread(emu) as base:
+        config = job_config(base, {"a": {}, "b": {}, "q": {"max_output_tokens": 4000}}, budget_usd=200 * per)
+        results_by_shard = regenerate_api_shards(tasks, config, log=lambda m: None)
+        stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
+    assert 15 <= stats["max_in_flight"] <= 30, stats  # 30 in all, not 30 per dataset or per shard
+    assert 200 * per - 2 * per <= stats["charged_usd"] <= 200 * per + 1e-9, stats["charged_usd"] / per
+    done = {
+        name: sum(len(read_journal(journal_path(t.out)).finished) for t in tasks if t.dataset == name) for name in "abq"
+    }
+    assert done["q"] == 40  # 4,000 tokens of quota at 100 a request, over its two shards
+    assert abs(done["a"] - done["b"]) <= 30 and min(done["a"], done["b"]) >= 60, done  # turns, until the budget
+    why = {t.out: results_by_shard[t.out] for t in tasks}
+    assert all(isinstance(why[t.out], dict) for t in tasks if t.dataset == "q")  # complete at its quota
+    assert any(isinstance(v, str) and v.startswith("budget: ") for v in why.values())
+
+
+def test_a_job_start_counts_what_the_account_billed_beyond_the_journals(tmp_path: Path, monkeypatch) -> None:
+    """The start-of-run reconcile: 40 answers were billed since the run's first start and no journal holds them
+    (a killed job's). The job's start reads the account and counts them against the budget; with no poll while
+    it runs (progress every 60 s), nothing else could: without the reconcile it spends 40 requests too many."""
+    from aerie.api.job import regenerate_api_shard
+    from aerie.api.money import account_id, account_ledger_path, append_account_ledger
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    per = exact_cost(100)
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(200)]
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        config = job_config(base, {"chat": {}}, budget_usd=70 * per)
+        account = account_id(config["responses"])
+        append_account_ledger(account_ledger_path(results), account, "start", "first", 0.0, 0.0, 0.0, ["chat"])
+        for p in make_prompts(40, tag="lost"):  # billed, never journaled
+            requests.post(f"{base}/chat/completions", json=request_body(settings(base), p["messages"]), timeout=10)
+        out = results / "chat" / "responses" / "shard-00000.jsonl"
+        with pytest.raises(RegenerationStopped, match=r"budget: .* billed, no request of this run explains it"):
+            regenerate_api_shard(write_prompt_file(tmp_path / "p.jsonl", prompts), out, config, "chat", log=print)
+        billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
+    assert billed <= 70 * per + 1e-9, f"{billed / per:.1f} requests billed for a budget of 70"
+    assert 28 <= len(read_journal(journal_path(out)).finished) <= 30
+
+
+def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows_them(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Restart pricing: the intents log holds 40 requests sent and never answered (their job was killed while the
+    provider generated them); the account shows none yet. The restart prices each at the expected cost, so the
+    budget keeps room for them: without it, the run spends the whole budget and the 40 land on top (+40%)."""
+    from aerie.api.job import regenerate_api_shard
+    from aerie.api.journal import INTENT_FORMAT
+    from aerie.api.money import account_id, account_ledger_path, append_account_ledger
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(200)]
+    expected = expected_request_cost(prompts)
+    out = results / "chat" / "responses" / "shard-00000.jsonl"
+    intents = intents_path(out)
+    intents.parent.mkdir(parents=True)
+    import time
+
+    intents.write_text(
+        "".join(
+            json.dumps({"format": INTENT_FORMAT, "event": "sent", "session": "killed", "id": p["id"], "t": time.time()})
+            + "\n"
+            for p in prompts[:40]
+        )
+    )
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        config = job_config(base, {"chat": {}}, budget_usd=100 * expected)
+        account = account_id(config["responses"])
+        ledger = account_ledger_path(results)
+        append_account_ledger(ledger, account, "start", "killed", 0.0, 0.0, 0.0, ["chat"])
+        logged: list[str] = []
+        with pytest.raises(RegenerationStopped, match=r"sent before an interruption, not yet billed"):
+            regenerate_api_shard(
+                write_prompt_file(tmp_path / "p.jsonl", prompts), out, config, "chat", log=logged.append
+            )
+    spent = read_journal(journal_path(out)).cost
+    # 40 priced requests + what was spent fit the budget; the journals' measured mean replaces the estimate.
+    assert spent + 40 * expected <= 100 * expected + 1e-9, (spent / expected, 40)
+    assert spent + 40 * expected >= 100 * expected - 2 * expected
+    assert any("40 samples were sent before an interruption" in line for line in logged), logged

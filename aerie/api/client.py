@@ -54,6 +54,7 @@ from aerie.api.backends import (
     request_body,
 )
 from aerie.api.journal import (
+    BILLABLE_FAILURES,
     INTENT_FORMAT,
     Journal,
     intents_path,
@@ -124,8 +125,9 @@ class AccountWatcher:
     requests in flight), so each poll replaces the previous one and never goes below the floor. ``pending``:
     requests sent before an interruption that the account may not show yet, priced at their expected cost until
     they settle; the figure is never below ``pending.before + pending.cost(now)``. ``weights`` (retry, lost) name
-    the billed part in the progress lines (``split_unjournaled``). ``record(usage, journal, figure)`` appends a
-    reading to the ledger.
+    what the account showed at the start (``split_unjournaled``); what it bills later is named by this job's own
+    billable failures (``retried``) and the requests pending at the start. ``record(usage, journal, figure)``
+    appends a reading to the ledger.
     """
 
     def __init__(
@@ -143,6 +145,8 @@ class AccountWatcher:
         self.url, self.baseline_usage, self.baseline_journal = url, baseline_usage, baseline_journal
         self.floor, self.pending, self.headers, self.ca_bundle = floor, pending, headers or {}, ca_bundle
         self.weights = weights
+        self.retried = 0.0  # expected cost of this job's failed requests the provider may have billed
+        self.started = time.time()
         self._record = record
         self.billed = floor  # what the account shows beyond the journals, at the last reading
         self.lost = self.figure(floor)
@@ -159,7 +163,18 @@ class AccountWatcher:
         return max(billed, self.pending.before + self.pending.cost())
 
     def words(self) -> str:
-        parts = split_unjournaled(self.billed, *self.weights, pending=max(0.0, self.lost - self.billed))
+        """The figure in named parts: what the account showed at the start split by the run's history (the start's
+        ``weights``), what it billed since split between this job's billable failures (``retried``) and the requests
+        that were pending at the start, and what is still priced as pending."""
+        at_start = split_unjournaled(self.floor, *self.weights)
+        pending_then = self.pending.cost(self.started) if self.pending is not None else 0.0
+        since = split_unjournaled(self.billed - self.floor, self.retried, pending_then)
+        parts = Unjournaled(
+            at_start.retries + since.retries,
+            at_start.lost + since.lost,
+            at_start.unattributed + since.unattributed,
+            max(0.0, self.lost - self.billed),
+        )
         return parts.words()
 
     async def poll(self, session: aiohttp.ClientSession, journal_spend: float) -> None:
@@ -197,6 +212,11 @@ class RunSpend:
 
     def add(self, account: str | None, cost: float) -> None:
         self.now[account] = self.now.get(account, 0.0) + cost
+
+    def retried(self, account: str | None, cost: float) -> None:
+        """A request of ``account`` failed after the provider could bill it (aerie.api.journal.BILLABLE_FAILURES)."""
+        if account in self.watchers:
+            self.watchers[account].retried += cost
 
     def journals(self, account: str | None) -> float:
         return self.before.get(account, 0.0) + self.now.get(account, 0.0)
@@ -618,6 +638,8 @@ async def _run(
                         "session": session_id,
                     }
                 failed(shard, sid, attempt, kind)
+                if kind in BILLABLE_FAILURES:
+                    spend.retried(lane.account, run.per_cost())
                 shard.stats.retries[kind] += 1
                 run.stats.retries[kind] += 1
                 if attempt >= limits.max_attempts:
@@ -738,10 +760,14 @@ async def _run(
         reporter = asyncio.create_task(progress())
         try:
             await asyncio.gather(*(worker() for _ in range(workers)))
+            reporter.cancel()
+            # A last reading with nothing of this job in flight (what the account shows lags by seconds).
+            for name, watcher in spend.watchers.items():
+                await watcher.poll(accounts[name], spend.journals(name))
         finally:
             reporter.cancel()
-            for s in accounts.values():
-                await s.close()
+            for session_ in accounts.values():
+                await session_.close()
         progress_lines()
 
 

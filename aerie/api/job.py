@@ -139,7 +139,7 @@ def start_account(
         for d in mine
     }
     money = account_money(ledger, live["usage"], journals, requests)
-    append_account_ledger(ledger_path, account, "start", job, live["usage"], journals, money.lost)
+    append_account_ledger(ledger_path, account, "start", job, live["usage"], journals, money.lost, mine)
     log(
         f"account ({live['endpoint']}): usage {usd(live['usage'])}, limit {live['limit']}, remaining "
         f"{live['limit_remaining']}; since the run's first start {usd(money.usage - money.baseline_usage)} billed, "
@@ -151,7 +151,7 @@ def start_account(
         raise RuntimeError("the API key has no limit remaining (GET /key); raise its limit; nothing was requested")
 
     def record(usage: float, journal: float, lost: float) -> None:
-        append_account_ledger(ledger_path, account, "poll", job, usage, journal, lost)
+        append_account_ledger(ledger_path, account, "poll", job, usage, journal, lost, mine)
 
     watcher = AccountWatcher(
         account_key_url(responses),

@@ -41,7 +41,7 @@ def intents_path(shard_output: str | Path) -> Path:
     return p.with_name(p.name.removesuffix(".jsonl") + ".intents.jsonl")
 
 
-def _jsonl_dicts(path: Path) -> list[dict[str, Any]]:
+def jsonl_objects(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file written by single appends; a torn or foreign line is skipped."""
     if not path.exists():
         return []
@@ -62,7 +62,9 @@ def unseen_intents(path: Path, state: JournalState) -> set[str]:
     Each was in flight when an earlier process died, or failed every attempt: the provider may have billed it
     although no journal holds it. A torn last line is ignored (its request never left).
     """
-    sent = {rec["id"] for rec in _jsonl_dicts(path) if rec.get("id") is not None and rec.get("event", "sent") == "sent"}
+    sent = {
+        rec["id"] for rec in jsonl_objects(path) if rec.get("id") is not None and rec.get("event", "sent") == "sent"
+    }
     return sent - set(state.finished)
 
 
@@ -93,10 +95,10 @@ def request_tally(shard_output: str | Path) -> RequestTally:
     Intents of ``aerie.request-intent/1`` (no session, no failure lines) count as answered when their sample id is
     journaled at all, else as unanswered."""
     tally = RequestTally()
-    journal = _jsonl_dicts(journal_path(shard_output))
+    journal = jsonl_objects(journal_path(shard_output))
     answered = {(r.get("session"), r.get("id"), r.get("attempts")) for r in journal if r.get("session")}
     journaled_ids = {r.get("id") for r in journal}
-    lines = _jsonl_dicts(intents_path(shard_output))
+    lines = jsonl_objects(intents_path(shard_output))
     failed = {
         (r.get("session"), r.get("id"), r.get("attempt")): r.get("kind") for r in lines if r.get("event") == "failed"
     }

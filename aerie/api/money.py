@@ -532,9 +532,16 @@ def read_account_ledger(path: Path, account: str) -> list[dict[str, Any]]:
 
 
 def append_account_ledger(
-    path: Path, account: str, event: str, job: str, usage: float, journal_spend: float, lost: float
+    path: Path,
+    account: str,
+    event: str,
+    job: str,
+    usage: float,
+    journal_spend: float,
+    lost: float,
+    datasets: list[str] | None = None,
 ) -> None:
-    """One reading, appended with a single write (parallel jobs append to the same file)."""
+    """One reading, appended with a single write; ``datasets``: those on the account (whose journals it counts)."""
     import time
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -549,6 +556,7 @@ def append_account_ledger(
                 "usage": usage,
                 "journal_spend": round(journal_spend, 9),
                 "lost": round(lost, 9),
+                **({"datasets": list(datasets)} if datasets is not None else {}),
             }
         )
         + "\n"
@@ -558,3 +566,122 @@ def append_account_ledger(
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+# ---- the whole money story of a run (the report's spend figure) ------------------------------------------------
+
+
+@dataclass
+class SpendStory:
+    """Where every dollar of a run's API spend went, in parts that add up to the account.
+
+    ``journaled``: per dataset and provider, the ``cost`` of every journal line (the published shard's records
+    where a shard has no journal). ``billed``: per dataset, what the account billed beyond the journals, named
+    (billed retries, lost to interrupted requests; aerie.api.money.account_money splits it by the requests of
+    each dataset); ``unattributed``: billed, traced to no request; ``pending``: sent before an interruption and not
+    billed yet (the budget prices it; not in the account). ``account``: the account's figure the parts add up to -
+    its growth since the run's first start plus the journals at that start - or None without a reading."""
+
+    journaled: dict[str, dict[str, float]]
+    billed: dict[str, Unjournaled]
+    unattributed: float = 0.0
+    pending: float = 0.0
+    account: float | None = None
+    source: str = "no account reading (journals only)"
+
+    @property
+    def journaled_usd(self) -> float:
+        return sum(sum(p.values()) for p in self.journaled.values())
+
+    @property
+    def total(self) -> float:
+        """Journaled + billed retries + lost to interrupted requests + unattributed: the account's figure."""
+        return self.journaled_usd + sum(u.retries + u.lost for u in self.billed.values()) + self.unattributed
+
+    def words(self) -> str:
+        parts = Unjournaled(
+            retries=sum(u.retries for u in self.billed.values()),
+            lost=sum(u.lost for u in self.billed.values()),
+            unattributed=self.unattributed,
+            pending=self.pending,
+        )
+        text = f"{usd(self.journaled_usd)} {JOURNALED}"
+        return text + (f" + {parts.words()}" if parts.total else "")
+
+
+def spend_story(shard_paths: list[Path], live: bool = True, settle_s: float = 900.0 + ACCOUNT_LAG_S) -> SpendStory:
+    """The money story of the API shards among ``shard_paths`` (``<results>/<dataset>/responses/shard-*.jsonl``),
+    read from their journals and intents logs and the account ledger (``<results>/api_account.jsonl``); the account
+    is read live (``GET /key``, the key from the variable the ledger names) when ``live`` and the key is set, else
+    its last recorded reading is used."""
+    import time
+    from collections import defaultdict
+
+    from aerie.api.journal import journal_path, jsonl_objects
+
+    journaled: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    samples: dict[str, int] = defaultdict(int)
+    results_dirs = set()
+    for path in map(Path, shard_paths):
+        journal = journal_path(path)
+        records = jsonl_objects(journal) if journal.exists() else jsonl_objects(path)
+        api = [r for r in records if r.get("backend") not in (None, "hf") and r.get("cost") is not None]
+        if not api and not journal.exists():
+            continue
+        dataset = path.parent.parent.name
+        results_dirs.add(path.parent.parent.parent)
+        for r in api:
+            journaled[dataset][r.get("provider") or r.get("backend") or "unknown"] += float(r["cost"])
+            samples[dataset] += 1
+    story = SpendStory({d: dict(p) for d, p in journaled.items()}, {})
+    if len(results_dirs) != 1:
+        return story
+    results_dir = results_dirs.pop()
+    ledger_all = [r for r in jsonl_objects(account_ledger_path(results_dir)) if r.get("format") == ACCOUNT_FORMAT]
+    accounts = sorted({r["account"] for r in ledger_all if r.get("account")})
+    if not accounts:
+        return story
+    figures, sources = [], []
+    mean = {d: sum(p.values()) / samples[d] if samples[d] else 0.0 for d, p in journaled.items()}
+    overall = sum(sum(p.values()) for p in journaled.values()) / max(1, sum(samples.values()))
+    for account in accounts:
+        ledger = [r for r in ledger_all if r["account"] == account]
+        named = next((r["datasets"] for r in reversed(ledger) if r.get("datasets") is not None), None)
+        datasets = [d for d in (named if named is not None else journaled) if (results_dir / d).is_dir()]
+        usage = _live_usage(account) if live else None
+        journal = sum(
+            float(r.get("cost") or 0.0)
+            for d in datasets
+            for j in sorted((results_dir / d / "responses").glob("shard-*.journal.jsonl"))
+            for r in jsonl_objects(j)
+        )
+        requests = {
+            d: dataset_requests(results_dir / d / "responses", mean.get(d) or overall or 1.0, settle_s)
+            for d in datasets
+        }
+        money = account_money(ledger, usage, journal, requests)
+        if money is None:
+            continue
+        for d, parts in money.by_dataset.items():
+            story.billed[d] = parts
+        story.unattributed += money.unjournaled.unattributed
+        story.pending += money.unjournaled.pending
+        figures.append(money.usage - money.baseline_usage + money.baseline_journal + (journal - money.journal))
+        sources.append(money.source)
+    if figures:
+        story.account = sum(figures)
+        story.source = ", ".join(sorted(set(sources))) + f" ({time.strftime('%Y-%m-%d %H:%M')})"
+    return story
+
+
+def _live_usage(account: str) -> float | None:
+    """The account's usage now, from its id (``<base_url> $<KEY_VARIABLE>``); None without the key or an answer."""
+    base, _, variable = account.rpartition(" $")
+    key = os.environ.get(variable)
+    if not base or not key:
+        return None
+    try:
+        reading = read_account_usage({"base_url": base, "api_key_env": variable}, key, timeout=10)
+    except RuntimeError:
+        return None
+    return reading["usage"] if reading else None

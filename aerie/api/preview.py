@@ -16,6 +16,7 @@ from typing import Any
 from aerie.api.backends import API_BACKENDS, BackendSettings
 from aerie.api.money import (
     ACCOUNT_LAG_S,
+    JOURNALED,
     AccountMoney,
     DatasetEstimate,
     Prices,
@@ -33,6 +34,7 @@ from aerie.api.money import (
     read_account_usage,
     resolve_prices,
     run_spend,
+    usd,
 )
 from aerie.formats.responses import read_completion
 from aerie.plan import responses_config
@@ -76,6 +78,7 @@ class CostPreview:
     spent: float  # journals
     lost: float  # beyond the journals: billed by the account, or sent before an interruption and not yet billed
     datasets: dict[str, DatasetEstimate]
+    words: str = ""  # the spend in named parts, as the preview, the logs and the report say it
 
 
 def preview_account(
@@ -202,6 +205,15 @@ def cost_preview(
     account, note = preview_account(config, datasets, results_dir, spend, expected, live)
     text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
     text += "".join(f"\n  NOTE {n}" for n in notes)
+    words = f"{usd(spent)} {JOURNALED}"
+    if account is not None and account.unjournaled.total:
+        words += f" + {account.unjournaled.words()}"
     return CostPreview(
-        text, sum(e.dollars for e in estimates.values()), budget, spent, account.lost if account else 0.0, estimates
+        text,
+        sum(e.dollars for e in estimates.values()),
+        budget,
+        spent,
+        account.lost if account else 0.0,
+        estimates,
+        words,
     )

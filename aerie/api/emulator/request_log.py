@@ -1,9 +1,9 @@
 """What happened to each chat request: counts by outcome (``GET /emulator/stats``) and, with ``--request-log``,
 one JSONL line per request, buffered and appended.
 
-A line holds the time, the messages' SHA-256, model, max_tokens, outcome, HTTP status, cost and provider -
-never the headers, so no key can reach the log. Lines are buffered in memory and written by a task every
-``log_flush_interval`` seconds: a write per request would cost more than the emulated request itself.
+A line holds the time, the messages' SHA-256, model, max_tokens, outcome, HTTP status, cost, provider and the
+output tokens charged - never the headers, so no key can reach the log. Lines are buffered in memory and written
+by a task every ``log_flush_interval`` seconds: a write per request would cost more than the emulated request itself.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class RequestLog:
         self.path = Path(path) if path else None
         self.flush_interval = flush_interval
         self.outcomes: Counter[str] = Counter()
+        self.charged_tokens = 0  # output tokens of every charged generation (answered or not)
         self._buf: list[str] = []
         self._file: Any = None
         self._flush_task: asyncio.Task | None = None
@@ -46,8 +47,10 @@ class RequestLog:
         status: int,
         cost: float,
         provider: str | None,
+        completion_tokens: int = 0,
     ) -> None:
         self.outcomes[outcome] += 1
+        self.charged_tokens += completion_tokens
         if self._file is None:  # no log asked for: spare the JSON encoding
             return
         entry = {
@@ -59,6 +62,7 @@ class RequestLog:
             "status": status,
             "cost": cost,
             "provider": provider,
+            "completion_tokens": completion_tokens,
         }
         self._buf.append(json.dumps(entry) + "\n")
 

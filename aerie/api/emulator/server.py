@@ -110,8 +110,9 @@ class Emulator:
             "requests": sum(self.requests.outcomes.values()),
             "outcomes": dict(self.requests.outcomes),
             "charged_usd": self.ledger.usage,
+            "charged_completion_tokens": self.requests.charged_tokens,
             "in_flight": self.in_flight,
-            "max_in_flight": self.max_in_flight,
+            "max_in_flight": self.max_in_flight,  # the most chat requests in flight at once since the start
             "reserved_usd": self.ledger.reserved,
         }
 
@@ -154,8 +155,8 @@ class Emulator:
             canon = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
             sha = hashlib.sha256(canon.encode()).hexdigest()
 
-        def record(outcome: str, status: int, cost: float = 0.0, provider: str | None = None) -> None:
-            self.requests.add(sha, model, max_tokens, outcome, status, cost, provider)
+        def record(outcome: str, status: int, cost: float = 0.0, provider: str | None = None, tokens: int = 0) -> None:
+            self.requests.add(sha, model, max_tokens, outcome, status, cost, provider, tokens)
 
         def reject(refusal: Refusal, provider: str | None = None) -> web.Response:
             record(refusal.outcome, refusal.status, 0.0, provider)
@@ -242,7 +243,7 @@ class Emulator:
                 # provider's generation had started and is billed in full, as a real provider does.
                 if charged:
                     self.ledger.charge(bill.cost)
-                    record("client-gone", 0, bill.cost, pname)
+                    record("client-gone", 0, bill.cost, pname, completion_tokens)
                 raise
 
         self._n += 1
@@ -275,9 +276,9 @@ class Emulator:
             self.ledger.charge(bill.cost)
         if request.transport is None or request.transport.is_closing():
             # The client left while the model was generating: billed, never delivered.
-            record("client-gone", 0, usage_cost, pname)
+            record("client-gone", 0, usage_cost, pname, completion_tokens if charged else 0)
             return web.Response(status=499)  # nobody reads it; 499 "client closed request" as providers log it
-        record(fault or "ok", 200, usage_cost, pname)
+        record(fault or "ok", 200, usage_cost, pname, completion_tokens if charged else 0)
         return _answer(out, gen_id)
 
     # ---- other endpoints -------------------------------------------------------------------
