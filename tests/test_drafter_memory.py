@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import REPO
 
+from aerie.drafter import layers, memory, ttt
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.memory import GIB, drafter_shape, estimate_training_memory, trainable_parameters
-from aerie.drafter.model import Eagle3Drafter
+from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+
+sys.path.insert(0, str(REPO / "bench"))
+import drafter_memory  # noqa: E402 - bench/drafter_memory.py: its tracker and its copy of the trainer's step
 
 # moonshotai/Kimi-K2.5 config.json's text_config (the fields the drafter reads)
 KIMI_TEXT = dict(
@@ -75,3 +80,34 @@ def test_kimi_shipped_settings_fit_an_h200() -> None:
         assert m.total < 0.8 * H200_BYTES, m.describe()
         assert m.parts["parameters"] == 4 * trainable_parameters(drafter_shape(train, KIMI_TEXT, 32000, 3))
         assert f"{m.total / GIB:.1f} GiB" in m.describe()
+
+
+def test_chunk_sizes_are_the_kernels() -> None:
+    assert memory.ATTENTION_CHUNK_ROWS == layers.ATTENTION_CHUNK_ROWS
+    assert memory.LOSS_CHUNK_ROWS == ttt.LOSS_CHUNK_ROWS
+
+
+# Kimi's ratios at 1/32 of its hidden size: MLA heads 16 x (16 + 8), values 16, q_lora 48; llama 16 x 16, 2 KV heads
+MEASURED = dict(KIMI_TEXT, hidden_size=224, intermediate_size=576, num_attention_heads=16, num_key_value_heads=16,
+                q_lora_rank=48, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                vocab_size=3000)  # fmt: skip
+LLAMA_SHAPE = {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 16}
+
+
+@pytest.mark.parametrize(("kind", "bf16"), [("mla", False), ("mla", True), ("llama", False), ("llama", True)])
+def test_estimate_bounds_the_measured_peak_within_1_3x(kind: str, bf16: bool) -> None:
+    """Two training steps (the second with AdamW's state in place), on the CPU, fp32 or under bf16 autocast (the
+    GPU trainer's dtypes): the estimate is at least the peak of live tensor bytes, and at most 1.3 times it."""
+    torch.set_num_threads(1)
+    T, vocab = 200, 1500  # 200: a multiple of neither chunk size
+    shape = LLAMA_SHAPE if kind == "llama" else {}
+    cfg = TrainConfig(attention=kind, max_seq_len=T, batch_size=1, **shape)
+    torch.manual_seed(0)
+    d = DrafterConfig.from_target(SimpleNamespace(**MEASURED), vocab, [1, 2, 3], attention=kind, **shape)
+    model = Eagle3Drafter(d)
+    b, head = drafter_memory.random_batch(model, 1, T, cfg.ttt_steps)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, betas=(0.9, 0.95))
+    measured = drafter_memory.measure(model, b, head, cfg, "new", bf16, steps=2, opt=opt)["peak_tensor_bytes"]
+    est = estimate_training_memory(cfg, MEASURED, vocab, 1 if bf16 else 0, hidden_layout="compact")
+    estimated = est.total - est.parts["batch"]  # the batch was made before the measurement started
+    assert measured <= estimated <= 1.3 * measured, (measured, est.describe())

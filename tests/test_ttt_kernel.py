@@ -172,7 +172,7 @@ def run_both(model, b, head, cfg, steps, *, checkpointing=True, autocast_bf16=Fa
     ("full", 24, 1, 24, 4096),
 ])  # fmt: skip
 def test_training_forward_equals_naive(kind, layout, T, steps, attn_chunk, loss_chunk, monkeypatch) -> None:
-    monkeypatch.setattr(layers, "attention_chunk_rows", lambda *_: attn_chunk)
+    monkeypatch.setattr(layers, "ATTENTION_CHUNK_ROWS", attn_chunk)
     monkeypatch.setattr(ttt, "LOSS_CHUNK_ROWS", loss_chunk)
     model = drafter(kind)
     b, head_full = batch(layout, T, steps)
@@ -194,7 +194,7 @@ def test_training_forward_equals_naive(kind, layout, T, steps, attn_chunk, loss_
 @pytest.mark.parametrize("kind", ["llama", "mla"])
 def test_training_forward_bf16_autocast_within_tolerance(kind, monkeypatch) -> None:
     """The GPU trainer's dtype flow (bf16 autocast), run on the CPU: loss and gradients within bf16 tolerance."""
-    monkeypatch.setattr(layers, "attention_chunk_rows", lambda *_: 5)
+    monkeypatch.setattr(layers, "ATTENTION_CHUNK_ROWS", 5)
     monkeypatch.setattr(ttt, "LOSS_CHUNK_ROWS", 14)
     model = drafter(kind)
     b, head_full = batch("compact", 17, 3)
@@ -207,7 +207,7 @@ def test_training_forward_bf16_autocast_within_tolerance(kind, monkeypatch) -> N
 
 def test_padding_rows_and_unusable_targets_carry_no_gradient(monkeypatch) -> None:
     """Rows that are padding or whose target is unusable change nothing: the loss ignores their logits."""
-    monkeypatch.setattr(layers, "attention_chunk_rows", lambda *_: 3)
+    monkeypatch.setattr(layers, "ATTENTION_CHUNK_ROWS", 3)
     model = drafter("llama")
     b, head_full = batch("full", 10, 2)
     head = target_head(model, "full", head_full)

@@ -76,14 +76,10 @@ class DrafterKVCache:
         )
 
 
-# Query rows per chunk of the TTT attention: a chunk's fp32 score block ([B, heads, rows, keys]) stays under this
-# many elements (512 MiB), whatever the window length. aerie.drafter.memory reads it.
-ATTENTION_CHUNK_ELEMENTS = 2**27
-
-
-def attention_chunk_rows(batch: int, heads: int, keys: int) -> int:
-    """Query rows per chunk so that one [batch, heads, rows, keys] score block stays under ATTENTION_CHUNK_ELEMENTS."""
-    return max(1, ATTENTION_CHUNK_ELEMENTS // max(1, batch * heads * keys))
+# Query rows per chunk of the TTT attention: a chunk's score block is [B, heads, ATTENTION_CHUNK_ROWS, T + steps],
+# so the attention's working set grows linearly with the window (at Kimi's 64 heads: 16 KiB per window row per
+# fp32 copy). aerie.drafter.memory reads it.
+ATTENTION_CHUNK_ROWS = 64
 
 
 class TTTAttention(torch.autograd.Function):
@@ -103,7 +99,8 @@ class TTTAttention(torch.autograd.Function):
     2.13's flex attention has no CPU backward; its eager path materialises the full score matrix).
 
     Dtypes follow the reference: scores and the probability-weighted sums in the inputs' dtype (bf16 under
-    autocast), the softmax and its gradient in fp32; key/value gradients accumulate over chunks in fp32.
+    autocast), the softmax and its gradient in fp32; the step-0 key/value gradients (one term per chunk) accumulate
+    in fp32.
     """
 
     @staticmethod
@@ -137,8 +134,9 @@ class TTTAttention(torch.autograd.Function):
             torch.zeros(k0.shape, dtype=torch.float32, device=q.device),
             torch.zeros_like(v0, dtype=torch.float32),
         )
-        dks = [torch.zeros_like(k, dtype=torch.float32) for k in ks]
-        dvs = [torch.zeros_like(v, dtype=torch.float32) for v in vs]
+        # a diagonal key/value row gets one contribution (its own query row): written once, in the inputs' dtype
+        dks = [torch.empty_like(k) for k in ks]
+        dvs = [torch.empty_like(v) for v in vs]
         for a, e, probs in _ttt_chunks(q, k0, ks, ctx.chunk_rows):
             C = e - a
             pd = probs.to(dt)
@@ -149,7 +147,7 @@ class TTTAttention(torch.autograd.Function):
             dv0[:, :, :e] += (pd[..., :e].reshape(B, kvh, g * C, e).transpose(-1, -2) @ go_rows).float()
             for j, vj in enumerate(vs):
                 dpd.append((go * vj[:, :, None, a:e]).sum(-1, keepdim=True))
-                dvs[j][:, :, a:e] += (pd[..., e + j, None] * go).sum(2).float()
+                dvs[j][:, :, a:e] = (pd[..., e + j, None] * go).sum(2)
             dp = torch.cat(dpd, dim=-1).float()
             ds = (probs * (dp - (probs * dp).sum(-1, keepdim=True))).to(dt) * scale  # softmax backward, then scale
             qc = q[:, :, a:e].reshape(B, kvh, g, C, d)
@@ -159,10 +157,9 @@ class TTTAttention(torch.autograd.Function):
             ).float()
             for j, kj in enumerate(ks):
                 dqc = dqc + ds[..., e + j, None] * kj[:, :, None, a:e]
-                dks[j][:, :, a:e] += (ds[..., e + j, None] * qc).sum(2).float()
+                dks[j][:, :, a:e] = (ds[..., e + j, None] * qc).sum(2)
             dq[:, :, a:e] = dqc.view(B, h, C, d)
-        cast = [x.to(dt) for x in (dk0, dv0, *dks, *dvs)]
-        return (None, dq, *cast)
+        return (None, dq, dk0.to(dt), dv0.to(dt), *dks, *dvs)
 
 
 def _ttt_chunks(q: Tensor, k0: Tensor, ks: tuple[Tensor, ...] | list[Tensor], chunk_rows: int):
@@ -189,7 +186,7 @@ class TTTCache:
     Step 0 runs over all rows with causal attention. Step k >= 1 at row t is the k-th chained draft after a
     prefix ending at row t, so at inference it sees the step-0 keys of rows <= t plus its *own row's* keys
     from steps 1..k (the earlier drafts in its chain) - never other rows' later-step keys. ``TTTAttention``
-    computes that in chunks of query rows (``chunk_rows``; None = sized by ATTENTION_CHUNK_ELEMENTS).
+    computes that in chunks of query rows (``chunk_rows``; None = ATTENTION_CHUNK_ROWS).
 
     The cache holds one [B, kvh, T, d] key and value per step, made contiguous so that a value that is a view
     of a wider projection (MLA's [k_nope | value]) does not keep the rest alive. Construct it from earlier
@@ -209,8 +206,7 @@ class TTTCache:
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.keys.append(k.contiguous())
         self.values.append(v.contiguous())
-        B, h, T, _ = q.shape
-        chunk = self.chunk_rows or attention_chunk_rows(B, h, T + len(self.keys))
+        chunk = self.chunk_rows or ATTENTION_CHUNK_ROWS
         return TTTAttention.apply(chunk, q, self.keys[0], self.values[0], *self.keys[1:], *self.values[1:])
 
 

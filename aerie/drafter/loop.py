@@ -218,7 +218,10 @@ def train_drafter(
 
     unroll: nn.Module = TTTUnroll(model, cfg.ttt_steps, cfg.step_loss_decay)
     if dist.world > 1:
-        unroll = nn.parallel.DistributedDataParallel(unroll, device_ids=[device] if device.type == "cuda" else None)
+        # gradients live in DDP's all-reduce buckets (no second gradient-sized copy: 3.6 GB for Kimi's drafter)
+        unroll = nn.parallel.DistributedDataParallel(
+            unroll, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
 
     # the train log, kept beside out_dir until the end; a resumed run cuts it back to its checkpoint
     train_log = TrainLog(log_tmp, enabled=dist.main, resume_at=progress.log_bytes if resumed else None)

@@ -13,9 +13,10 @@ Parts (bytes per GPU):
 - bf16 copies of the weights that autocast keeps while a forward runs (GPU only);
 - the batch tensors of the largest batch the settings allow (``max_batch_tokens``, else ``batch_size`` windows
   of ``max_seq_len`` rows);
-- activations of that batch: what the TTT unroll keeps per token (each step's hidden state and attention keys/
-  values; everything else is recomputed: activation checkpointing per step), their gradients during backward,
-  the transient activations of the one step being recomputed, and the chunked attention/loss working sets.
+- activations of that batch at the peak of backward (``activation_bytes``): what the TTT unroll keeps per token
+  (each step's hidden state and attention key/value; the rest is recomputed: activation checkpointing per step),
+  the key/value gradients waiting to be summed, the re-run step's saved tensors and the larger of the chunked
+  loss's and attention's working sets; plus one weight gradient being summed (or, if larger, AdamW's temporaries).
 
 ``tests/test_drafter_memory.py`` checks the estimate against the peak measured on CPU at small dims;
 ``bench/drafter_memory.py`` against the peak at Kimi K2.5's drafter dims (bench/RESULTS.md).
@@ -31,11 +32,11 @@ from aerie.drafter.shape import DrafterConfig
 
 GIB = 1024**3
 FP32 = 4
-# Working-set caps of the chunked kernels (ttt.py, layers.py): the attention processes query rows in chunks
-# whose fp32 score block stays under ATTENTION_CHUNK_ELEMENTS per batch; the vocab loss takes LOSS_CHUNK_ROWS
-# rows of logits at a time.
-ATTENTION_CHUNK_ELEMENTS = 2**26
-LOSS_CHUNK_ROWS = 4096
+# The chunk sizes of the training kernels (read here, not imported: parse time must not import torch):
+# aerie.drafter.layers.ATTENTION_CHUNK_ROWS (query rows per attention chunk) and aerie.drafter.ttt.LOSS_CHUNK_ROWS
+# (rows of logits per loss chunk). tests/test_drafter_memory.py keeps these equal to them.
+ATTENTION_CHUNK_ROWS = 64
+LOSS_CHUNK_ROWS = 256
 
 
 @dataclass
@@ -100,34 +101,69 @@ def _attention_dims(d: DrafterConfig) -> tuple[int, int, int, int]:
     return d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.head_dim
 
 
-def step_activation_bytes_per_token(d: DrafterConfig, a: int) -> int:
-    """Bytes per token one TTT step's recomputed forward keeps for its backward (activation dtype ``a`` bytes;
-    norms compute in fp32). Counted tensor by tensor from model.py / llama_layer.py / mla_layer.py."""
+def _rms_norm(width: int, a: int, input_is_fp32: bool) -> int:
+    """What RMSNorm (layers.py) keeps for backward per token: its fp32 input (a new tensor unless the input is
+    already fp32) and the normalised value in the input's dtype that the weight scales."""
+    return (0 if input_is_fp32 else FP32 * width) + a * width
+
+
+def step_saved_bytes_per_token(d: DrafterConfig, a: int) -> tuple[int, int]:
+    """Bytes per token one TTT step's re-run keeps for its backward, tensor by tensor from model.py,
+    llama_layer.py and mla_layer.py: (up to the attention, after it). ``a``: bytes of the activation dtype
+    (RMSNorm outputs are fp32; under autocast every linear layer keeps its own bf16 cast of an fp32 input).
+    Backward frees the second part before it reaches the attention."""
     H, inter = d.hidden_size, d.intermediate_size
     h, kvh, dq, dv = _attention_dims(d)
-    rms = FP32 * H + a * H  # RMSNorm keeps its fp32 input and the normalised value it scales
-    layer_in = FP32 * H + a * H + 2 * rms + FP32 * 2 * H  # embeds (fp32 lookup, cast), two norms, the 2H concat
+    cast = 0 if a == FP32 else a  # an autocast copy of an fp32 tensor, per reader
+    before = _rms_norm(H, a, False) + _rms_norm(H, a, a == FP32)  # input_layernorm(embeds), hidden_norm(hidden)
+    before += FP32 * 2 * H  # x = [both norms] (fp32: the norms' outputs are)
     if d.attention == "mla":
-        Lq, Lkv, r = d.q_lora_rank, d.kv_lora_rank, d.qk_rope_head_dim
-        casts = 2 * a * 2 * H  # autocast casts the 2H input once per down-projection
-        attn = (
-            casts
-            + a * Lq
-            + FP32 * Lq
-            + a * h * dq  # q_b_proj output
-            + a * (Lkv + r)
-            + FP32 * Lkv
-            + a * h * (dq - r + dv)  # kv_b_proj output
-            + 2 * FP32 * h * r  # rope of q in fp32
-            + 3 * a * h * dq  # q = cat(nope, rope) * multiplier; k = cat(nope, rope)
-        )
+        Lq, Lkv = d.q_lora_rank, d.kv_lora_rank
+        before += 2 * cast * 2 * H  # q_a_proj and kv_a_proj_with_mqa cast x
+        before += (a * Lq if a == FP32 else 0) + _rms_norm(Lq, a, False) + cast * Lq  # q_a, its norm, q_b's input
+        before += _rms_norm(Lkv, a, False) + cast * Lkv  # the compressed kv's norm, kv_b's input
+        before += a * (Lkv + d.qk_rope_head_dim) if a == FP32 else 0  # the latent (the fp32 norm reads a view)
     else:
-        casts = 3 * a * 2 * H  # q, k, v projections each cast the 2H input
-        attn = casts + a * (h + 2 * kvh) * dq + 2 * FP32 * (h + kvh) * dq + a * (h + kvh) * dq
-    attn += a * h * dv + FP32 * h + a * h * dv  # attention output, its log-sum-exp, o_proj's input layout
-    mlp = a * H + rms + 4 * a * inter + a * H  # residual, post-attention norm, gate/up/silu/product, down
-    out = rms + a * H  # final norm, the hidden state handed on
-    return layer_in + attn + mlp + out
+        before += 3 * cast * 2 * H  # q/k/v projections cast x
+    before += a * h * dq + a * kvh * (dq + dv)  # the query the attention keeps; the key/value made again
+    after = a * h * dv  # o_proj's [B, T, h*dv] input
+    after += a * H + _rms_norm(H, a, a == FP32) + 2 * cast * H  # residual, post_attention_layernorm, gate/up casts
+    after += 4 * a * inter  # gate, silu(gate), up, their product
+    after += a * H + _rms_norm(H, a, False) + FP32 * H  # hidden_out (made again), final norm, its fp32 output
+    return before, after
+
+
+def attention_block_bytes(batch: int, heads: int, keys: int, a: int) -> int:
+    """TTTAttention backward's working set for one chunk of query rows: the fp32 probabilities, their gradient
+    and three fp32 temporaries of the softmax backward, and three copies in the activation dtype."""
+    return batch * heads * ATTENTION_CHUNK_ROWS * keys * (5 * FP32 + 3 * a)
+
+
+def loss_chunk_bytes(rows: int, vocab: int, hidden: int, a: int) -> int:
+    """SoftCrossEntropy backward's working set: one chunk's logits (activation dtype), their fp32 softmax, the
+    soft targets and two fp32 temporaries, the logits' gradient, and the fp32 sum of lm_head's gradient."""
+    return rows * vocab * (2 * a + 4 * FP32) + FP32 * vocab * hidden
+
+
+def activation_bytes(d: DrafterConfig, K: int, a: int, batch: int, window: int) -> int:
+    """Peak activation bytes of one batch of ``batch`` windows of ``window`` rows in the checkpointed unroll
+    (ttt.ttt_forward). Forward keeps, per step, the hidden state it hands on and its cached key/value
+    (activation checkpointing drops the rest). The peak is in backward, while step K-2 is re-run: every step's
+    key/value is still held, the gradients step K-1 sent back to keys/values 0..K-2 wait to be summed, and the
+    re-run step holds its saved activations; then either at the start of that step's backward (everything it
+    saved, the loss chunk) or in its attention (the query, key/value and diagonal gradients, fp32 sums of the
+    step-0 key/value gradient, one chunk of scores)."""
+    H = d.hidden_size
+    h, kvh, dq, dv = _attention_dims(d)
+    kv = kvh * (dq + dv)
+    N = batch * window
+    persistent = (K + 1) * a * H + K * a * kv + K * (8 + 8 + FP32)  # hidden chain, cache; positions, drafts, weights
+    pending = max(K - 1, 0) * a * kv
+    before, after = step_saved_bytes_per_token(d, a)
+    at_loss = N * after + loss_chunk_bytes(batch * max(1, LOSS_CHUNK_ROWS // batch), d.draft_vocab_size, H, a)
+    attention_grads = a * h * dq + a * h * dv + max(K - 2, 0) * a * kv + FP32 * kv  # dq, d(out), diagonal, step 0
+    at_attention = N * attention_grads + attention_block_bytes(batch, h, window + K, a)
+    return N * (persistent + pending + before) + max(at_loss, at_attention)
 
 
 def estimate_training_memory(
@@ -162,7 +198,6 @@ def estimate_training_memory(
     W = N + B * (K + 2)  # token rows a batch reads (each window reads ttt_steps + 2 past its rows)
     P = trainable_parameters(d)
     h, kvh, dq, dv = _attention_dims(d)
-    kv_token = a * kvh * (dq + dv)
 
     parts = {
         "parameters": FP32 * P,
@@ -176,11 +211,10 @@ def estimate_training_memory(
         parts["bf16 weight copies"] = 2 * P
     per_row = 8 + 1 + 1 + (8 * target_topk + FP32 * target_topk if hidden_layout == "compact" else FP32 * H)
     parts["batch"] = N * (FP32 * A * H + 8 + 1) + W * per_row
-    persistent = (K + 1) * a * H + K * kv_token  # each step's hidden state and its cached keys/values
-    backward = (K - 1) * kv_token + 2 * a * H  # gradients of the cached keys/values, of the hidden chain
-    step = 2 * step_activation_bytes_per_token(d, a)  # one step recomputed, and its gradients
-    chunk_rows = max(1, min(T, ATTENTION_CHUNK_ELEMENTS // max(1, h * T)))
-    attention = 4 * FP32 * B * h * chunk_rows * (T + K)  # scores, probabilities, their gradients: one chunk
-    loss = 3 * FP32 * min(LOSS_CHUNK_ROWS, N) * Vd  # logits, probabilities, their gradient: one chunk
-    parts["activations"] = N * (persistent + backward + step) + attention + loss
+    # Backward sums each weight's gradients over the steps (one more copy of the largest at a time); the AdamW
+    # step that follows, when activations are gone, makes one fp32 temporary per parameter (foreach, on GPUs) or
+    # of the largest (CPU: one tensor at a time). The larger of the two moments counts.
+    largest = max(d.draft_vocab_size, d.intermediate_size, A * H) * H
+    backward = activation_bytes(d, K, a, B, T) + FP32 * largest
+    parts["activations"] = max(backward, FP32 * (P if on_gpu else largest))
     return TrainingMemory(parts=parts, batch_tokens=N, window=T, activation_bytes=a)

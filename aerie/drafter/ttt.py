@@ -35,7 +35,7 @@ from aerie.drafter.model import Eagle3Drafter
 
 # Rows of logits the vocabulary loss builds at a time (per batch: LOSS_CHUNK_ROWS // B rows of each window).
 # aerie.drafter.memory reads it.
-LOSS_CHUNK_ROWS = 4096
+LOSS_CHUNK_ROWS = 256
 
 
 def _fp32(device: torch.device):
