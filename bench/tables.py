@@ -10,8 +10,9 @@ the block's data lives:
 - ``peer_training/RUN``: bench/results/peer_training/RUN/ARM/seed-N.json (bench/peer_training.py --results): per
   arm mean ± stdev over seeds, and a paired t-test of each arm against aerie and against the rung above it
   (bench/paired_stats.py);
-- ``api_client/RUN``: bench/results/api_client/RUN.json (bench/api_client.py --matrix): per transport, in-flight
-  count and client the median over interleaved repeats, ratios taken within each repeat.
+- ``api_client``: every bench/results/api_client/RUN.json (bench/api_client.py --run RUN), the newest first: per
+  transport, in-flight count and client the median over interleaved repeats, ratios taken within each repeat,
+  and the client goals restated on each run.
 A block in RESULTS.md whose data is gone is an error; data with no block is listed (place its marker by hand
 where the prose about it is). Torch-free, so the test that checks the committed tables is fast.
 """
@@ -195,11 +196,19 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def api_client_table(path: Path) -> str:
+def api_client_tables(folder: Path) -> str:
+    """Every committed client run, the newest first: its table, its ratios and the goals restated on it."""
+    runs = sorted(
+        (json.loads(p.read_text()) | {"file": p.name} for p in folder.glob("*.json")), key=lambda r: r["started_at"]
+    )
+    return "\n\n".join(api_client_table(run) for run in reversed(runs))
+
+
+def api_client_table(run: dict) -> str:
     """Per transport and in-flight count: every client's median req/s, CPU and memory over the interleaved repeats,
     then aerie against the bare loop and against the SDK at its best, ratios taken within each repeat."""
-    run = json.loads(path.read_text())
-    rows = run["rows"]
+    failed = [r for r in run["rows"] if "error" in r]
+    rows = [r for r in run["rows"] if "error" not in r]
     clients = [c for c in CLIENT_NAMES if any(r["client"] == c for r in rows)]
     cells: dict[tuple, dict[str, dict[int, dict]]] = {}
     for r in rows:
@@ -237,28 +246,104 @@ def api_client_table(path: Path) -> str:
         "aerie / SDK on httpx, req/s",
     ]
     s = run["settings"]
-    loads = [x for r in rows for x in (r["load_before"]["loadavg"][0], r["load_after"]["loadavg"][0])]
+    loads = [x for r in run["rows"] for x in (r["load_before"]["loadavg"][0], r["load_after"]["loadavg"][0])]
     code = run["code"]
     done = "complete" if run.get("complete") else "cut by its time box"
     note = (
-        f"Run `{path.stem}`: {run['started_at']}, {len(rows)} measurements ({done}), "
-        f"{s['requests']:,} requests per measurement, emulated latency {s['latency_s']} s, {s['output_tokens_mean']} "
-        f"output tokens per answer, clients interleaved within each repeat (order rotated), each in a fresh process "
-        f"against a fresh emulator process; load average (1 min) {min(loads):.1f}-{max(loads):.1f} on "
-        f"{run['machine']['cpus']} cores; code {code['commit'][:10]}{' (dirty)' if code['dirty'] else ''}; "
-        f"openai {run.get('openai_version', '?')}, aiohttp {run.get('aiohttp_version', '?')}."
+        f"{run['started_at']}, {len(run['rows'])} measurements ({done}), {s['requests']:,} requests per measurement, "
+        f"emulated latency {s['latency_s']} s, {s['output_tokens_mean']} output tokens per answer; clients interleaved "
+        f"within each repeat (order rotated), each in a fresh process against a fresh emulator process; load average "
+        f"(1 min) {min(loads):.1f}-{max(loads):.1f} on {run['machine']['cpus']} cores; code {code['commit'][:10]}"
+        f"{' (dirty)' if code['dirty'] else ''}; openai {run.get('openai_version', '?')}, aiohttp "
+        f"{run.get('aiohttp_version', '?')}; `{' '.join(run['command'])}`."
     )
+    if failed:
+        note += " Failed measurements (not in the medians): " + "; ".join(
+            f"{r['client']} {r['transport']} {r['concurrency']:,} repeat {r['repeat']}: {r['error']}" for r in failed
+        )
     return "\n".join(
         [
+            f"Run `{run['run']}` (bench/results/api_client/{run['file']}): {note}",
+            "",
             table(head, out_rows),
             "",
-            "Ratios (median over repeats of the ratio within one repeat):",
+            "Ratios (per cell, the median over repeats of the ratio within one repeat):",
             "",
             table(ratio_head, ratio_rows),
             "",
-            note,
+            client_goals(cells),
         ]
     )
+
+
+def client_goals(cells: dict[tuple, dict[str, dict[int, dict]]]) -> str:
+    """The client goals of issues 3 and 15, restated against the bare loop and the SDK at its best (issue 24)."""
+
+    def aerie_median(key: str, pick: Callable[[tuple], bool]) -> list[float]:
+        return [median([r[key] for r in c["aerie"].values()]) for k, c in cells.items() if pick(k) and "aerie" in c]
+
+    def ratio_range(num: str, den: str, key: str = "req_per_s") -> str:
+        got = []
+        for by_client in cells.values():
+            if num in by_client and den in by_client:
+                reps = sorted(set(by_client[num]) & set(by_client[den]))
+                got.append(median([by_client[num][k][key] / by_client[den][k][key] for k in reps]))
+        return f"{min(got):.2f}-{max(got):.2f}" if got else "-"
+
+    def best_sdk_ratio() -> str:
+        got = []
+        for by_client in cells.values():
+            sdks = [c for c in ("openai", "openai-aiohttp") if c in by_client]
+            if "aerie" not in by_client or not sdks:
+                continue
+            best = max(sdks, key=lambda c: median([r["req_per_s"] for r in by_client[c].values()]))
+            reps = sorted(set(by_client["aerie"]) & set(by_client[best]))
+            got.append(median([by_client["aerie"][k]["req_per_s"] / by_client[best][k]["req_per_s"] for k in reps]))
+        return f"{min(got):.1f}x-{max(got):.1f}x" if got else "-"
+
+    within = []
+    overhead = []
+    for by_client in cells.values():
+        if "aerie" in by_client and "bare" in by_client:
+            reps = sorted(set(by_client["aerie"]) & set(by_client["bare"]))
+            a, b = by_client["aerie"], by_client["bare"]
+            within.append(median([a[k]["req_per_s"] / b[k]["req_per_s"] for k in reps]))
+            overhead.append(median([a[k]["cpu_s_per_1000"] - b[k]["cpu_s_per_1000"] for k in reps]))
+    cpu_tls = aerie_median("cpu_s_per_1000", lambda k: k[0] == "https")
+    cpu_all = aerie_median("cpu_s_per_1000", lambda k: True)
+    rss = [
+        max(r["peak_rss_mib"] for r in c["aerie"].values()) for k, c in cells.items() if k[1] >= 2000 and "aerie" in c
+    ]
+    rows = [
+        [
+            "aerie within 10 % of the bare loop's req/s (issue 15)",
+            f"{min(within):.0%}-{max(within):.0%} of the bare loop over the cells; {sum(w >= 0.9 for w in within)} of "
+            f"{len(within)} cells within 10 %"
+            if within
+            else "-",
+        ],
+        [
+            "aerie's own cost over the bare loop (CPU s per 1,000 requests; journal, accounting, admission)",
+            f"{min(overhead):+.2f} to {max(overhead):+.2f}" if overhead else "-",
+        ],
+        [
+            "<= 1 CPU s per 1,000 requests, TLS included (issue 15)",
+            f"aerie {min(cpu_all):.2f}-{max(cpu_all):.2f} (HTTPS cells {min(cpu_tls):.2f}-{max(cpu_tls):.2f}); met in "
+            f"{sum(c <= 1.0 for c in cpu_all)} of {len(cpu_all)} cells"
+            if cpu_all and cpu_tls
+            else "-",
+        ],
+        [
+            "peak memory < 1 GiB at 2,000 in flight",
+            f"aerie {max(rss):,.0f} MiB" if rss else "-",
+        ],
+        [
+            "vs the SDK at its best (replaces >= 10x / >= 30x AsyncOpenAI, which were against its httpx transport)",
+            f"aerie {best_sdk_ratio()} its req/s; the SDK on DefaultAioHttpClient / on httpx: "
+            f"{ratio_range('openai-aiohttp', 'openai')}x req/s",
+        ],
+    ]
+    return table(["goal", "this run"], rows)
 
 
 def client_ratios(by_client: dict[str, dict[int, dict]]) -> list[str]:
@@ -297,8 +382,8 @@ def generators() -> dict[str, Callable[[], str]]:
     gens: dict[str, Callable[[], str]] = {}
     for run_dir in sorted(p for p in PEER_DIR.glob("*") if p.is_dir()):
         gens[f"peer_training/{run_dir.name}"] = lambda d=run_dir: peer_training_table(d)
-    for path in sorted(CLIENT_DIR.glob("*.json")):
-        gens[f"api_client/{path.stem}"] = lambda p=path: api_client_table(p)
+    if any(CLIENT_DIR.glob("*.json")):
+        gens["api_client"] = lambda: api_client_tables(CLIENT_DIR)
     return gens
 
 
