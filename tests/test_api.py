@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -335,6 +336,22 @@ def test_budget_counts_in_flight_requests_and_never_overshoots(tmp_path: Path) -
     assert len(ok) == 600 and max(ok.values()) == 1
 
 
+def test_a_budget_waits_for_requests_in_flight_when_answers_cost_less_than_expected(tmp_path: Path) -> None:
+    """Answers half as long as expected: a request that fits only once those in flight come back waits for them
+    instead of ending the run at the first refusal, so the budget is used (and never passed)."""
+    out = tmp_path / "shard-00000.jsonl"
+    per = exact_cost(50)
+    with serve_in_thread(
+        EmulatorSettings(output_tokens_mean=50, output_tokens_dist="fixed", latency_mean=0.05)
+    ) as base:
+        guard = MoneyGuard(budget_usd=16 * per, expected_cost=exact_cost(100))
+        with pytest.raises(RegenerationStopped, match="budget: "):
+            run(make_prompts(40), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
+    spent = read_journal(journal_path(out)).cost
+    assert spent <= 16 * per + 1e-12
+    assert spent >= 15 * per, f"{spent / per:.1f} of 16 requests: admission stopped at the first wave"
+
+
 def test_budget_counts_spend_lost_to_interrupted_requests(tmp_path: Path) -> None:
     """Money the account was billed for answers no journal holds is spent too: the guard stops earlier."""
     out = tmp_path / "shard-00000.jsonl"
@@ -556,7 +573,6 @@ def test_fatal_errors_stop_with_the_server_message_and_keep_finished_work(tmp_pa
 
 def test_retry_after_is_honoured(tmp_path: Path) -> None:
     out = tmp_path / "shard-00000.jsonl"
-    import time
 
     with serve_in_thread(EmulatorSettings(faults={"429-retry-after": 1.0}, retry_after=0.4)) as base:
         t0 = time.monotonic()
@@ -834,3 +850,55 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
     assert spent + 40 * expected <= 100 * expected + 1e-9, (spent / expected, 40)
     assert spent + 40 * expected >= 100 * expected - 2 * expected
     assert any("40 samples were sent before an interruption" in line for line in logged), logged
+
+
+def test_the_preview_counts_spend_beyond_the_journals_against_the_budget() -> None:
+    """The preview's remaining budget and its OVER BUDGET verdict count what the account billed beyond the journals
+    and what is still priced as pending, named as the logs and the report name them."""
+    from aerie.api.money import AccountMoney, DatasetEstimate, Prices, Unjournaled, format_preview
+
+    prices = Prices(0.5e-6, 2e-6, "config")
+    pending_work = [DatasetEstimate("chat", 1, 100, 100, 1000, 20_000, 0.05, "expected", 200.0)]
+    account = AccountMoney(
+        usage=0.08,
+        baseline_usage=0.0,
+        journal=0.05,
+        baseline_journal=0.0,
+        source="live",
+        unjournaled=Unjournaled(retries=0.01, lost=0.02, pending=0.004),
+    )
+    text = format_preview(pending_work, 0.05, 0.12, prices, account)
+    assert "spent: $0.05 journaled + $0.01 billed retries + $0.02 lost to interrupted requests + $0.0040 sent " in text
+    assert "= $0.08; budget $0.12, remaining $0.04" in text
+    assert "OVER BUDGET by $0.01" in text  # $0.05 of work, $0.036 left: the journals alone would leave $0.07
+    assert "OVER BUDGET" not in format_preview(pending_work, 0.05, 0.12, prices, None)
+
+
+def test_the_money_story_adds_up_to_the_account(tmp_path: Path, monkeypatch) -> None:
+    """A run never killed whose slow answers outlast the read timeout (billed, retried): the report's story is the
+    journals plus billed retries - named so, not "lost to interrupted requests" - and equals the account."""
+    from aerie.api.job import ApiShardTask, regenerate_api_shards
+    from aerie.api.money import spend_story
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(60)]
+    out = results / "chat" / "responses" / "shard-00000.jsonl"
+    emu = EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", faults={"slow": 0.1}, slow_seconds=0.6)
+    with serve_in_thread(emu) as base:
+        config = job_config(base, {"chat": {}}, read_timeout_s=0.3, budget_usd=1.0)
+        task = ApiShardTask("chat", write_prompt_file(tmp_path / "p.jsonl", prompts), out)
+        assert isinstance(regenerate_api_shards([task], config, log=lambda m: None)[out], dict)
+        deadline = time.monotonic() + 10
+        while requests.get(f"{base}/emulator/stats", timeout=5).json()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
+        story = spend_story([out])
+    timeouts = stats["outcomes"]["client-gone"]
+    assert timeouts > 0
+    assert story.account == pytest.approx(stats["charged_usd"], abs=1e-12)
+    assert story.total == pytest.approx(stats["charged_usd"], abs=1e-12)
+    assert story.journaled_usd == pytest.approx(60 * exact_cost(100))
+    assert story.billed["chat"].retries == pytest.approx(timeouts * exact_cost(100))
+    assert story.billed["chat"].lost == 0 and story.unattributed == 0
+    assert "billed retries" in story.words() and "lost to interrupted" not in story.words()
