@@ -272,6 +272,7 @@ def test_auth_and_request_log(tmp_path) -> None:
     canon = json.dumps(MESSAGES, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert all(x["messages_sha256"] == hashlib.sha256(canon.encode()).hexdigest() for x in lines)
     assert lines[2]["model"] == "moonshotai/kimi-k2.5" and lines[2]["max_tokens"] == 4096 and lines[2]["cost"] > 0
+    assert lines[2]["completion_tokens"] > 0 and lines[0]["completion_tokens"] == 0  # output tokens charged
 
 
 def test_strict_models() -> None:
@@ -349,6 +350,7 @@ def test_a_client_that_disconnects_is_billed_like_by_a_provider() -> None:
             time.sleep(0.05)
         _, _, stats = call(base, "/emulator/stats")
         assert stats["outcomes"] == {"client-gone": 1} and stats["charged_usd"] > 0
+        assert stats["charged_completion_tokens"] > 0 and stats["max_in_flight"] == 1 and stats["in_flight"] == 0
         _, _, key = call(base, "/key")
         assert key["data"]["usage"] == pytest.approx(stats["charged_usd"])
         _, _, credits = call(base, "/credits")
