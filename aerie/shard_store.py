@@ -503,8 +503,9 @@ def generation_reusable(
 
 def responses_plan_text(plan: Mapping[str, int] | None, served_pending: int = 0) -> str | None:
     """The ``snakemake -n`` line of the responses stage's target loads: rule ``responses_hf`` (one job for every
-    in-process shard, ``pending_plan``), and the shards whose job starts its own server (``responses.serve``:
-    one load per shard job). None when no dataset generates with the target."""
+    in-process shard, ``pending_plan``), and the API shards served by the server rule ``responses`` starts
+    (``responses.serve``: one load for the job of every API shard). None when no dataset generates with the
+    target."""
     parts = []
     if plan is not None:
         if not plan["pending"]:
@@ -519,8 +520,8 @@ def responses_plan_text(plan: Mapping[str, int] | None, served_pending: int = 0)
             )
     if served_pending:
         parts.append(
-            f"{served_pending} pending shards through a server their job starts (responses.serve): "
-            f"{served_pending} target load{'' if served_pending == 1 else 's'} (one per shard job)"
+            f"{served_pending} pending shards through the server rule responses starts (responses.serve): "
+            "1 target load (one job for every API shard)"
         )
     return "aerie responses plan: " + "; ".join(parts) if parts else None
 

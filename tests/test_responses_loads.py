@@ -276,7 +276,7 @@ def test_dry_run_job_resources_and_served_shards(target, tmp_path) -> None:
     assert "threads: 2" in job and re.search(r"resources: .*\bgpu=1\b", job), job
     assert re.search(r"^responses_hf\s+1$", out, flags=re.M) and not re.search(r"^responses\s+\d+$", out, flags=re.M)
 
-    # A dataset served by a server its job starts keeps one job (and one load) per shard.
+    # A dataset served by the server rule responses starts: one load for the one job of every API shard.
     config = yaml.safe_load((root / "config.yaml").read_text())
     responses = {n: {**config["responses"], **d["responses"]} for n, d in config["datasets"].items()}
     responses["sampled"].update(backend="openai", serve="transformers")
@@ -284,6 +284,6 @@ def test_dry_run_job_resources_and_served_shards(target, tmp_path) -> None:
     assert responses_loads_text(config["target"], responses, names, root / "results") == (
         f"aerie responses plan: rule responses_hf (one job for all {SHARDS_PER_DATASET} in-process shards) publishes "
         f"{SHARDS_PER_DATASET} pending: 1 target load when it runs (one job per shard: {SHARDS_PER_DATASET}); "
-        f"{SHARDS_PER_DATASET} pending shards through a server their job starts (responses.serve): "
-        f"{SHARDS_PER_DATASET} target loads (one per shard job)"
+        f"{SHARDS_PER_DATASET} pending shards through the server rule responses starts (responses.serve): "
+        "1 target load (one job for every API shard)"
     )
