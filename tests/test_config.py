@@ -47,7 +47,7 @@ def test_demo_dry_run_sees_every_job(workdir: Path) -> None:
     shards = tasks_shards + he_shards
     assert tasks_shards >= 2 and he_shards >= 2
     assert int(counts["prompts"]) == shards
-    assert int(counts["responses"]) == he_shards  # API-backed (the demo's humaneval): one job per shard
+    assert int(counts["responses"]) == 1  # every API-backed shard (the demo's humaneval) in one job: one set of limits
     assert int(counts["responses_hf"]) == 1  # every in-process shard in one job: the target loads once
     assert int(counts["tokens"]) == shards
     assert int(counts["hidden"]) == 1  # one capture job for every shard: the target loads once (rules/hidden.smk)
