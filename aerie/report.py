@@ -298,6 +298,7 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
         ):
             c[k] += int(rep.get(k) or 0)
         c["refused"] += int((rep.get("rebuild_paths") or {}).get("refused") or 0)
+        c["no_reasoning_dropped"] += int((rep.get("dropped") or {}).get("no_reasoning") or 0)
         c["normalised"] += int((rep.get("mismatch_classes") or {}).get("template_normalised") or 0)
     fid = {
         d: {
@@ -312,6 +313,8 @@ def figure_quality(records: list[dict[str, Any]], token_reports: Sequence[str | 
             "degenerate (loop)": _rate(sums[d]["degenerate"], sums[d]["samples"]),
             "empty reasoning": _rate(sums[d]["empty_reasoning"], sums[d]["samples"]),
             "no reasoning": _rate(sums[d]["no_reasoning"], sums[d]["samples"]),
+            # requested but missing (null): the provider stripped it; per provider in the panel below
+            "no reasoning, dropped": _rate(sums[d]["no_reasoning_dropped"], sums[d]["samples"]),
         }
         for d in datasets
     }
@@ -371,7 +374,14 @@ def _figure_providers(
         ax.set_title(title)
         return
     named = {(o["dataset"], o["provider"]) for o in outliers}
-    labels = [f"{d}/{p}" + (" (outlier)" if (d, p) in named else "") for d, p in keys]
+    # missing reasoning dropped (requested, returned null: the provider stripped it), counted under each provider
+    stripped = {k: (providers[k].get("dropped_reasons") or {}).get("no_reasoning", 0) for k in keys}
+    labels = [
+        f"{d}/{p}"
+        + (" (outlier)" if (d, p) in named else "")
+        + (f"\n{stripped[(d, p)]} dropped: no reasoning" if stripped[(d, p)] else "")
+        for d, p in keys
+    ]
     x = np.arange(len(keys))
     w = 0.8 / len(PROVIDER_RATES)
     for j, k in enumerate(PROVIDER_RATES):

@@ -52,7 +52,7 @@ def test_demo_dry_run_sees_every_job(workdir: Path) -> None:
     assert int(counts["tokens"]) == shards
     assert int(counts["hidden"]) == 1  # one capture job for every shard: the target loads once (rules/hidden.smk)
     assert int(counts["bench_prompts"]) == 2
-    for rule in ("demo_target", "draft_vocab", "drafter", "bench", "all"):
+    for rule in ("demo_target", "tokenizer_check", "draft_vocab", "drafter", "bench", "all"):
         assert int(counts[rule]) == 1
 
 

@@ -94,6 +94,21 @@ def targets(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def loaded(targets):
+    """name -> the family's tokenizer, loaded from its target folder once per module (a 10 MB tokenizer.json)."""
+    from aerie.target.model import load_tokenizer
+
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_tokenizer(targets[name])
+        return cache[name]
+
+    return get
+
+
 def _dict_args(calls):
     return [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
 
@@ -122,10 +137,8 @@ def expected_generated(tok, fam: Family, rec: dict) -> list[int]:
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp_path) -> None:
-    from aerie.target.model import load_tokenizer
-
-    tok = load_tokenizer(targets[fam.name])
+def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, loaded, tmp_path) -> None:
+    tok = loaded(fam.name)
     records = family_records(fam)
     expected = EXPECTED[fam.name]
     refused_as = {rid: reason for reason, ids in expected.get("refused", {}).items() for rid in ids}
@@ -159,6 +172,7 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, tmp
             max_dropped_fraction=1.0,
             reasoning_requested=False,  # every record reaches the template (missing reasoning: see below)
             log=lambda m: None,
+            tokenizer=tok,
         )
     except FidelityError as err:  # every record refused: the shard is refused, with the counts
         assert not set(r["id"] for r in records) - set(refused_as), "a record the template expresses was lost"
@@ -301,22 +315,20 @@ def run_family(target: Path, records: list[dict], tmp_path: Path, **kw) -> tuple
 
 @pytest.mark.parametrize("name", ["Kimi K2-Thinking", "Kimi K3", "Qwen3", "DeepSeek V3.2 (thinking)"])
 def test_missing_reasoning_is_dropped_per_provider_where_the_template_trains_it_as_empty(
-    name: str, targets, tmp_path
+    name: str, targets, loaded, tmp_path
 ) -> None:
     """On these templates a turn without reasoning renders the same whether the reasoning is empty or missing, so
     a provider that strips the trace would train "the model did not think": with reasoning requested (the
     default) the missing one is dropped and counted for its provider; the empty one is what the model wrote."""
-    from aerie.target.model import load_tokenizer
-
     fam = next(f for f in FAMILIES if f.name == name)
-    tok = load_tokenizer(targets[name])
+    tok = loaded(name)
     recs = {r["id"]: r for r in family_records(fam)}
     records = [
         {**recs["basic"], "provider": "A"},
         {**recs["empty_reasoning"], "provider": "A"},
         {**recs["missing_reasoning"], "provider": "B"},
     ]
-    report, generated = run_family(targets[name], records, tmp_path, max_dropped_fraction=0.5)
+    report, generated = run_family(targets[name], records, tmp_path, max_dropped_fraction=0.5, tokenizer=tok)
     assert report["dropped"] == {"no_reasoning": 1} and report["drop_examples"] == {
         "no_reasoning": ["missing_reasoning"]
     }
@@ -324,19 +336,17 @@ def test_missing_reasoning_is_dropped_per_provider_where_the_template_trains_it_
     assert report["providers"]["B"]["no_reasoning_rate"] == 1.0 and report["providers"]["A"]["no_reasoning_rate"] == 0
     assert generated["empty_reasoning"] == expected_generated(tok, fam, recs["empty_reasoning"])
     # Kept on request, it trains what the template renders: the same ids as the empty one (why it is dropped).
-    kept, generated = run_family(targets[name], records, tmp_path, keep_missing_reasoning=True)
+    kept, generated = run_family(targets[name], records, tmp_path, keep_missing_reasoning=True, tokenizer=tok)
     assert kept["dropped"] == {} and generated["missing_reasoning"] == generated["empty_reasoning"]
 
 
-def test_a_finished_turn_inside_the_open_reasoning_block_is_refused(targets, tmp_path) -> None:
+def test_a_finished_turn_inside_the_open_reasoning_block_is_refused(targets, loaded, tmp_path) -> None:
     """NVIDIA Nemotron Nano v2: the generation prompt ends `<think>\\n` and the finished turn repeats it with the
     answer after it and no `</think>`. No fallback or prefix check sees it (the finished turn does begin with the
     prompt); the reasoning-block check on the template's own text does. With thinking off (`/no_think`: the
     prompt closes the block) the same record is what the model writes and is rebuilt as the template renders it."""
-    from aerie.target.model import load_tokenizer
-
     fam = next(f for f in FAMILIES if f.name == "Nemotron Nano v2")
-    tok = load_tokenizer(targets[fam.name])
+    tok = loaded(fam.name)
     recs = {r["id"]: r for r in family_records(fam)}
     no_think = {
         **recs["missing_reasoning"],
@@ -345,7 +355,7 @@ def test_a_finished_turn_inside_the_open_reasoning_block_is_refused(targets, tmp
     }
     records = [recs["empty_reasoning"], recs["missing_reasoning"], no_think]
     report, generated = run_family(
-        targets[fam.name], records, tmp_path, reasoning_requested=False, max_dropped_fraction=1.0
+        targets[fam.name], records, tmp_path, reasoning_requested=False, max_dropped_fraction=1.0, tokenizer=tok
     )
     assert report["dropped"] == {"reasoning_block_unclosed": 2} and report["rebuild_paths"]["refused"] == 2
     assert "repeats the open block" in report["refusal_messages"]["reasoning_block_unclosed"]
@@ -355,11 +365,9 @@ def test_a_finished_turn_inside_the_open_reasoning_block_is_refused(targets, tmp
     assert turn.generation_prompt.endswith("<think></think>")
 
 
-def test_every_family_tokenizer_keeps_its_template_markers_one_id(targets) -> None:
-    from aerie.target.model import load_tokenizer
-
+def test_every_family_tokenizer_keeps_its_template_markers_one_id(targets, loaded) -> None:
     for fam in FAMILIES:
-        tok = load_tokenizer(targets[fam.name])
+        tok = loaded(fam.name)
         markers = check_template_markers(tok, targets[fam.name])
         end = TURN_END.get(fam.name, DEEPSEEK_EOS)
         assert markers[end] == tok.convert_tokens_to_ids(end), fam.name

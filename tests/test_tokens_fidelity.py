@@ -631,6 +631,41 @@ def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_t
     assert summary["providers"]["t/B"]["truncation_rate"] == 0.5 and (tmp_path / "q.png").stat().st_size > 0
 
 
+def test_a_provider_that_strips_reasoning_is_counted_and_shown_per_provider(kimi_target, tmp_path) -> None:
+    """Provider B returns no reasoning for half its answers: dropped and counted under B in the shard report, named
+    as an outlier with the line that excludes it, and shown per provider in the report's quality figure."""
+    from aerie.report import figure_quality
+
+    msgs = [{"role": "user", "content": "Q"}]
+    recs = [
+        {
+            **record(f"{p}{i}", msgs, None if p == "B" and i % 2 else "plan it", f"a full answer number {i}."),
+            "provider": p,
+        }
+        for p in ("A", "B")
+        for i in range(20)
+    ]
+    lines: list[str] = []
+    write_jsonl(tmp_path / "r.jsonl", recs)
+    tokenize_shard(
+        tmp_path / "r.jsonl",
+        tmp_path / "t.safetensors",
+        tmp_path / "t.json",
+        str(kimi_target),
+        max_seq_len=4096,
+        log=lines.append,
+    )
+    warning = [line for line in lines if "provider B differs" in line]
+    assert len(warning) == 1 and "no reasoning 50% vs 25%" in warning[0] and 'ignore: ["B"]' in warning[0]
+    (tmp_path / "ds" / "tokens").mkdir(parents=True)
+    (tmp_path / "ds" / "tokens" / "shard-00000.report.json").write_text((tmp_path / "t.json").read_text())
+    summary = figure_quality([], [tmp_path / "ds" / "tokens" / "shard-00000.report.json"], tmp_path / "q.png")
+    b, a = summary["providers"]["t/B"], summary["providers"]["t/A"]
+    assert (b["dropped_reasons"], b["no_reasoning"], b["no_reasoning_rate"]) == ({"no_reasoning": 10}, 10, 0.5)
+    assert (a["dropped_reasons"], a["no_reasoning_rate"]) == ({}, 0.0)
+    assert summary["fidelity"]["ds"]["no reasoning, dropped"] == 0.25 and (tmp_path / "q.png").stat().st_size > 0
+
+
 def test_drop_gate_is_the_fraction_beyond_chance() -> None:
     """Tiny shards (a quota cut leaves 1-3 samples) are not failed by one truncated answer; big ones fail near
     the fraction itself; a shard that keeps nothing always fails."""
