@@ -1,25 +1,45 @@
-"""bench/peer_training.py's data conversion: aerie hidden shards -> SpecForge's offline sample layout.
+"""bench/peer_training.py and the tables made from its committed results.
 
 SpecForge itself is not installed in the test environment (it stays out of the default test path); what is
-checked is the contract its ``OfflineEagle3Dataset.process_data`` reads: ``input_ids`` and ``loss_mask`` of
+checked: the contract its ``OfflineEagle3Dataset.process_data`` reads (``input_ids`` and ``loss_mask`` of
 shape [T], the target's final hidden state ``hidden_state`` [1, T, H] and the concatenated aux layers
-``aux_hidden_state`` [1, T, A*H], row for row the shard's.
+``aux_hidden_state`` [1, T, A*H], row for row the shard's); that every rung of the SpecForge ladder changes
+exactly the one thing it names from SpecForge's defaults; that a finished arm x seed is never recomputed and
+never mixed with other data; the paired t-test; and that every table bench/tables.py generates into
+bench/RESULTS.md equals what the committed result files give (``python bench/tables.py`` rewrites them).
+With ``AERIE_SPECFORGE_SITE`` pointing at ``pip install --no-deps --target DIR specforge==0.2.0``, one more test
+builds SpecForge's own drafter for a tiny target and checks its final norm runs before lm_head.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import REPO
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(REPO / "bench"))
 
-from peer_training import loss_over_supervised_rows, specforge_sample, write_specforge_samples  # noqa: E402
+import paired_stats  # noqa: E402
+import tables  # noqa: E402
+from peer_training import (  # noqa: E402
+    ARMS,
+    SPECFORGE_ARMS,
+    finished,
+    loss_over_supervised_rows,
+    specforge_arm_settings,
+    specforge_sample,
+    write_specforge_samples,
+)
 
+from aerie.drafter.config import TrainConfig  # noqa: E402
 from aerie.formats.hidden import open_hidden_shards  # noqa: E402
 
 H, A, V = 8, 3, 32  # hidden size, aux layers, vocab: the conversion does not depend on the sizes
@@ -95,3 +115,193 @@ def test_loss_over_supervised_rows_divides_by_the_supervised_rows_only() -> None
     expected = ce[0, 1:4].sum() / 3
     assert torch.allclose(loss_over_supervised_rows(logits, target_p, mask), expected)
     assert float(loss_over_supervised_rows(logits, target_p, torch.zeros(B, T, 1))) == 0.0  # none: no NaN
+
+
+# ---- the ladder: SpecForge's defaults, one change per rung ---------------------------------------------------
+SPECFORGE_DEFAULTS = {  # SpecForge 0.2.0's, as peer_training.specforge_defaults reads them from its schema
+    "learning_rate": 1e-4,
+    "warmup_ratio": 0.015,
+    "batch_size": 1,
+    "ttt_length": 7,
+    "num_epochs": 1,
+    "max_grad_norm": 0.5,
+    "lr_scheduler": "cosine",
+    "attention_backend": "flex_attention",
+    "lk_loss_type": None,
+    "kl_scale": 1.0,
+    "kl_decay": 1.0,
+    "compact_teacher": False,
+    "max_length": 2048,
+    "torch_dtype": "bfloat16",
+    "weight_decay": 0.0,
+    "betas": [0.9, 0.999],
+    "cosine_floor": 0.0,
+    "ploss_decay": 0.8,
+    "seed": 42,
+}
+RUNG_CHANGES = {  # what each rung may change from the one above it, and nothing else
+    "specforge-matched": {"learning_rate", "ttt_length", "batch_size"},
+    "+head": {"head_from_target"},
+    "+rows": {"loss_over_supervised_rows"},
+    "+mask": {"mask_on_predicted_token"},
+    "+betas": {"betas"},
+    "+schedule": {"warmup_ratio", "cosine_floor"},
+}
+
+
+def test_each_rung_changes_the_one_thing_it_names_from_specforge_defaults() -> None:
+    """specforge-default trains at SpecForge's defaults but for the settings every arm shares on purpose (listed
+    in the result); each later rung differs from the one above in exactly its own settings, and the last rung
+    trains with aerie's values for all of them."""
+    cfg = TrainConfig(epochs=1, seed=3, ttt_steps=3, batch_size=4, learning_rate=1e-3, max_seq_len=2048)
+    arms = list(SPECFORGE_ARMS)
+    assert ARMS[0] == "aerie" and arms[0] == "specforge-default" and len(arms) == 1 + len(RUNG_CHANGES)
+    settings = [specforge_arm_settings(SPECFORGE_DEFAULTS, SPECFORGE_ARMS[a], cfg, "float32") for a in arms]
+    first = settings[0]
+    assert first["kept_apart_from_defaults"] == ["attention_backend", "seed", "torch_dtype"]
+    for key, value in SPECFORGE_DEFAULTS.items():
+        if key not in first["kept_apart_from_defaults"]:
+            assert first[key] == value, key
+    assert not any(first[k] for k in ("head_from_target", "loss_over_supervised_rows", "mask_on_predicted_token"))
+    for (rung, allowed), above, here, arm in zip(RUNG_CHANGES.items(), settings, settings[1:], arms[1:]):
+        assert arm.endswith(rung)
+        changed = {k for k in here if here[k] != above[k]}
+        assert changed == allowed, f"{arm} changes {changed}, should change {allowed}"
+        assert SPECFORGE_ARMS[arm].changes  # the table's "changes" column names it
+    last = settings[-1]
+    assert (last["learning_rate"], last["ttt_length"], last["batch_size"]) == (1e-3, 3, 4)
+    assert (last["warmup_ratio"], last["cosine_floor"], last["betas"]) == (
+        cfg.warmup_ratio,
+        cfg.min_lr_ratio,
+        [0.9, 0.95],
+    )
+    assert (last["max_grad_norm"], last["weight_decay"], last["ploss_decay"]) == (
+        cfg.grad_clip,
+        cfg.weight_decay,
+        cfg.step_loss_decay,
+    )  # already equal at SpecForge's defaults: no rung needed
+    assert last["head_from_target"] and last["loss_over_supervised_rows"] and last["mask_on_predicted_token"]
+
+
+@pytest.mark.skipif(not os.environ.get("AERIE_SPECFORGE_SITE"), reason="AERIE_SPECFORGE_SITE (SpecForge 0.2.0) not set")
+def test_specforge_drafter_is_built_at_its_own_defaults(tmp_path: Path) -> None:
+    """SpecForge's own draft config for a tiny target: its final RMSNorm runs before lm_head (``norm_output`` left
+    to SpecForge, which defaults it to True) - the setting every SpecForge arm ran without before issue 24."""
+    from peer_training import (
+        install_specforge,
+        smoke_data,
+        specforge_defaults,
+        specforge_draft_config,
+        specforge_drafter,
+    )
+
+    sf = install_specforge(Path(os.environ["AERIE_SPECFORGE_SITE"]))
+    _, target = smoke_data(tmp_path, seqs=2, seq_len=8)
+    config = specforge_draft_config(sf, target, draft_vocab_size=256)
+    assert not hasattr(config, "norm_output") or config.norm_output is True
+    vocab = argparse.Namespace(d2t=torch.zeros(256, dtype=torch.int64), t2d=torch.ones(256, dtype=torch.bool))
+    model = specforge_drafter(sf, config, target, vocab, None, 0, SPECFORGE_ARMS["specforge-default"], torch.float32)
+    assert model.norm_output is True
+    with torch.no_grad():
+        model.norm.weight.mul_(3.0)
+        h = torch.randn(1, 4, config.hidden_size)
+        assert torch.allclose(model.compute_logits(h), model.lm_head(model.norm(h)))
+    assert specforge_defaults(sf) == SPECFORGE_DEFAULTS
+
+
+# ---- result files: never recomputed, never mixed -------------------------------------------------------------
+def test_a_finished_arm_and_seed_is_skipped_and_other_data_is_refused(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        results=tmp_path, run="r", epochs=1, ttt=3, batch_size=4, lr=1e-3, eval_fraction=0.2, max_len=2048,
+        threads=1, specforge_dtype="float32", bench_prompts=None,
+    )  # fmt: skip
+    identity = {"hidden": [{"name": "a", "sha256": "11"}], "target": [{"name": "m", "sha256": "22"}]}
+    assert not finished(args, "aerie", 0, identity)
+    path = tmp_path / "r" / "aerie" / "seed-0.json"
+    path.parent.mkdir(parents=True)
+    from peer_training import run_settings
+
+    path.write_text(json.dumps({"data": identity, "run_settings": run_settings(args)}))
+    assert finished(args, "aerie", 0, identity)
+    other = {**identity, "hidden": [{"name": "a", "sha256": "99"}]}
+    with pytest.raises(SystemExit, match="other data or settings"):
+        finished(args, "aerie", 0, other)
+    args.lr = 1e-4
+    with pytest.raises(SystemExit, match="other data or settings"):
+        finished(args, "aerie", 0, identity)
+
+
+# ---- the paired test and the tables ----------------------------------------------------------------------------
+def test_t_distribution_matches_printed_tables() -> None:
+    """Two-sided p at the textbook 97.5 % quantiles of Student's t is 0.05; df 1 at t = 1 is exactly 0.5 (Cauchy)."""
+    for df, t in ((1, 12.7062), (2, 4.302653), (4, 2.776445), (5, 2.570582), (10, 2.228139), (30, 2.042272)):
+        assert paired_stats.t_two_sided_p(t, df) == pytest.approx(0.05, abs=2e-6)
+        assert paired_stats.t_quantile(0.975, df) == pytest.approx(t, abs=1e-4)
+    assert paired_stats.t_two_sided_p(1.0, 1) == pytest.approx(0.5, abs=1e-12)
+    assert paired_stats.t_two_sided_p(0.0, 4) == pytest.approx(1.0)
+
+
+def test_paired_test_on_per_seed_differences() -> None:
+    a, b = [2.50, 2.45, 2.55, 2.48, 2.52], [2.40, 2.38, 2.41, 2.43, 2.39]
+    out = paired_stats.paired_test(a, b)
+    diffs = [x - y for x, y in zip(a, b)]
+    mean = sum(diffs) / 5
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4)
+    assert out["mean_diff"] == pytest.approx(mean) and out["sd_diff"] == pytest.approx(sd)
+    assert out["t"] == pytest.approx(mean / (sd / math.sqrt(5)))
+    assert out["p"] < 0.01 and out["ci95"][0] > 0
+    assert out["sign_flip_p"] == pytest.approx(2 / 32)  # the floor of a 5-seed permutation test
+    noisy = paired_stats.paired_test([2.5, 2.3, 2.6, 2.2, 2.4], [2.4, 2.4, 2.4, 2.4, 2.4])
+    assert noisy["p"] > 0.5 and noisy["ci95"][0] < 0 < noisy["ci95"][1]
+    with pytest.raises(ValueError, match="same seeds"):
+        paired_stats.paired_test([1.0], [1.0, 2.0])
+
+
+def write_result(run: Path, arm: str, seed: int, sim: float, rung: int) -> None:
+    path = run / arm / f"seed-{seed}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    load = {"loadavg": [1.0, 1.0, 1.0]}
+    path.write_text(
+        json.dumps(
+            {
+                "arm": arm,
+                "seed": seed,
+                "rung": rung,
+                "changes": "x",
+                "figures": {
+                    "simulated_acceptance_length": sim,
+                    "acceptance_per_position": [sim - 1],
+                    "tokens_per_s": 1,
+                },
+                "data": {"sequences": 3, "tokens": 30, "supervised_tokens": 9, "hidden": [{"sha256": "ab" * 32}]},
+                "run_settings": {"lr": 0.001},
+                "code": {"commit": "c" * 40, "dirty": []},
+                "load_before": load,
+                "load_after": load,
+                "machine": {"cpus": 2},
+                "started_at": f"2026-01-0{seed + 1}",
+            }
+        )
+    )
+
+
+def test_peer_table_reports_spread_and_paired_gaps(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for seed, (a, b) in enumerate([(2.5, 2.4), (2.45, 2.38), (2.55, 2.41)]):
+        write_result(run, "aerie", seed, a, 0)
+        write_result(run, "specforge-default", seed, b, 1)
+    text = tables.peer_training_table(run)
+    assert "| `aerie` | x | 0, 1, 2 | 2.500 ± 0.050 |" in text
+    gap = paired_stats.paired_test([2.4, 2.38, 2.41], [2.5, 2.45, 2.55])
+    assert f"{gap['mean_diff']:+.3f} [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}]" in text
+    assert ("beyond the spread" in text) == (gap["p"] < 0.05)
+
+
+def test_committed_tables_equal_what_the_committed_results_give() -> None:
+    """Every generated block of bench/RESULTS.md is what bench/tables.py renders from bench/results/ now: a table
+    copied by hand, or data committed without regenerating, fails here (fix: python bench/tables.py)."""
+    text = tables.RESULTS_MD.read_text()
+    gens = tables.generators()
+    regenerated, unplaced = tables.regenerate(text, gens)
+    assert regenerated == text, "bench/RESULTS.md is stale: run .venv/bin/python bench/tables.py"
+    assert not unplaced, f"committed results with no block in bench/RESULTS.md: {unplaced}"
