@@ -545,16 +545,25 @@ def test_whether_reasoning_was_requested_is_read_from_the_record_first(tok, fmt,
         record("off", msgs, None, "d", params={"reasoning": {"enabled": False}}),
         record("none", msgs, None, "e", params={"reasoning": {"effort": "none"}}),
         record("plain", msgs, None, "f"),  # says nothing: the dataset's settings decide
+        # The request turned the template's thinking mode off: not requested, whatever else the record says.
+        record(
+            "thinking_off",
+            msgs,
+            None,
+            "h",
+            flags=["no_reasoning"],
+            params={"chat_template_kwargs": {"thinking": False}},
+        ),
         # Exact sampled ids are what the model did (here: no reasoning block at all): never missing data.
         {**exact_record(tok, fmt, "exact", msgs, "g<|im_end|>"), "flags": ["no_reasoning"]},
     ]
     assert recs[-1]["reasoning"] is None
     report, _, meta = run_stage(tmp_path, kimi_target, recs, reasoning_requested=False, max_dropped_fraction=0.5)
     assert report["dropped"] == {"no_reasoning": 2} and report["drop_examples"]["no_reasoning"] == ["flagged", "asked"]
-    assert {"flagged_empty", "off", "none", "plain", "exact"} <= set(meta["sample_ids"])
+    assert {"flagged_empty", "off", "none", "plain", "thinking_off", "exact"} <= set(meta["sample_ids"])
     report, _, meta = run_stage(tmp_path, kimi_target, recs, reasoning_requested=True, max_dropped_fraction=0.5)
     assert report["drop_examples"]["no_reasoning"] == ["flagged", "asked", "plain"]
-    assert report["reasoning_requested"] == 6 + 5 and "exact" in meta["sample_ids"]  # all but "off", "none"
+    assert report["reasoning_requested"] == 6 + 5 and "exact" in meta["sample_ids"]  # not "off", "none", "thinking_off"
 
 
 def test_the_rebuild_ignores_tokenizer_state_left_by_earlier_calls(tok, kimi_target, tmp_path) -> None:
