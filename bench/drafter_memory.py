@@ -78,14 +78,21 @@ DRAFT_VOCAB = 32000
 TTT_STEPS = 7
 TOPK = 32
 BENCH_EMBED_ROWS = 32000  # the frozen embedding table's rows in the bench (Kimi: 163840; counted, not measured)
-# Points: (kind, implementation, dtype, T). The old path is quadratic: its points stop where a process would pass
-# ~10 GiB (parameters + gradients alone are 7.2 GB for the mla kind, 7.9 GB for llama).
+# Points: (kind, implementation, dtype flow, execution, T). "cpu" points run the arithmetic (fp32, the CPU trainer)
+# and stop where a process would pass ~10 GiB: parameters and their gradients alone are 8.1 GB for the mla kind.
+# "meta" points run the same code on meta tensors (shapes and lifetimes, no data: any T, no memory), fp32 flow;
+# "fake" points on fake CPU tensors, which autocast treats as CPU tensors: the GPU trainer's bf16 flow.
+KINDS = ("mla", "llama")
 POINTS = {
-    "new": [(kind, "new", "fp32", T) for kind in ("mla", "llama") for T in (128, 256, 512, 1024)]
-    + [(kind, "new", "bf16", T) for kind in ("mla", "llama") for T in (256, 1024)],
-    "old": [(kind, "old", "fp32", T) for kind in ("mla", "llama") for T in (64, 128, 256, 384)],
+    "cpu": [(kind, impl, "fp32", "cpu", 128) for impl in ("new", "old") for kind in KINDS],
+    "meta": [(kind, "new", "fp32", "meta", T) for kind in KINDS for T in (256, 512, 1024, 2048, 4096, 8192)]
+    + [(kind, "old", "fp32", "meta", T) for kind in KINDS for T in (256, 512, 1024, 2048, 4096)],
+    "fake": [(kind, "new", "bf16", "fake", T) for kind in KINDS for T in (256, 512, 1024)]
+    + [(kind, "old", "bf16", "fake", T) for kind in KINDS for T in (256, 512)],
+    "long": [("mla", "new", "fp32", "meta", 32768)],
 }
-POINTS["all"] = POINTS["new"] + POINTS["old"]
+POINTS["all"] = POINTS["cpu"] + POINTS["meta"] + POINTS["fake"]
+KEY = ("kind", "impl", "dtype", "execution", "T")
 
 
 def build_drafter(kind: str, text: dict, seed: int = 0):
@@ -122,7 +129,7 @@ def random_batch(model, B: int, T: int, steps: int, seed: int = 1):
         topk_ids=draft_ids,  # the default vocab maps: draft id i is target id i
         topk_logprobs=torch.sort(torch.randn(B, W, TOPK, generator=g), -1, descending=True).values.log_softmax(-1),
     )
-    return b, TargetHead(full=None, draft=None, t2d=model.t2d)
+    return b, TargetHead(full=None, draft=None, t2d=model.t2d, draft_vocab_size=c.draft_vocab_size)
 
 
 def train_step(model, b, head, cfg: TrainConfig, impl: str, bf16: bool, opt=None) -> float:
@@ -147,7 +154,9 @@ def train_step(model, b, head, cfg: TrainConfig, impl: str, bf16: bool, opt=None
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     if opt is not None:
         opt.step()
-    return float(loss.detach())
+    from torch._subclasses.fake_tensor import is_fake
+
+    return None if loss.is_meta or is_fake(loss) else float(loss.detach())
 
 
 def _rss_kib(field: str) -> int:
@@ -227,47 +236,62 @@ def measure(model, b, head, cfg: TrainConfig, impl: str, bf16: bool, steps: int 
 
 def point(spec: dict) -> dict:
     """One measurement (run in a fresh process by ``run``)."""
+    import contextlib
+
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     torch.set_num_threads(spec["threads"])
-    model = build_drafter(spec["kind"], KIMI_TEXT)
+    execution = spec["execution"]
+    if execution == "meta":
+        where = torch.device("meta")
+    elif execution == "fake":
+        where = FakeTensorMode(allow_non_fake_inputs=True)
+    else:
+        where = contextlib.nullcontext()
     cfg = TrainConfig(ttt_steps=TTT_STEPS, attention=spec["kind"])
-    b, head = random_batch(model, 1, spec["T"], TTT_STEPS)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    m = measure(model, b, head, cfg, spec["impl"], spec["dtype"] == "bf16")
-    return {
+    with where:
+        model = build_drafter(spec["kind"], KIMI_TEXT)
+        b, head = random_batch(model, 1, spec["T"], TTT_STEPS)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        m = measure(model, b, head, cfg, spec["impl"], spec["dtype"] == "bf16")
+    row = {
         **spec,
         **m,
         "parameter_bytes": params,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "window_bytes": m["peak_tensor_bytes"] - params,
-        "tokens_per_s": spec["T"] / m["seconds"],
         "load_avg_1m": os.getloadavg()[0],
         "torch": torch.__version__,
     }
+    if execution == "cpu":
+        row["tokens_per_s"] = spec["T"] / m["seconds"]
+    else:  # nothing was computed: neither the RSS nor the time say anything
+        del row["peak_rss_growth_bytes"], row["loss"]
+    return row
 
 
 def run(which: str, threads: int) -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": str(threads)}
     done = json.loads(RESULTS.read_text())["points"] if RESULTS.exists() else []
-    for kind, impl, dtype, T in POINTS[which]:
-        spec = {"kind": kind, "impl": impl, "dtype": dtype, "T": T, "threads": threads}
+    for values in POINTS[which]:
+        spec = {**dict(zip(KEY, values)), "threads": threads}
         cmd = [sys.executable, __file__, "point", json.dumps(spec)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(f"{spec}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
             continue
         row = json.loads(proc.stdout.strip().splitlines()[-1])
-        done = [p for p in done if [p[k] for k in ("kind", "impl", "dtype", "T")] != [kind, impl, dtype, T]] + [row]
-        print(json.dumps({k: row[k] for k in ("kind", "impl", "dtype", "T", "window_bytes", "tokens_per_s")}))
+        done = [p for p in done if tuple(p[k] for k in KEY) != tuple(values)] + [row]
+        print(json.dumps({k: row.get(k) for k in (*KEY, "window_bytes", "tokens_per_s", "seconds")}), flush=True)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(
             json.dumps(
                 {
                     "format": FORMAT,
-                    "command": "nice -n 10 .venv/bin/python bench/drafter_memory.py run",
+                    "command": "nice -n 10 .venv/bin/python bench/drafter_memory.py run --points all",
                     "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version()},
-                    "points": sorted(done, key=lambda p: (p["kind"], p["impl"], p["dtype"], p["T"])),
+                    "points": sorted(done, key=lambda p: tuple(p[k] for k in KEY)),
                 },
                 indent=1,
             )

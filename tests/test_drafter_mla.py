@@ -187,6 +187,63 @@ def test_mla_attention_matches_transformers_deepseek_v3_with_kimi_yarn():
         assert (ours(x, pos, None) - theirs).abs().max() > 1e-3
 
 
+def sglang_rope_is_neox(config_json: dict) -> bool:
+    """The rotary layout SGLang 0.5.23 gives an MLA attention built from ``config_json``: it parses the file with
+    transformers (model_type deepseek_v3 -> DeepseekV3Config, whose rope_interleave defaults to True), and
+    ``DeepseekV2AttentionMLA.__init__`` (srt/models/deepseek_v2.py:2166; kimi_k25_eagle3.py:91 builds it for the
+    EAGLE-3 MLA drafter with the draft config) sets ``is_neox_style = not getattr(config, "rope_interleave", True)``.
+    Not neox = rotate_gptj: pairs (x[2i], x[2i+1]) (srt/layers/rotary_embedding/rope_variant.py:495)."""
+    return not getattr(as_deepseek_v3_config(config_json), "rope_interleave", True)
+
+
+def as_deepseek_v3_config(config_json: dict, **changes) -> DeepseekV3Config:
+    """config.json parsed by transformers as a DeepseekV3Config (what SGLang's get_config returns for it)."""
+    fields = {k: v for k, v in {**config_json, **changes}.items() if k not in ("model_type", "architectures")}
+    return AutoConfig.for_model("deepseek_v3", **fields)
+
+
+@pytest.mark.parametrize("target_flag", ["absent", True, False])
+def test_mla_drafter_trains_the_rope_layout_sglang_serves(target_flag, tmp_path):
+    """DeepSeek-V3's and Kimi K2.x's config.json carry no ``rope_interleave`` (their remote configuration code
+    predates it); SGLang then rotates interleaved pairs for the target and for a drafter whose export omits it.
+    The drafter trains with its target's layout, exports it explicitly, and the exported config makes an MLA
+    attention compute exactly what the drafter trained with."""
+    raw = {k: v for k, v in DeepseekV3Config(**TARGET).to_dict().items() if k != "rope_interleave"}
+    if target_flag != "absent":
+        raw["rope_interleave"] = target_flag
+    cfg = DrafterConfig.from_target(SimpleNamespace(**raw), DRAFT_VOCAB, AUX)  # as loop.build_drafter sizes it
+    assert cfg.rope_interleave == (not sglang_rope_is_neox(raw))  # the layout SGLang serves the target with
+    assert cfg.rope_interleave == (target_flag is not False)
+
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    drafter.save_pretrained(tmp_path, dtype=None)
+    exported = json.loads((tmp_path / "config.json").read_text())
+    assert exported["rope_interleave"] is cfg.rope_interleave  # written out, not left to a reader's default
+    assert sglang_rope_is_neox(exported) == (not cfg.rope_interleave)
+    # an export without the key is read back as SGLang reads it
+    legacy = {k: v for k, v in exported.items() if k != "rope_interleave"}
+    assert DrafterConfig.from_hf_config(legacy).rope_interleave == (not sglang_rope_is_neox(legacy))
+
+    # numbers: the trained attention equals an MLA attention built from the exported config.json
+    H = cfg.hidden_size
+    served = as_deepseek_v3_config(exported, hidden_size=2 * H)
+    served._attn_implementation = "eager"
+    assert served.rope_interleave == (not sglang_rope_is_neox(exported))
+    ref = DeepseekV3Attention(served, layer_idx=0).eval()
+    ours = drafter.midlayer.self_attn.eval()
+    weights = {k: v.clone() for k, v in ours.state_dict().items()}
+    weights["o_proj.weight"] = torch.cat([weights["o_proj.weight"], torch.zeros_like(weights["o_proj.weight"])])
+    ref.load_state_dict(weights, strict=True)
+    T = 9
+    x = torch.randn(1, T, 2 * H)
+    pos = torch.arange(T)[None] + 700
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        theirs = ref(x, DeepseekV3RotaryEmbedding(served)(x, pos), mask)[0][..., :H]
+        torch.testing.assert_close(ours(x, pos, None), theirs, atol=2e-6, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a tiny Kimi-shaped target, its data and a trained MLA drafter
 

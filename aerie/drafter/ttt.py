@@ -20,6 +20,7 @@ outputs and gradients against it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,16 @@ LOSS_CHUNK_ROWS = 256
 
 def _fp32(device: torch.device):
     """Targets are computed in fp32 even inside the training step's bf16 autocast (as they always were)."""
+    if not torch.amp.is_autocast_available(device.type):  # e.g. meta tensors (bench/drafter_memory.py)
+        return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
+
+
+def _compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype autocast gives matmuls here (bf16 on the GPU trainer), else fp32."""
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
 
 
 @dataclass
@@ -53,6 +63,11 @@ class TargetHead:
     full: Tensor | None
     draft: Tensor | None
     t2d: Tensor  # bool [V]
+    draft_vocab_size: int = 0  # 0: counted from t2d (once, not per chunk)
+
+    def __post_init__(self) -> None:
+        if not self.draft_vocab_size:
+            self.draft_vocab_size = int(self.t2d.sum())
 
     @torch.no_grad()
     def soft_targets(self, final: Tensor) -> Tensor:
@@ -77,7 +92,7 @@ class TargetHead:
         has = valid.any(-1)
         lp = logprobs.float().masked_fill(~valid, float("-inf")).masked_fill(~has[..., None], 0.0)
         p = torch.softmax(lp, -1) * valid
-        q = torch.zeros(*ids.shape[:-1], int(self.t2d.sum()), device=ids.device)
+        q = torch.zeros(*ids.shape[:-1], self.draft_vocab_size, device=ids.device)
         return q.scatter_add_(-1, (draft_index[ids] * valid).long(), p), has
 
     @torch.no_grad()
@@ -208,7 +223,7 @@ def ttt_forward(
     T = b.row_valid.shape[1]
     B = b.row_valid.shape[0]
     device = b.aux.device
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+    dtype = _compute_dtype(device)
     chunk_rows = max(1, LOSS_CHUNK_ROWS // B)
 
     def run(fn, *args):
