@@ -148,19 +148,27 @@ def disk_preview(
     )
 
 
-def expected_tokens_per_sample(config: dict[str, Any], results_dir: Path, sample: int = 200) -> dict[str, float]:
-    """Per dataset: estimated prompt tokens (first ``sample`` prompts, ~4 characters a token) plus the
-    expected output tokens (measured from journals, else ``expected_output_tokens``, else the cap)."""
+def expected_tokens_per_sample(
+    config: dict[str, Any], results_dir: Path, plans: dict[str, Any] | None = None, sample: int = 200
+) -> dict[str, float]:
+    """Per dataset: estimated prompt tokens (the first ``sample`` prompts of the plan's shards, or of the source
+    without ``plans``; ~4 characters a token) plus the expected output tokens (measured from journals, else
+    ``expected_output_tokens``, else the cap)."""
     import itertools
 
     from aerie.api.journal import dataset_journal_totals
     from aerie.api.money import estimate_prompt_tokens, mean_output_tokens
     from aerie.plan import responses_config
-    from aerie.prompts import iter_prompts
+    from aerie.prompts import iter_planned_prompts, iter_prompts
 
     out = {}
     for name, ds in config["datasets"].items():
-        prompts = list(itertools.islice(iter_prompts(name, ds, config["datasets"]), sample))
+        source = (
+            iter_planned_prompts(plans[name], config["datasets"])
+            if plans is not None
+            else iter_prompts(name, ds, config["datasets"])
+        )
+        prompts = list(itertools.islice(source, sample))
         prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in prompts) / max(len(prompts), 1)
         spent = dataset_journal_totals(results_dir / name / "responses")
         output_tokens, _ = mean_output_tokens(responses_config(config, name), spent, (name, ds))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import hashlib
 import json
 import re
 import sys
@@ -279,6 +280,15 @@ def normalised_text(messages: list[dict[str, Any]]) -> str:
     return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).casefold()).strip()
 
 
+DEDUP_KEY_BYTES = 16
+
+
+def dedup_key(messages: list[dict[str, Any]]) -> bytes:
+    """A 16-byte digest of :func:`normalised_text`: what dedup compares (a set of 300k digests is 20 MB where the
+    texts themselves of a chat set are gigabytes; a collision among 10^6 prompts has odds ~10^-26)."""
+    return hashlib.blake2b(normalised_text(messages).encode(), digest_size=DEDUP_KEY_BYTES).digest()
+
+
 class _TokenCounter:
     """Prompt tokens for ``max_prompt_tokens``: the given tokenizer's chat template, else ~4 characters a token."""
 
@@ -319,9 +329,22 @@ def _tools(row: dict[str, Any], source: dict[str, Any], columns: list[str], wher
 def iter_hf_prompts(
     name: str,
     source: dict[str, Any],
-    exclude: set[str] | frozenset[str] = frozenset(),
+    exclude: set[bytes] | frozenset[bytes] = frozenset(),
 ) -> Iterator[dict[str, Any]]:
-    """Prompts of an ``hf`` source in sampling order, filtered and deduplicated (lazy: stops when dropped)."""
+    """Prompts of an ``hf`` source in sampling order, filtered and deduplicated (lazy: stops when dropped).
+
+    ``exclude``: :func:`dedup_key` digests of prompts to drop (those of the datasets listed before this one)."""
+    for record, _ in iter_hf_prompts_keyed(name, source, exclude):
+        yield record
+
+
+def iter_hf_prompts_keyed(
+    name: str,
+    source: dict[str, Any],
+    exclude: set[bytes] | frozenset[bytes] = frozenset(),
+) -> Iterator[tuple[dict[str, Any], bytes]]:
+    """:func:`iter_hf_prompts` with each prompt's :func:`dedup_key` (the prompt cache keeps them for the datasets
+    listed after this one)."""
     where = f"datasets.{name}"
     table = load_table(source, where)
     columns = list(table.column_names)
@@ -346,7 +369,7 @@ def iter_hf_prompts(
     count_tokens = _TokenCounter(source.get("tokenizer"), where) if max_tokens else None
     turns = source.get("turns", "last_user")
     dedup = source.get("dedup", True)
-    seen: set[str] = set()
+    seen: set[bytes] = set()
     order: Any = range(len(table))
     if source.get("seed") is not None:
         import numpy as np
@@ -366,15 +389,15 @@ def iter_hf_prompts(
                 continue
             if count_tokens is not None and count_tokens(prompt) > max_tokens:
                 continue
+            key = dedup_key(prompt)
             if dedup:
-                key = normalised_text(prompt)
                 if key in seen or key in exclude:
                     continue
                 seen.add(key)
             sid = str(row[id_field]) if id_field else f"row{index}"
             if turns == "every_assistant":
                 sid = f"{sid}/turn{turn}"
-            yield {
+            record = {
                 "id": sid,
                 "messages": prompt,
                 **({"tools": tools} if tools else {}),
@@ -386,6 +409,51 @@ def iter_hf_prompts(
                     **({"turn": turn} if turns == "every_assistant" else {}),
                 },
             }
+            yield record, key
+
+
+def _file_identity(path: Path) -> list[Any]:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def hub_cache_dir(name: str) -> Path:
+    """Where ``datasets`` keeps a Hub dataset it has loaded once (what an offline load reads): HF_DATASETS_CACHE
+    (default HF_HOME/datasets) / ``{namespace}___{snake_case name}``, as datasets' cached-module factory looks."""
+    import os
+
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    root = Path(os.environ.get("HF_DATASETS_CACHE") or os.path.join(os.path.expanduser(home), "datasets"))
+    parts = name.split("/")
+    snake = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", parts[-1])
+    parts[-1] = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", snake).lower()
+    return root.expanduser() / "___".join(parts)
+
+
+def source_identity(source: dict[str, Any]) -> dict[str, Any] | None:
+    """What the prompts of a ``jsonl`` or ``hf`` source are read from, cheaply: each local file's (path, size,
+    mtime_ns);
+    for a Hub dataset, the same of every ``.arrow``/``.json`` file of its copy in the datasets cache (lock files
+    left out: a load touches them). None when the Hub dataset is not cached (the load then fails, naming fetch).
+    A ``source.tokenizer`` (counting max_prompt_tokens) is part of it too."""
+    identity: dict[str, Any] = {}
+    if source["kind"] == "jsonl":
+        path = Path(source["path"])
+        return {"files": [_file_identity(path)]} if path.is_file() else None
+    if source.get("name"):
+        folder = hub_cache_dir(source["name"])
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".arrow", ".json"))
+        if not files:
+            return None
+        identity["hub_cache"] = [_file_identity(p) for p in files]
+    else:
+        identity["files"] = [_file_identity(p) for p in local_data_files(source)]
+    if source.get("tokenizer") and source.get("max_prompt_tokens"):
+        folder = Path(source["tokenizer"])
+        identity["tokenizer"] = [_file_identity(p) for p in sorted(folder.glob("*")) if p.is_file()]
+    return identity
 
 
 def fetch(config: dict[str, Any], out: Any = sys.stdout) -> int:

@@ -19,44 +19,114 @@ it or none, or the shard plan and the shards would disagree.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aerie.artifacts import FormatError, atomic_write_text, iter_jsonl
-from aerie.prompt_sources import MESSAGE_KEYS, PromptSourceError, iter_hf_prompts, local_data_files, normalised_text
+from aerie.prompt_cache import CACHE_FORMAT, CachedPrompts, PromptCache, cache_key, code_fingerprint
+from aerie.prompt_sources import (
+    MESSAGE_KEYS,
+    PromptSourceError,
+    dedup_key,
+    iter_hf_prompts_keyed,
+    local_data_files,
+    source_identity,
+)
 
 PROMPTS_FORMAT = "aerie.prompts/1"
 
 
 @dataclass(frozen=True)
 class DatasetPlan:
-    """How one dataset splits into training shards and a benchmark set (decided at parse time)."""
+    """How one dataset splits into training shards and a benchmark set (decided at parse time).
+
+    The training pool is the first ``train`` prompts of the source; the last ``bench`` are held out. Shard k
+    holds pool positions ``[k * shard_size, (k + 1) * shard_size)`` of the plan's order: the source's order, or,
+    for a dataset with an output-token quota, a seeded sample of the pool (``sample_seed``; :func:`sample_order`),
+    so that the few shards a quota can use are a uniform sample of the dataset. The order depends only on the
+    pool and the seed, never on how many shards are planned: a shard's prompts never change when later parses
+    plan more shards (``planned_shards``: aerie.plan decides it from the quota; None = every shard the pool
+    fills)."""
 
     name: str
     total: int  # prompts available after max_prompts
-    train: int  # prompts in training shards
+    train: int  # prompts in the training pool
     bench: int  # prompts reserved for the benchmark
     shard_size: int
+    planned_shards: int | None = None
+    sample_seed: int | None = None
+    cache_dir: str | None = None  # the prompt cache the source is read through (aerie.prompt_cache)
+    note: str = ""  # how the shard count was decided, for the dry run
+
+    @property
+    def pool_shards(self) -> int:
+        """Shards the whole training pool fills."""
+        return math.ceil(self.train / self.shard_size) if self.train else 0
 
     @property
     def num_shards(self) -> int:
-        return math.ceil(self.train / self.shard_size) if self.train else 0
+        if self.planned_shards is None:
+            return self.pool_shards
+        return min(self.planned_shards, self.pool_shards)
 
     @property
     def shard_names(self) -> list[str]:
         return [f"{i:05d}" for i in range(self.num_shards)]
 
     def shard_range(self, shard: int) -> tuple[int, int]:
+        """Positions [start, stop) of a shard in the plan's order."""
         start = shard * self.shard_size
         return start, min(start + self.shard_size, self.train)
 
     def bench_range(self) -> tuple[int, int]:
         return self.train, self.train + self.bench
+
+    def order(self) -> dict[str, int] | None:
+        """What :func:`write_prompts` needs to put a shard's positions in the plan's order (None: the source's)."""
+        return None if self.sample_seed is None else {"pool": self.train, "seed": self.sample_seed}
+
+    def positions(self, start: int, stop: int) -> list[int]:
+        """Source positions of plan positions [start, stop)."""
+        return _positions(start, stop, self.order())
+
+    @property
+    def planned_prompts(self) -> int:
+        return self.shard_range(self.num_shards - 1)[1] if self.num_shards else 0
+
+
+def sample_order(pool: int, seed: int) -> list[int]:
+    """A seeded permutation of ``range(pool)``, the same on every machine and with every library version:
+    positions sorted by SplitMix64 of ``mix(seed) + position`` (a bijection of 64-bit integers, so no two keys
+    tie). ``sample_order(n, s)[:k]`` is a uniform random sample of k positions."""
+    return list(_sample_order(pool, seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _sample_order(pool: int, seed: int) -> tuple[int, ...]:
+    import numpy as np
+
+    def splitmix64(z: np.ndarray) -> np.ndarray:
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        base = splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
+        keys = splitmix64(np.arange(pool, dtype=np.uint64) + base)
+    return tuple(np.argsort(keys, kind="stable").tolist())
+
+
+def _positions(start: int, stop: int, order: dict[str, int] | None) -> list[int]:
+    if order is None:
+        return list(range(start, stop))
+    return list(_sample_order(order["pool"], order["seed"])[start:stop])
 
 
 def humaneval_path() -> Path:
@@ -171,83 +241,203 @@ def _synthetic_prompts(name: str, source: dict[str, Any]) -> Iterator[dict[str, 
 _SOURCES = {"jsonl": _jsonl_prompts, "humaneval": _humaneval_prompts, "synthetic": _synthetic_prompts}
 
 
-def _earlier_prompt_texts(name: str, datasets: Mapping[str, dict[str, Any]]) -> set[str]:
-    """Normalised texts of every prompt of the datasets listed before ``name`` (cross-dataset dedup)."""
-    texts: set[str] = set()
-    for other, ds in datasets.items():
-        if other == name:
-            break
-        texts.update(normalised_text(p["messages"]) for p in iter_prompts(other, ds, datasets))
-    return texts
+def prompt_cache_dir(results_dir: Path) -> Path:
+    """The prompt cache of a results folder (aerie.prompt_cache): ``results/.cache/prompts``."""
+    return Path(results_dir) / ".cache" / "prompts"
 
 
-# Planning, the cost and disk previews and cross-dataset dedup each read a dataset in one process:
-# converting a large Hub dataset once per process is enough (key: the dataset and every setting before it).
-_HF_MEMO: dict[str, list[dict[str, Any]]] = {}
+@dataclass
+class _Converted:
+    """A dataset's source prompts, converted and checked (raw records: ids without the dataset prefix, no
+    system prompt; max_prompts applied), a list or a cache entry read on demand."""
+
+    records: Sequence[dict[str, Any]]
+    key: str
+    _dedup: set[bytes] | None = None
+
+    def dedup_keys(self) -> set[bytes]:
+        if self._dedup is None:
+            if isinstance(self.records, CachedPrompts):
+                self._dedup = self.records.dedup_keys()
+            else:
+                self._dedup = {dedup_key(r["messages"]) for r in self.records}
+        return self._dedup
+
+    def take(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+        if isinstance(self.records, CachedPrompts):
+            return self.records.take(positions)
+        return [self.records[i] for i in positions]
 
 
-def _hf_prompts(
-    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None
-) -> list[dict[str, Any]]:
+# Planning, the previews and cross-dataset dedup each read a dataset in one process: one conversion (or one
+# cache lookup) per process is enough, keyed by the cache key.
+_CONVERTED: dict[str, _Converted] = {}
+_CODE = (Path(__file__), Path(__file__).with_name("prompt_sources.py"), Path(__file__).with_name("prompt_cache.py"))
+
+
+def _key_material(
+    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None, cache_dir: Path | None
+) -> tuple[dict[str, Any], bool]:
+    """(what the conversion depends on, whether an entry may be stored): the source settings, max_prompts, the
+    local files' identity, the keys of the datasets listed before this one when dedup spans datasets, the code."""
     source = dataset["source"]
-    cross = bool(datasets) and source.get("dedup", True)
-    earlier = list(itertools.takewhile(lambda kv: kv[0] != name, (datasets or {}).items())) if cross else []
-    key = json.dumps([name, dataset, earlier], sort_keys=True, default=str)
-    if key not in _HF_MEMO:
-        exclude = _earlier_prompt_texts(name, datasets) if cross and datasets else set()
+    material: dict[str, Any] = {
+        "format": CACHE_FORMAT,
+        "code": code_fingerprint(*_CODE),
+        "dataset": name,
+        "source": source,
+        "max_prompts": dataset.get("max_prompts"),
+    }
+    storable = False
+    if source["kind"] in ("jsonl", "hf"):
+        identity = source_identity(source)
+        material["identity"] = identity
+        storable = identity is not None
+    if source["kind"] == "hf":
+        from importlib.metadata import version
+
+        material["datasets"] = version("datasets")
+        if datasets and source.get("dedup", True):
+            earlier = itertools.takewhile(lambda kv: kv[0] != name, datasets.items())
+            material["earlier"] = [_converted(other, ds, datasets, cache_dir).key for other, ds in earlier]
+    if source["kind"] == "humaneval":
+        material["humaneval"] = str(humaneval_path())
+    return material, storable
+
+
+def _checked_ids(name: str, pairs: Iterator[tuple[dict[str, Any], bytes | None]]) -> Iterator[tuple[dict, Any]]:
+    seen: set[str] = set()
+    for record, key in pairs:
+        if record["id"] in seen:
+            raise PromptSourceError(f"dataset '{name}': duplicate prompt id '{record['id']}' ({record['source']})")
+        seen.add(record["id"])
+        yield record, key
+
+
+def _converted(
+    name: str,
+    dataset: dict[str, Any],
+    datasets: Mapping[str, dict[str, Any]] | None,
+    cache_dir: Path | None,
+) -> _Converted:
+    """The dataset's converted prompts: this process's copy, else the prompt cache's entry (``cache_dir``), else
+    converted now (an hf source drops the prompts of the datasets listed before it, unless dedup is off) and,
+    for files, stored in the cache."""
+    material, storable = _key_material(name, dataset, datasets, cache_dir)
+    key = cache_key(material)
+    if key in _CONVERTED:
+        return _CONVERTED[key]
+    cache = PromptCache(cache_dir) if cache_dir is not None and storable else None
+    entry = cache.get(name, key) if cache is not None else None
+    if entry is None:
+        source = dataset["source"]
         limit = dataset.get("max_prompts")
-        # Rows past max_prompts are never converted (the source is lazy): a large dataset sampled small is cheap.
-        _HF_MEMO[key] = list(itertools.islice(iter_hf_prompts(name, source, exclude), limit))
-        if len(_HF_MEMO) > 32:
-            _HF_MEMO.pop(next(iter(_HF_MEMO)))
-    return _HF_MEMO[key]
+        if source["kind"] == "hf":
+            exclude: set[bytes] = set()
+            if "earlier" in material and datasets:
+                for other, ds in itertools.takewhile(lambda kv: kv[0] != name, datasets.items()):
+                    exclude |= _converted(other, ds, datasets, cache_dir).dedup_keys()
+            # Rows past max_prompts are never converted (the source is lazy): a large dataset sampled small is cheap.
+            pairs: Iterator[tuple[dict[str, Any], Any]] = itertools.islice(
+                iter_hf_prompts_keyed(name, source, exclude), limit
+            )
+        else:
+            raw = itertools.islice(_SOURCES[source["kind"]](name, source), limit)
+            pairs = ((r, dedup_key(r["messages"]) if cache is not None else None) for r in raw)
+        if cache is not None:
+            entry = cache.put(name, key, material, _checked_ids(name, pairs))
+        else:
+            records = [r for r, _ in _checked_ids(name, pairs)]
+    converted = _Converted(entry if entry is not None else records, key)
+    _CONVERTED[key] = converted
+    if len(_CONVERTED) > 32:
+        _CONVERTED.pop(next(iter(_CONVERTED)))
+    return converted
+
+
+def _as_prompt(name: str, dataset: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
+    """A source record as the dataset's ``aerie.prompts/1`` record (id prefixed, the system prompt added)."""
+    messages = p["messages"]
+    system_prompt = dataset.get("system_prompt")
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return {
+        "format": PROMPTS_FORMAT,
+        "id": f"{name}/{p['id']}",
+        "dataset": name,
+        "messages": messages,
+        **({"tools": p["tools"]} if p.get("tools") else {}),
+        "source": p["source"],
+    }
 
 
 def iter_prompts(
-    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None = None
+    name: str,
+    dataset: dict[str, Any],
+    datasets: Mapping[str, dict[str, Any]] | None = None,
+    cache_dir: Path | None = None,
 ) -> Iterator[dict[str, Any]]:
     """All prompts of a dataset in source order, as ``aerie.prompts/1`` records (capped by max_prompts).
 
     ``datasets`` (the config's mapping): an ``hf`` source with ``dedup`` (the default) then also drops the
-    prompts that a dataset listed before it already holds.
+    prompts that a dataset listed before it already holds. ``cache_dir``: read and fill this prompt cache
+    (:func:`prompt_cache_dir`); None converts the source in this process only.
     """
-    source = dataset["source"]
-    system_prompt = dataset.get("system_prompt")
-    limit = dataset.get("max_prompts")
-    seen: set[str] = set()
-    if source["kind"] == "hf":
-        raw = _hf_prompts(name, dataset, datasets)
-    else:
-        raw = _SOURCES[source["kind"]](name, source)
-    for i, p in enumerate(raw):
-        if limit is not None and i >= limit:
-            break
-        if p["id"] in seen:
-            raise PromptSourceError(f"dataset '{name}': duplicate prompt id '{p['id']}' ({p['source']})")
-        seen.add(p["id"])
-        messages = p["messages"]
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system_prompt}, *messages]
-        yield {
-            "format": PROMPTS_FORMAT,
-            "id": f"{name}/{p['id']}",
-            "dataset": name,
-            "messages": messages,
-            **({"tools": p["tools"]} if p.get("tools") else {}),
-            "source": p["source"],
-        }
+    for p in _converted(name, dataset, datasets, cache_dir).records:
+        yield _as_prompt(name, dataset, p)
+
+
+def prompts_at(
+    name: str,
+    dataset: dict[str, Any],
+    positions: Sequence[int],
+    datasets: Mapping[str, dict[str, Any]] | None = None,
+    cache_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    """The dataset's prompts at source ``positions`` (in that order), read one by one from the cache."""
+    converted = _converted(name, dataset, datasets, cache_dir)
+    if positions and max(positions) >= len(converted.records):
+        raise PromptSourceError(
+            f"dataset '{name}': prompt {max(positions)} was planned but the source now holds "
+            f"{len(converted.records)}; re-run the dry run"
+        )
+    return [_as_prompt(name, dataset, p) for p in converted.take(positions)]
+
+
+def iter_planned_prompts(plan: DatasetPlan, datasets: Mapping[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The training prompts of a plan's shards, shard 0 first, in the plan's order (``datasets``: the config's)."""
+    stop = plan.planned_prompts
+    for start in range(0, stop, 4096):  # a chunk at a time: a large plan is never held whole
+        yield from prompts_at(
+            plan.name,
+            datasets[plan.name],
+            plan.positions(start, min(stop, start + 4096)),
+            datasets,
+            Path(plan.cache_dir) if plan.cache_dir else None,
+        )
 
 
 def plan_dataset(
-    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None = None
+    name: str,
+    dataset: dict[str, Any],
+    datasets: Mapping[str, dict[str, Any]] | None = None,
+    cache_dir: Path | None = None,
 ) -> DatasetPlan:
-    """Count (and so validate) every prompt of a dataset, then split it into shards + bench set."""
-    total = sum(1 for _ in iter_prompts(name, dataset, datasets))
+    """Count (and so validate) every prompt of a dataset, then split it into a training pool + bench set; every
+    shard of the pool is planned (aerie.plan cuts a dataset with a quota to the shards it can use)."""
+    total = len(_converted(name, dataset, datasets, cache_dir).records)
     if total == 0:
         raise PromptSourceError(f"datasets.{name}: the source holds no prompts")
     # A dataset may be benchmark-only (bench_prompts >= its size): it then has no training shards.
     bench = min(dataset["bench_prompts"], total)
-    return DatasetPlan(name=name, total=total, train=total - bench, bench=bench, shard_size=dataset["shard_size"])
+    return DatasetPlan(
+        name=name,
+        total=total,
+        train=total - bench,
+        bench=bench,
+        shard_size=dataset["shard_size"],
+        cache_dir=str(cache_dir) if cache_dir is not None else None,
+    )
 
 
 def write_prompts(
@@ -257,12 +447,25 @@ def write_prompts(
     stop: int,
     out: Path,
     datasets: Mapping[str, dict[str, Any]] | None = None,
+    *,
+    order: dict[str, int] | None = None,
+    cache_dir: Path | None = None,
 ) -> int:
-    """Write prompts [start, stop) of the dataset to ``out`` atomically; returns the count written."""
-    records = [p for i, p in enumerate(iter_prompts(name, dataset, datasets)) if start <= i < stop]
-    if len(records) != stop - start:
+    """Write plan positions [start, stop) of the dataset to ``out`` atomically; returns the count written.
+
+    ``order``: :meth:`DatasetPlan.order` (a seeded sample of the pool); None: positions are source positions."""
+    try:
+        records = prompts_at(name, dataset, _positions(start, stop, order), datasets, cache_dir)
+    except PromptSourceError:
         raise PromptSourceError(
             f"dataset '{name}': expected prompts {start}..{stop} but the source now has fewer; re-run the dry run"
+        ) from None
+    if order is not None and order["pool"] + dataset["bench_prompts"] > len(
+        _converted(name, dataset, datasets, cache_dir).records
+    ):
+        raise PromptSourceError(
+            f"dataset '{name}': the plan's pool of {order['pool']} prompts is larger than the source now; "
+            "re-run the dry run"
         )
     atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return len(records)

@@ -24,6 +24,7 @@ from aerie.plan import (  # noqa: E402
     responses_config,
     validate_config,
 )
+from aerie.prompts import prompt_cache_dir  # noqa: E402
 
 # Snakemake has merged the config files and forgotten where each value came from (and kept the last of two equal
 # keys). Re-read them with line numbers (aerie.config_file), so that a duplicate key, an unknown key, a wrong type
@@ -37,13 +38,16 @@ except ConfigError as e:
 try:
     validate_config(config, CONFIG_SOURCES)  # config/schema.yaml; fills in its defaults
     check_config(config)
-    PLANS = plan_datasets(config)
+    # A SLURM job re-reads the workflow: its plan is the one its main process scheduled (aerie.plan.plan_datasets).
+    PLANS = plan_datasets(config, Path("results"), job=not workflow.is_main_process)
 except ConfigError as e:
     raise WorkflowError(f"bad configuration: {CONFIG_SOURCES.describe(e)}") from None
 except ValueError as e:
     raise WorkflowError(f"bad configuration: {e}") from None
 
 RUN = config["run"]
+# Converted prompt sources, read by every parse (aerie.prompt_cache).
+PROMPT_CACHE = str(prompt_cache_dir(Path("results")))
 TARGET = config["target"]["path"]
 DEMO_TARGET = "demo" in config["target"]
 REHEARSAL_TARGET = "rehearsal" in config["target"]
@@ -142,6 +146,9 @@ def cost_preview():
 # `snakemake -n` shows what the pending API work will cost and produce before anything is spent, and the
 # disk its hidden states will take (both cut at each dataset's output-token quota).
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
+    from aerie.plan import plan_text
+
+    print(plan_text(PLANS), file=sys.stderr)
     _preview = cost_preview()
     if _preview is not None:
         print(_preview.text, file=sys.stderr)
@@ -152,7 +159,7 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
             config,
             PLANS,
             Path("results"),
-            expected_tokens_per_sample(config, Path("results")),
+            expected_tokens_per_sample(config, Path("results"), PLANS),
             expected_samples=(
                 {n: e.expected_samples for n, e in _preview.datasets.items()}
                 if _preview is not None

@@ -16,6 +16,8 @@ rule prompts:
     params:
         dataset=lambda w: config["datasets"][w.dataset],
         range=lambda w: PLANS[w.dataset].shard_range(int(w.shard)),
+        order=lambda w: PLANS[w.dataset].order(),  # a quota'd dataset's seeded sample
+        cache=PROMPT_CACHE,
     script:
         "../scripts/prompts.py"
 
@@ -33,5 +35,7 @@ rule bench_prompts:
     params:
         dataset=lambda w: config["datasets"][w.dataset],
         range=lambda w: PLANS[w.dataset].bench_range(),
+        order=None,  # the held-out prompts are the source's last ones
+        cache=PROMPT_CACHE,
     script:
         "../scripts/prompts.py"

@@ -15,5 +15,7 @@ n = write_prompts(
     stop,
     Path(snakemake.output[0]),
     datasets=snakemake.config["datasets"],
+    order=snakemake.params.order,
+    cache_dir=Path(snakemake.params.cache),
 )
 log(f"{snakemake.output[0]}: {n} prompts ({start}..{stop})")

@@ -147,8 +147,9 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
     rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc == 0, out
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M))
-    # 4 datasets x 3 shards (5 prompts) + math 25 shards (50 prompts); MT-bench is benchmark-only
-    assert int(counts["responses"]) == 4 * 3 + 25
+    # 4 datasets x 3 shards (5 prompts) + math 25 shards (50 prompts: its quota can use them all); MT-bench is
+    # benchmark-only. (The API responses are one job: count the prompt shards.)
+    assert int(counts["prompts"]) == 4 * 3 + 25
     assert int(counts["bench_prompts"]) == 1
     assert "demo_target" not in counts
 

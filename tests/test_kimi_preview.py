@@ -1,13 +1,15 @@
 """`snakemake -n --configfile config/kimi-k2.5.yaml` with the user's prompt counts previews under its budget.
 
 The user's story: six prompt sets (5,000 / 5,000 / 3,000 / 1,319 / 1,000 / 80 prompts), a $100 OpenRouter
-budget, and a 7M output-token quota per dataset. The preview must cut each dataset at its quota, use the
-per-dataset expected lengths, say how many responses it will produce, and stay under the budget.
+budget, and a 7M output-token quota per dataset. The plan holds only the shards each quota can use; the preview
+must cut each dataset at its quota, use the per-dataset expected lengths, say how many responses it will produce,
+and stay under the budget.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -81,8 +83,12 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
         ds = config["datasets"][name]
         prompts, samples = int(parts[2]), int(parts[3])
         out_tokens, usd = int(parts[4].replace(",", "")), float(parts[5])
-        assert prompts == COUNTS[name]
-        want = min(prompts, ds["max_output_tokens"] // ds["expected_output_tokens"])
+        # Only the shards the quota can use are planned: what it admits at the expected length + the reserve,
+        # rounded up to whole shards (the chat sets: 2,000 + 25% = 2,500 prompts -> 2 shards of 2,000 of 5,000).
+        admitted = ds["max_output_tokens"] // ds["expected_output_tokens"]
+        shards = min(math.ceil(COUNTS[name] / ds["shard_size"]), math.ceil(admitted * 1.25 / ds["shard_size"]))
+        assert int(parts[1]) == shards and prompts == min(COUNTS[name], shards * ds["shard_size"]), (name, parts)
+        want = min(prompts, admitted)
         assert samples == want, (name, samples, want)  # cut at the quota, at the expected length
         assert out_tokens == samples * ds["expected_output_tokens"] <= ds["max_output_tokens"]
         assert usd >= out_tokens * price_out and usd < out_tokens * price_out + samples * 100 * price_in
@@ -91,6 +97,12 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     assert set(rows) == set(COUNTS) - {"mtbench"}
     # The chat sets hit their 7M quota (2,000 of 5,000 prompts at ~3,500 tokens); the others fit.
     assert rows["sharegpt"][3] == "2000" and "quota 7,000,000 reached" in " ".join(rows["sharegpt"])
+    assert rows["sharegpt"][1:3] == ["2", "4000"]  # not the 3 shards (5,000 prompts) the file holds
+    plan = out[out.index("aerie shard plan") :].splitlines()
+    assert plan[0] == "aerie shard plan: 8 training shards (10 would hold every prompt)", plan
+    sharegpt = next(x for x in plan if x.split()[0] == "sharegpt")
+    assert "2 of 3 shards (4,000 of 5,000 prompts, a seeded sample (datasets.sharegpt.sample_seed 0))" in sharegpt
+    assert "admits ~2,000 more samples at 3,500" in sharegpt and "25% reserve" in sharegpt
     produce = re.search(r"will produce ~([\d,]+) more responses \(~([\d,]+) output tokens\) for \$([\d.]+)", out)
     assert produce, out
     assert int(produce.group(1).replace(",", "")) == sum(int(r[3]) for r in rows.values())
@@ -98,7 +110,7 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     # Even if every quota is reached, the output stays under the budget: the plan is safe, not just likely.
     quota_usd = sum(config["datasets"][n]["max_output_tokens"] for n in rows) * price_out
     assert quota_usd < config["responses"]["budget_usd"]
-    assert "spent: $0.00 journaled + $0.00 lost to interrupted requests = $0.00; budget $100.00" in out
+    assert re.search(r"spent: \$0\.00 journaled.* = \$0\.00; budget \$100\.00", out), out
     # The disk preview is cut at the same quotas (per dataset) and names the compact layout.
     disk = next(x for x in out.splitlines() if x.startswith("aerie disk preview"))
     assert "compact" in disk and "sharegpt ~" in disk

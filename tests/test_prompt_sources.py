@@ -7,6 +7,7 @@ switched off while loading, and HF_HOME points into the test's own folder).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,8 +18,18 @@ import yaml
 from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
 from conftest import REPO, snakemake
 
+import aerie.prompt_sources
+import aerie.prompts
 from aerie.prompt_sources import normalised_text, prompt_turns
-from aerie.prompts import PromptSourceError, iter_prompts, plan_dataset, read_prompts, source_files, write_prompts
+from aerie.prompts import (
+    PromptSourceError,
+    iter_prompts,
+    plan_dataset,
+    prompts_at,
+    read_prompts,
+    source_files,
+    write_prompts,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -317,4 +328,112 @@ def test_kimi_example_plans_every_named_dataset_from_local_stand_ins(workdir: Pa
     assert rc == 0, out
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M))
     # 5 datasets x 3 shards (5 prompts); MT-bench (5 stand-in rows, 80 held out) is benchmark-only
-    assert int(counts["responses"]) == 5 * 3 and int(counts["bench_prompts"]) == 1
+    assert int(counts["prompts"]) == 5 * 3 and int(counts["bench_prompts"]) == 1
+
+
+# ---- the prompt cache (aerie.prompt_cache): converted once, read by every later parse ------------------------
+
+
+def forget_conversions() -> None:
+    """A new process: nothing converted in memory (each Snakemake invocation and SLURM job starts so)."""
+    aerie.prompts._CONVERTED.clear()
+
+
+def no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make converting a source an error: what still works is served by the cache."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the source was converted again")
+
+    monkeypatch.setattr(aerie.prompt_sources, "load_table", refuse)
+    monkeypatch.setitem(aerie.prompts._SOURCES, "jsonl", refuse)
+
+
+def test_a_second_parse_reads_the_prompt_cache_and_a_changed_file_converts_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "results" / ".cache" / "prompts"
+    path = write_parquet(tmp_path / "sharegpt.parquet", sharegpt_rows())
+    ds = hf_dataset(path, id_field="id")
+    first = plan_dataset("chat", ds, cache_dir=cache)
+    records = list(iter_prompts("chat", ds, cache_dir=cache))
+    (meta,) = cache.glob("chat.*.json")
+    entry = json.loads(meta.read_text())
+    assert entry["format"] == "aerie.prompt-cache/1" and entry["count"] == 3
+    assert entry["material"]["identity"]["files"][0][:2] == [str(path.resolve()), path.stat().st_size]
+    forget_conversions()
+    with monkeypatch.context() as m:
+        no_conversion(m)
+        assert plan_dataset("chat", ds, cache_dir=cache) == first
+        assert list(iter_prompts("chat", ds, cache_dir=cache)) == records  # the same records, system prompt too
+        ids = [r["id"] for r in prompts_at("chat", ds, [2, 0], cache_dir=cache)]
+        assert ids == ["chat/f", "chat/a"]
+    # Same bytes, newer file: converted again (identity is path, size and mtime_ns, not a guess at the content).
+    forget_conversions()
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    with monkeypatch.context() as m:
+        no_conversion(m)
+        with pytest.raises(AssertionError, match="converted again"):
+            plan_dataset("chat", ds, cache_dir=cache)
+    # A changed setting is a new key too; so is a changed dataset listed before (dedup spans datasets).
+    forget_conversions()
+    plan_dataset("chat", ds, cache_dir=cache)
+    for changed in (hf_dataset(path, id_field="id", max_prompts=2), hf_dataset(path, id_field="id", dedup=False)):
+        forget_conversions()
+        with monkeypatch.context() as m:
+            no_conversion(m)
+            with pytest.raises(AssertionError, match="converted again"):
+                plan_dataset("chat", changed, cache_dir=cache)
+
+
+def test_dedup_across_datasets_keys_on_the_earlier_datasets_files(tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    first = write_parquet(tmp_path / "one.parquet", [{"question": "What is 2+2?"}])
+    second = write_parquet(tmp_path / "two.parquet", [{"question": "what is 2+2?"}, {"question": "Unique"}])
+    datasets = {"one": hf_dataset(first), "two": hf_dataset(second)}
+    assert plan_dataset("two", datasets["two"], datasets, cache_dir=cache).total == 1
+    forget_conversions()
+    write_parquet(first, [{"question": "Something else"}])  # the earlier dataset no longer holds 2+2
+    assert plan_dataset("two", datasets["two"], datasets, cache_dir=cache).total == 2
+
+
+def test_a_torn_cache_entry_is_never_read(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = write_parquet(tmp_path / "q.parquet", [{"question": f"q {i}"} for i in range(5)])
+    plan_dataset("q", hf_dataset(path), cache_dir=cache)
+    (records,) = cache.glob("q.*.jsonl")
+    records.write_bytes(records.read_bytes()[:-7])  # a crash mid-write of a later entry, a full disk
+    forget_conversions()
+    assert [p["id"] for p in iter_prompts("q", hf_dataset(path), cache_dir=cache)] == [f"q/row{i}" for i in range(5)]
+
+
+def test_a_hub_dataset_is_identified_by_its_copy_in_the_datasets_cache(tmp_path: Path, monkeypatch) -> None:
+    from aerie.prompt_sources import hub_cache_dir, source_identity
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
+    source = {"kind": "hf", "name": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"}
+    assert hub_cache_dir(source["name"]) == tmp_path / "ds" / "HuggingFaceH4___ultrachat_200k"
+    from datasets.naming import camelcase_to_snakecase
+
+    for name in ("openai/GSM8K", "anon8231489123/ShareGPT_Vicuna_unfiltered", "ise-uiuc/Magicoder-OSS-Instruct-75K"):
+        owner, repo = name.split("/")  # the folder datasets itself looks in, offline
+        assert hub_cache_dir(name).name == f"{owner}___{camelcase_to_snakecase(repo)}"
+    assert source_identity(source) is None  # not fetched: no key, and the load names the fetch command
+    folder = hub_cache_dir(source["name"]) / "default" / "0.0.0" / "abc123"
+    folder.mkdir(parents=True)
+    (folder / "ultrachat_200k-train_sft.arrow").write_bytes(b"x" * 10)
+    (folder / "dataset_info.json").write_text("{}")
+    identity = source_identity(source)
+    assert [Path(f[0]).name for f in identity["hub_cache"]] == ["dataset_info.json", "ultrachat_200k-train_sft.arrow"]
+    (folder.parent / "abc123_builder.lock").write_text("")  # a load takes a lock: not part of the identity
+    assert source_identity(source) == identity
+
+
+def test_the_dry_run_fills_the_prompt_cache_once(workdir: Path) -> None:
+    config = hf_config(workdir, id_field="id")
+    rc, out = dry_run(workdir, config)
+    assert rc == 0, out
+    (meta,) = (workdir / "results" / ".cache" / "prompts").glob("chat.*.json")
+    written = meta.stat().st_mtime_ns
+    rc, out = dry_run(workdir, config)
+    assert rc == 0 and meta.stat().st_mtime_ns == written, out  # the second parse read it, wrote nothing

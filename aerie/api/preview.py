@@ -38,7 +38,7 @@ from aerie.api.money import (
 )
 from aerie.formats.responses import read_completion
 from aerie.plan import responses_config
-from aerie.prompts import iter_prompts
+from aerie.prompts import iter_planned_prompts
 
 
 def backend_settings(responses: dict[str, Any], target_path: str, base_url: str | None = None) -> BackendSettings:
@@ -176,7 +176,7 @@ def cost_preview(
         mean_tokens, basis = mean_output_tokens(responses, spend[name], (name, ds))
         phash = backend_settings(responses, config["target"]["path"]).params_hash()
         plan = plans[name]
-        prompts_iter = iter_prompts(name, ds, config["datasets"])
+        prompts_iter = iter_planned_prompts(plan, config["datasets"])  # shard 0 first, in the plan's order
         rows, cut = [], []
         for shard in plan.shard_names:
             out = results_dir / name / "responses" / f"shard-{shard}.jsonl"
