@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from api_world import api_pipeline_config
 from conftest import REPO, snakemake
 
 from aerie.api.emulator import EmulatorSettings, serve_in_thread
@@ -40,46 +41,9 @@ def api_config(
     workdir: Path, base_url: str, n_prompts: int, datasets: dict[str, dict] | None = None, **responses
 ) -> Path:
     """The demo config with one jsonl dataset ``chat`` of ``n_prompts`` prompts in one shard regenerated through
-    'OpenRouter' (the emulator); or, with ``datasets``, one per name: ``{"n": prompts, **its datasets section}``."""
+    'OpenRouter' (the emulator); or, with ``datasets``, one per name (tests/api_world.py)."""
     datasets = datasets or {"chat": {"n": n_prompts, "shard_size": n_prompts}}
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["target"] = {"path": str(TARGET["path"]), "device": "cpu", "dtype": "float32"}
-    config["hidden"]["aux_layer_ids"] = [1, 2, 4]  # of the tiny target's 6 layers
-    config["datasets"] = {}
-    for name, spec in datasets.items():
-        spec = dict(spec)
-        n = spec.pop("n")
-        src = workdir / f"prompts-{name}.jsonl"
-        tag = "Question" if name == "chat" else f"{name} question"
-        src.write_text(
-            "".join(
-                json.dumps({"id": f"p{i}", "prompt": f"{tag} {i}: what is {i} + {i}?"}) + "\n" for i in range(n + 1)
-            )
-        )
-        config["datasets"][name] = {
-            "source": {"kind": "jsonl", "path": str(src), "id_field": "id"},
-            "bench_prompts": 1,
-            **spec,
-        }
-    config["responses"] = {
-        "backend": "openrouter",
-        "model": "moonshotai/kimi-k2.5",
-        "base_url": base_url,
-        "temperature": 1.0,
-        "top_p": 0.95,
-        "max_new_tokens": 256,
-        "concurrency": 100,
-        "provider": {"sort": "price", "quantizations": ["int4"]},
-        "reasoning": {"enabled": True},
-        "backoff_base_s": 0.05,
-        "backoff_max_s": 0.5,
-        "progress_interval_s": 1,
-        "expected_output_tokens": 100,
-        **responses,
-    }
-    path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return api_pipeline_config(workdir, base_url, TARGET["path"], datasets, **responses)
 
 
 def start(workdir: Path, cfg: Path, *targets: str) -> subprocess.Popen:

@@ -509,26 +509,36 @@ async def _run(
             for shard in run.shards:
                 if shard.work.log is not None:
                     shard.work.log(f"{shard.name}: STOPPING: {reason}")
-        settled[0].set()  # workers waiting for room see the stop at once
+        wake(len(waiters))  # workers waiting for room see the stop at once
 
     # Admission counts what is in flight at the expected per-sample figure, so the overshoot is at most the
     # difference between the expected and the actual cost of the requests in flight. A request that would
     # only fit once some in flight come back (shorter than expected) waits for them; the stop is final only
     # when nothing is in flight and one more request still does not fit. (Stopping at the first refusal
     # would end a dataset whose quota equals concurrency x expected length after its first wave.)
-    settled = [asyncio.Event()]  # set (and replaced) each time a request in flight comes back
+    # Waiting workers are woken one at a time - by a request coming back, a reading of the account - and each
+    # that is admitted wakes the next, so a wake-up costs what it admits plus one check, not one check per
+    # waiting worker (2,000 of them near the end of a budget).
+    waiters: deque[asyncio.Future] = deque()
 
-    def signal_settled() -> None:
-        settled[0].set()
-        settled[0] = asyncio.Event()
+    def wake(n: int = 1) -> None:
+        while n > 0 and waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                n -= 1
 
-    def admit(run: _LaneRun) -> str:
-        """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted)."""
+    async def wait_for_room() -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        await waiter
+
+    def admit(run: _LaneRun, spent: float, reserved: float) -> str:
+        """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted); ``spent``: the run's
+        spend, ``reserved``: every request in flight at its dataset's expected cost."""
         guard = run.lane.guard
         if guard.budget_usd is not None:
             per_cost = run.per_cost()
-            reserved = sum(r.in_flight * r.per_cost() for r in runs) if len(runs) > 1 else run.in_flight * per_cost
-            spent = spend.spent()
             if spent + reserved + per_cost > guard.budget_usd:
                 if in_flight[0] > 0:
                     return "wait"
@@ -682,6 +692,8 @@ async def _run(
             """The next lane that admits a request (advancing the turn), and whether any lane may admit one later."""
             waiting = False
             n = len(runs)
+            spent = spend.spent()
+            reserved = sum(r.in_flight * r.per_cost() for r in runs)
             for i in range(n):
                 run = runs[(turn[0] + i) % n]
                 if run.stop_kind is not None or not run.queue:
@@ -689,7 +701,7 @@ async def _run(
                 if run.in_flight >= run.lane.limits.concurrency:
                     waiting = True
                     continue
-                verdict = admit(run)
+                verdict = admit(run, spent, reserved)
                 if verdict == "go":
                     turn[0] = (turn[0] + i + 1) % n
                     return run, True
@@ -701,9 +713,11 @@ async def _run(
                 run, waiting = pick()
                 if run is None:
                     if not waiting:
+                        wake(len(waiters))  # nothing left for anyone: the others see it too
                         return
-                    await settled[0].wait()
+                    await wait_for_room()
                     continue
+                wake()  # admitted: there may be room for the next waiting worker as well
                 shard, prompt = run.queue.popleft()
                 run.in_flight += 1
                 in_flight[0] += 1
@@ -730,7 +744,7 @@ async def _run(
                         run.cost += record["cost"]
                         run.tokens += tokens
                         spend.add(run.lane.account, record["cost"])
-                    signal_settled()  # after the figures: a waiting worker re-checks against the actual cost
+                    wake()  # after the figures: a waiting worker re-checks against the actual cost
 
         # Each account is read on a connection of its own: with every request slot busy, a poll through the
         # main pool would wait for a free one and see the account only when the run is over.
@@ -753,7 +767,7 @@ async def _run(
                 await asyncio.sleep(interval)
                 for name, watcher in spend.watchers.items():
                     await watcher.poll(accounts[name], spend.journals(name))
-                signal_settled()  # the figures may have moved either way
+                wake()  # the figures may have moved either way
                 progress_lines()
 
         workers = min(concurrency, sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs))
