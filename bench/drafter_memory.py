@@ -1,32 +1,34 @@
-"""Peak memory of one drafter training step per window, at Kimi K2.5's drafter dims, old vs new TTT path.
+"""Peak memory of one drafter training step per window at Kimi K2.5's drafter dims, old vs new TTT path, and the
+shipped Kimi config's estimate per H200.
 
 Usage (from the repository root):
-    nice -n 10 .venv/bin/python bench/drafter_memory.py run [--points all|new|old] [--threads 1]
-    .venv/bin/python bench/drafter_memory.py table      # the bench/RESULTS.md section, from the committed JSON
+    nice -n 10 .venv/bin/python bench/drafter_memory.py run --points all     # then --points long (T = 32768)
+    .venv/bin/python bench/drafter_memory.py table                           # the bench/RESULTS.md section
 
-``run`` measures every point in its own subprocess, one after another (``point`` is what each runs), and writes
-bench/results/drafter_memory.json; ``table`` prints the RESULTS section made from that file: the measured rows,
-a least-squares fit of the per-window bytes against T and T^2 per (kind, implementation), and the estimate of
-``aerie.drafter.memory`` for the shipped Kimi config on an H200.
+``run`` measures every point in its own subprocess, one after another (``point`` is what each runs), and keeps the
+rows in bench/results/drafter_memory.json (committed); ``table`` prints the RESULTS section made from that file:
+the rows beside ``aerie.drafter.memory``'s estimate, least-squares fits of the window bytes against T (and T^2),
+the H200 budget of the shipped config, and the CPU tokens/s.
 
 A point: a drafter built by ``DrafterConfig.from_target`` on Kimi K2.5's text config (hidden 7168, 64 heads, MLA
 q_lora 1536 / kv_lora 512 / nope 128 / rope 64 / v 128, intermediate 18432; ``mla`` or ``llama`` kind), draft vocab
 32000, aux layers [1, 29, 57], ttt_steps 7, random weights; one window of T rows (batch 1) of random features with
-compact top-32 targets (the Kimi config's layout), 70 % of tokens generated; one forward + backward + gradient
+compact top-32 targets (the Kimi config's layout), 70 % of tokens generated; one forward, backward and gradient
 clip exactly as the trainer runs them (``ttt.ttt_forward`` for ``new``; ``tests/ttt_reference.naive_forward``, the
 code aerie trained with before issue 22, for ``old``). The embedding table is built at 32000 rows instead of
-Kimi's 163840: it is frozen and only looked up, so its size changes no activation (aerie.drafter.memory counts
-its 4.7 GB). AdamW's step is not run: its state (2 x 4 bytes per parameter) is counted, not measured, to keep a
-point under the shared machine's ~10 GiB per process.
+Kimi's 163840: it is frozen and only looked up, so its size changes no activation (the H200 budget counts its
+4.7 GB). AdamW's step is not run: its state (2 x 4 bytes per parameter) is counted, not measured.
 
-Method: peak tensor bytes from torch's own allocation stream (``TensorBytes``: a dispatch mode that sees every
-op's output storage, backward's included, and a weak reference per storage that notes its release), and as a
-cross-check the process's
-peak RSS (VmHWM after resetting it through /proc/self/clear_refs, glibc told to map every block over 64 KiB on
-its own so freed memory leaves the RSS) minus the RSS before the step. "window bytes" = peak tensor bytes minus
-the parameters (gradients included: they exist only during a step). ``fp32`` is what the CPU trainer runs;
-``bf16`` runs the same code under CPU bf16 autocast, the dtype flow of the GPU trainer (autocast bf16, fp32
-master weights). tokens/s: T / seconds of the step on this shared 2-core CPU (noisy: load recorded per point).
+Method. Peak tensor bytes from torch's own allocation stream (``TensorBytes``: a dispatch mode that sees every
+op's output storage, backward's included, with a weak reference per storage that notes its release). "window
+bytes" = that peak minus the parameters: gradients, activations, transients, and under bf16 autocast its bf16
+weight copies. Three executions of the same code: ``cpu`` computes (fp32, what the CPU trainer runs; a process
+passes ~10 GiB beyond T = 128 at these dims, so only there), with the process's peak RSS growth as a cross-check
+(VmHWM reset through /proc/self/clear_refs; glibc maps every block over 64 KiB on its own so freed memory leaves
+the RSS) and tokens/s (T / seconds of the step on a shared 2-core CPU: noisy, the load is recorded); ``meta``
+runs on meta tensors (shapes and lifetimes without data: any T, no memory, fp32 flow); ``fake`` on fake CPU
+tensors, which CPU bf16 autocast treats as CPU tensors: the GPU trainer's dtype flow (bf16 autocast, fp32 master
+weights). tests/test_drafter_memory.py shows the tracker's peak to be the same on meta and real CPU tensors.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 sys.path.insert(0, str(REPO / "tests"))  # the reference (old) TTT path lives with the tests
 
 from aerie.drafter.config import TrainConfig  # noqa: E402
+from aerie.drafter.memory import GIB, estimate_training_memory  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "drafter_memory.json"
 FORMAT = "aerie.bench.drafter-memory/1"
@@ -89,7 +92,7 @@ POINTS = {
     + [(kind, "old", "fp32", "meta", T) for kind in KINDS for T in (256, 512, 1024, 2048, 4096)],
     "fake": [(kind, "new", "bf16", "fake", T) for kind in KINDS for T in (256, 512, 1024)]
     + [(kind, "old", "bf16", "fake", T) for kind in KINDS for T in (256, 512)],
-    "long": [("mla", "new", "fp32", "meta", 32768)],
+    "long": [(kind, "new", "fp32", "meta", 32768) for kind in KINDS],
 }
 POINTS["all"] = POINTS["cpu"] + POINTS["meta"] + POINTS["fake"]
 KEY = ("kind", "impl", "dtype", "execution", "T")
@@ -317,8 +320,140 @@ def main() -> None:
         print(table())
 
 
+H200_BYTES = 141 * 10**9  # HBM3e of one H200 (141 GB = 131.3 GiB)
+GB = 10**9
+
+
+def window_estimate(kind: str, T: int, bf16: bool) -> int:
+    """aerie.drafter.memory's figure for what a point measures: gradients, activations (and bf16 copies)."""
+    est = estimate_training_memory(
+        TrainConfig(ttt_steps=TTT_STEPS, attention=kind, max_seq_len=T, batch_size=1),
+        KIMI_TEXT,
+        DRAFT_VOCAB,
+        1 if bf16 else 0,
+        hidden_layout="compact",
+        target_topk=TOPK,
+    )
+    return sum(est.parts[k] for k in ("gradients", "activations", "bf16 weight copies") if k in est.parts)
+
+
+def fit(points: list[dict], quadratic: bool) -> dict:
+    """Least squares window_bytes = a + b T (+ c T^2) and the largest relative residual."""
+    import numpy as np
+
+    T = np.array([p["T"] for p in points], dtype=float)
+    y = np.array([p["window_bytes"] for p in points], dtype=float)
+    X = np.stack([np.ones_like(T), T] + ([T**2] if quadratic else []), axis=1)
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    worst = float(np.max(np.abs(X @ coef - y) / y))
+    return {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]) if quadratic else 0.0, "worst": worst}
+
+
+def shipped_drafter_config() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())["drafter"]
+
+
 def table() -> str:
-    raise NotImplementedError  # filled in below once the points exist
+    data = json.loads(RESULTS.read_text())
+    points = data["points"]
+    out = [
+        "## Drafter training memory at Kimi K2.5's size (issue 22 item 1): linear in the window, 64 GiB per H200",
+        "",
+        "`nice -n 10 .venv/bin/python bench/drafter_memory.py run --points all` (then `--points long`), table by",
+        "`.venv/bin/python bench/drafter_memory.py table`; raw rows: `bench/results/drafter_memory.json`. One",
+        "training step (forward, backward, clip; no AdamW step) of one window of T rows at Kimi K2.5's drafter dims",
+        "(hidden 7168, 64 heads, MLA 1536/512/128/64/128, intermediate 18432, draft vocab 32000, 7 TTT steps, top-32",
+        "compact targets), `old` = the code before issue 22 (tests/ttt_reference.py), `new` = now. **window** = peak",
+        "live tensor bytes minus parameters (gradients, activations, transients; bf16 weight copies under autocast),",
+        "tracked per storage through torch's dispatcher; `cpu` rows computed in fp32 (peak RSS growth beside them),",
+        "`meta` rows ran the same code on meta tensors (fp32 flow, no data), `fake` rows on fake CPU tensors under",
+        "bf16 autocast (the GPU trainer's dtypes). The script's docstring has the details.",
+        "",
+        "| kind | path | dtypes | run on | T | window GB | estimate GB (memory.py) | estimate / measured "
+        "| peak RSS growth GB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        est = window_estimate(p["kind"], p["T"], p["dtype"] == "bf16") if p["impl"] == "new" else None
+        rss = p.get("peak_rss_growth_bytes")
+        ratio = "" if est is None else f"{est / p['window_bytes']:.2f}"
+        out.append(
+            f"| {p['kind']} | {p['impl']} | {p['dtype']} | {p['execution']} | {p['T']:,} | "
+            f"{p['window_bytes'] / GB:.2f} | {'' if est is None else f'{est / GB:.2f}'} | {ratio} | "
+            f"{'' if rss is None else f'{rss / GB:.2f}'} |"
+        )
+    out += [
+        "",
+        "Fits of window bytes against T per series (least squares; `worst` = largest relative residual). The new",
+        "path's quadratic coefficient is nil: its memory is linear in the window; the old one's is what issue 22",
+        "measured (~2.7 KB per T^2 in fp32).",
+        "",
+        "| kind | path | dtypes | points (T) | a + b T + c T^2: a GB, b KB/token, c bytes/token^2 "
+        "| linear a + b T: b KB/token, worst |",
+        "|---|---|---|---|---|---|",
+    ]
+    series: dict[tuple, list[dict]] = {}
+    for p in points:
+        series.setdefault((p["kind"], p["impl"], p["dtype"]), []).append(p)
+    fits = {}
+    for key, pts in sorted(series.items()):
+        if len(pts) < 3:
+            continue
+        q, lin = fit(pts, True), fit(pts, False)
+        fits[key] = lin
+        out.append(
+            f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(str(p['T']) for p in pts)} | {q['a'] / GB:.2f}, "
+            f"{q['b'] / 1e3:.1f}, {q['c']:.1f} | {lin['b'] / 1e3:.1f}, {lin['worst']:.1%} |"
+        )
+    shipped = shipped_drafter_config()
+    out += [
+        "",
+        f"The shipped `config/kimi-k2.5.yaml` drafter settings (`max_seq_len: {shipped['max_seq_len']}`, "
+        f"`batch_size: {shipped['batch_size']}`, `max_batch_tokens: {shipped['max_batch_tokens']}`) on one H200 per",
+        "training process (torchrun + DDP: every GPU holds a whole replica, fp32 master weights, gradients and AdamW",
+        "state, and trains its own batch; gradients live in DDP's buckets), bf16 autocast, compact hidden shards",
+        "(no target lm_head on the GPU), Kimi's 163,840-row frozen embeddings. `estimate`: aerie.drafter.memory, what",
+        "the fit plan uses. `from the bf16 fit`: the same static parts plus the window of the largest batch taken from",
+        "the linear fit of the measured bf16 (`fake`) points, extrapolated to the batch's tokens.",
+        "",
+        "| kind | parameters + frozen embeddings + AdamW + batch GiB | window GiB (estimate / from the bf16 fit) "
+        "| total GiB (estimate / from the fit) | of 131.3 GiB (141 GB) | margin |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in KINDS:
+        train = TrainConfig(**{**shipped, "attention": kind})
+        est = estimate_training_memory(train, KIMI_TEXT, DRAFT_VOCAB, 8, hidden_layout="compact", target_topk=TOPK)
+        window_parts = ("gradients", "activations", "bf16 weight copies")
+        static = sum(v for k, v in est.parts.items() if k not in window_parts)
+        window = est.total - static
+        lin = fits.get((kind, "new", "bf16"))
+        measured = lin["a"] + lin["b"] * train.largest_batch_tokens if lin else None
+        cell = f"{window / GIB:.1f} / {measured / GIB:.1f}" if measured else f"{window / GIB:.1f} / -"
+        total = f"{est.total / GIB:.1f} / {(static + measured) / GIB:.1f}" if measured else f"{est.total / GIB:.1f}"
+        worst = max(est.total, static + (measured or 0))
+        out.append(
+            f"| {kind} | {static / GIB:.1f} | {cell} | {total} | {worst / H200_BYTES:.0%} | "
+            f"{(H200_BYTES - worst) / GIB:.1f} GiB |"
+        )
+    cpu = [p for p in points if p["execution"] == "cpu"]
+    if cpu:
+        out += [
+            "",
+            "CPU tokens/s of those steps (T rows / seconds of forward + backward + clip, 1 thread, fp32, random",
+            "weights; a shared 2-core machine, so noisy: the 1-minute load average is beside each). The new path",
+            "recomputes each TTT step in backward (activation checkpointing): about one more forward.",
+            "",
+            "| kind | path | T | tokens/s | seconds | load |",
+            "|---|---|---|---|---|---|",
+        ]
+        for p in cpu:
+            out.append(
+                f"| {p['kind']} | {p['impl']} | {p['T']} | {p['tokens_per_s']:.2f} | {p['seconds']:.0f} | "
+                f"{p['load_avg_1m']:.1f} |"
+            )
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from aerie.drafter.config import TrainConfig
-from aerie.drafter.data import Window, epoch_batches
+from aerie.drafter.data import Window, batches, epoch_batches, padded_tokens, plan_windows
 from aerie.drafter.distributed import processes_for, shard_for_rank, torchrun_command
 from aerie.drafter.loop import build_drafter, train_drafter
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.state import train_state_dir
+from aerie.formats.hidden import open_hidden_shards
 from aerie.formats.vocab import load_draft_vocab
 from aerie.target.heads import read_target_heads
 
@@ -410,6 +411,54 @@ def test_drafter_from_heads_equals_from_loaded_target(data):
 
 # ---------------------------------------------------------------------------------------------------------
 # several processes
+
+
+# ---------------------------------------------------------------------------------------------------------
+# windows and the token budget
+
+
+def test_long_sequences_are_cut_into_windows_and_counted(uninterrupted):
+    """Every sequence (20 rows) is longer than max_seq_len (16): each becomes two windows, every row trains or is
+    held out, and eval.json and the train log say so; the memory estimate is recorded beside them."""
+    w = uninterrupted["eval"]["windows"]
+    assert w["sequences"] == NUM_SEQS and w["longest_sequence"] == SEQ_LEN and w["max_seq_len"] == 16
+    assert w["sequences_cut_into_windows"] == NUM_SEQS
+    assert w["windows"] == w["train_windows"] + w["heldout_windows"] == 2 * NUM_SEQS
+    assert w["window_rows"] == NUM_SEQS * SEQ_LEN and w["windows_without_supervision_skipped"] == 0
+    assert w["largest_batch_tokens"] <= w["batch_token_limit"] == CFG["batch_size"] * CFG["max_seq_len"]
+    assert _events(uninterrupted["out"], "data")[0]["windows"] == w
+    memory = uninterrupted["eval"]["memory"]
+    assert memory["estimated_peak_bytes"] == sum(memory["estimated_parts"].values()) > 0
+    assert memory["measured_peak_bytes"] is None  # CPU
+
+
+def test_windows_without_supervision_are_counted(data):
+    """One-row windows: the first two of each sequence predict only prompt tokens (loss mask 0) within their
+    look-ahead, the last two have no token left to predict, so they are left out - and counted."""
+    shards = open_hidden_shards(data["shards"])
+    plan = plan_windows(shards, set(), max_len=1, ttt_steps=3)
+    assert plan.stats["windows_without_supervision_skipped"] == 4 * NUM_SEQS
+    assert plan.stats["windows"] == len(plan.train) == (SEQ_LEN - 4) * NUM_SEQS
+    assert [w.start for w in plan.train[: SEQ_LEN - 4]] == list(range(2, SEQ_LEN - 2))
+
+
+def test_batches_keep_to_the_token_budget():
+    """Windows go into batches in order; a batch holds at most batch_size windows and its padded size (windows x
+    the longest) stays within max_batch_tokens."""
+    lengths = [10, 3, 7, 10, 2, 2, 2, 2, 9, 4]
+    windows = [Window(0, 100 * i, 100 * i + n, 100 * i + n, 0) for i, n in enumerate(lengths)]
+    cfg = TrainConfig(batch_size=3, max_seq_len=10, max_batch_tokens=20)
+    groups = batches(windows, cfg, None)
+    assert [w for g in groups for w in g] == windows
+    assert all(len(g) <= 3 and padded_tokens(g) <= 20 for g in groups)
+    assert [len(g) for g in groups] == [2, 2, 3, 2, 1]  # closed by the budget, the budget, batch_size, ...
+    assert max(padded_tokens(g) for g in batches(windows, TrainConfig(batch_size=3, max_seq_len=10), None)) == 30
+    assert cfg.largest_batch_tokens == 20 and TrainConfig(batch_size=3, max_seq_len=10).largest_batch_tokens == 30
+
+
+def test_a_budget_below_one_window_is_refused():
+    with pytest.raises(ValueError, match=r"max_batch_tokens \(1000\) is below drafter.max_seq_len \(2048\)"):
+        TrainConfig(max_seq_len=2048, max_batch_tokens=1000)
 
 
 def test_shard_for_rank_is_a_padded_partition():

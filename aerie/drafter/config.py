@@ -19,7 +19,7 @@ class TrainConfig:
     grad_clip: float = 0.5  # gradient norm clip (0 = none)
     max_seq_len: int = 2048  # longer sequences are cut into windows of this many rows
     batch_size: int = 4  # windows per optimizer step (per process under torchrun)
-    max_batch_tokens: int = 0  # optional cap on batch_size * padded length (0 = none)
+    max_batch_tokens: int = 0  # cap on a batch's padded tokens (windows x longest); 0 = batch_size * max_seq_len
     eval_fraction: float = 0.05  # held-out share of sequences, chosen by hashing sample ids
     mask_out_of_vocab_targets: bool = True  # skip positions whose target argmax is outside the draft vocab
     init_head_from_target: bool = True  # start lm_head and norm from the target's (its draft-vocab rows)
@@ -42,6 +42,14 @@ class TrainConfig:
         for name in ("ttt_steps", "epochs", "batch_size", "max_seq_len", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"drafter.{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_batch_tokens < 0:
+            raise ValueError(f"drafter.max_batch_tokens must be >= 0 (0 = no cap), not {self.max_batch_tokens}")
+        if 0 < self.max_batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"drafter.max_batch_tokens ({self.max_batch_tokens}) is below drafter.max_seq_len "
+                f"({self.max_seq_len}): one window of max_seq_len rows would not fit a batch; raise max_batch_tokens "
+                "or lower max_seq_len"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"drafter.checkpoint_every must be >= 0, not {self.checkpoint_every}")
         if self.attention not in ATTENTION_KINDS:
@@ -51,6 +59,12 @@ class TrainConfig:
                 raise ValueError(
                     f"drafter.{name} must be >= 0 (0 = derived from the target), not {getattr(self, name)}"
                 )
+
+    @property
+    def largest_batch_tokens(self) -> int:
+        """The most padded tokens (windows x rows) one batch can hold under these settings."""
+        cap = self.batch_size * self.max_seq_len
+        return min(cap, self.max_batch_tokens) if self.max_batch_tokens else cap
 
     def drafter_shape(self) -> dict:
         """The keyword arguments DrafterConfig.from_target takes for the drafter's shape (None = derived)."""

@@ -41,6 +41,53 @@ def make_windows(shard_idx: int, shard: HiddenShard, seq: int, max_len: int, ttt
     return out
 
 
+@dataclass
+class WindowPlan:
+    """Every sequence cut into windows of at most ``max_seq_len`` rows, split into training and held-out windows,
+    with the counts a run reports (eval.json ``windows``, the train log's ``data`` event): nothing is dropped
+    without being counted."""
+
+    train: list[Window]
+    heldout: list[Window]
+    stats: dict
+
+
+def plan_windows(shards: list[HiddenShard], held: set[tuple[int, int]], max_len: int, ttt_steps: int) -> WindowPlan:
+    """Windows of every sequence (``make_windows``), training or held out by ``held`` (shard, sequence) pairs.
+
+    stats: sequences, the longest, how many were longer than ``max_len`` (cut into several windows), windows kept
+    and their rows, and windows left out because they hold no supervised prediction (a prompt-only stretch).
+    """
+    train, heldout = [], []
+    longest = windowed = skipped = 0
+    for si, sh in enumerate(shards):
+        for seq in range(sh.num_seqs):
+            n = int(sh.seq_offsets[seq + 1]) - int(sh.seq_offsets[seq])
+            kept = make_windows(si, sh, seq, max_len, ttt_steps)
+            (heldout if (si, seq) in held else train).extend(kept)
+            longest = max(longest, n)
+            windowed += n > max_len
+            skipped += -(-n // max_len) - len(kept)
+    windows = train + heldout
+    stats = {
+        "max_seq_len": max_len,
+        "sequences": sum(sh.num_seqs for sh in shards),
+        "longest_sequence": longest,
+        "sequences_cut_into_windows": windowed,
+        "windows": len(windows),
+        "train_windows": len(train),
+        "heldout_windows": len(heldout),
+        "window_rows": sum(w.end - w.start for w in windows),
+        "windows_without_supervision_skipped": skipped,
+    }
+    return WindowPlan(train, heldout, stats)
+
+
+def padded_tokens(group: list[Window]) -> int:
+    """Rows a batch of these windows occupies: windows x the longest (what memory grows with)."""
+    return len(group) * max(w.end - w.start for w in group)
+
+
 def split_heldout(shards: list[HiddenShard], fraction: float, seed: int) -> set[tuple[int, int]]:
     """Held-out (shard, seq) pairs: a deterministic hash of each sample id, so adding shards keeps the split."""
     if fraction <= 0:
@@ -60,7 +107,9 @@ def split_heldout(shards: list[HiddenShard], fraction: float, seed: int) -> set[
 
 
 def batches(windows: list[Window], cfg: TrainConfig, generator: torch.Generator | None) -> list[list[Window]]:
-    """Shuffle (when a generator is given) and group windows under batch_size and max_batch_tokens."""
+    """Shuffle (when a generator is given) and group windows, in that order, into batches of at most batch_size
+    windows whose padded size (windows x the longest) stays within max_batch_tokens when it is set. A window
+    never exceeds the budget alone: TrainConfig refuses max_batch_tokens below max_seq_len."""
     order = torch.randperm(len(windows), generator=generator).tolist() if generator is not None else range(len(windows))
     out, cur, cur_len = [], [], 0
     for i in order:

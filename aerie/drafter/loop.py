@@ -26,9 +26,10 @@ from torch import nn
 
 from aerie.artifacts import atomic_publish
 from aerie.drafter.config import TrainConfig
-from aerie.drafter.data import Window, batches, epoch_batches, load_batch, make_windows, split_heldout
+from aerie.drafter.data import Window, batches, epoch_batches, load_batch, padded_tokens, plan_windows, split_heldout
 from aerie.drafter.distributed import setup_distributed, shard_for_rank
 from aerie.drafter.evaluate import EMPTY_EVAL, evaluate
+from aerie.drafter.memory import estimate_training_memory
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.state import (
     Progress,
@@ -43,7 +44,7 @@ from aerie.drafter.state import (
 from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast
 from aerie.formats.hidden import check_shard_layers, open_hidden_shards
 from aerie.formats.vocab import DraftVocab, load_draft_vocab
-from aerie.target.config import target_num_hidden_layers
+from aerie.target.config import read_text_config, target_num_hidden_layers
 from aerie.target.heads import read_target_heads
 
 EVAL_FORMAT = "aerie.drafter-eval/1"
@@ -158,10 +159,8 @@ def train_drafter(
 
     # windows, the held-out split (by sequence), and each epoch's batch order (this rank's share of it)
     held = split_heldout(shards, cfg.eval_fraction, cfg.seed)
-    train_w, eval_w = [], []
-    for si, sh in enumerate(shards):
-        for seq in range(sh.num_seqs):
-            (eval_w if (si, seq) in held else train_w).extend(make_windows(si, sh, seq, cfg.max_seq_len, cfg.ttt_steps))
+    plan = plan_windows(shards, held, cfg.max_seq_len, cfg.ttt_steps)
+    train_w, eval_w = plan.train, plan.heldout
     if not train_w:
         raise ValueError("no training windows: the shards hold no generated (loss-masked) tokens")
     eval_groups = batches(eval_w, cfg, None)[dist.rank :: dist.world]
@@ -170,6 +169,29 @@ def train_drafter(
         return shard_for_rank(epoch_batches(train_w, cfg, epoch), dist.rank, dist.world)
 
     total_steps = sum(len(epoch_order(e)) for e in range(1, cfg.epochs + 1))
+    # what the windows and batches are (train log and eval.json): long sequences are cut, never dropped
+    windows = {
+        **plan.stats,
+        "batch_size": cfg.batch_size,
+        "max_batch_tokens": cfg.max_batch_tokens,
+        "batch_token_limit": cfg.largest_batch_tokens,
+        "largest_batch_tokens": max(
+            padded_tokens(g)
+            for g in [
+                *batches(eval_w, cfg, None),
+                *(g for e in range(1, cfg.epochs + 1) for g in epoch_batches(train_w, cfg, e)),
+            ]
+        ),
+    }
+    estimate = estimate_training_memory(
+        cfg,
+        read_text_config(Path(target_path)),
+        dcfg.draft_vocab_size,
+        1 if device.type == "cuda" else 0,
+        num_aux_layers=len(aux_layer_ids),
+        hidden_layout=shards[0].layout,
+        target_topk=shards[0].topk or 32,
+    )
 
     def held_out_eval() -> dict:
         if not eval_w:
@@ -235,10 +257,13 @@ def train_drafter(
     try:
         log(
             f"drafter: {sum(x.numel() for x in model.parameters() if x.requires_grad) / 1e6:.2f}M trainable params, "
-            f"{len(train_w)} train / {len(eval_w)} held-out windows, {total_steps} steps, device {device}"
-            + (f", {dist.world} processes" if dist.world > 1 else "")
+            f"{len(train_w)} train / {len(eval_w)} held-out windows ({windows['sequences_cut_into_windows']} "
+            f"sequences longer than {cfg.max_seq_len} rows cut into windows, {windows['window_rows']} rows), "
+            f"{total_steps} steps, device {device}" + (f", {dist.world} processes" if dist.world > 1 else "")
         )
+        log(estimate.describe() + " (estimate: aerie.drafter.memory)")
         if not resumed:
+            train_log.write({"event": "data", "windows": windows, "estimated_peak_bytes": estimate.total})
             progress.untrained = held_out_eval()
             train_log.write({"event": "eval", "epoch": 0, **progress.untrained})
             untrained = progress.untrained
@@ -364,6 +389,13 @@ def train_drafter(
         "ttt_steps": cfg.ttt_steps,
         "device": str(device),
         "processes": dist.world,
+        "windows": windows,
+        "memory": {
+            "estimated_peak_bytes": estimate.total,  # per process (aerie.drafter.memory)
+            "estimated_parts": estimate.parts,
+            # what torch allocated at most on this process's GPU (None on the CPU)
+            "measured_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        },
     }
     if dist.main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -191,9 +191,7 @@ def estimate_training_memory(
     a = 2 if on_gpu else FP32
     H, V, Vd, A, K = d.hidden_size, int(tc["vocab_size"]), d.draft_vocab_size, num_aux_layers, train.ttt_steps
     T = train.max_seq_len
-    N = train.batch_size * T
-    if train.max_batch_tokens:
-        N = min(N, max(train.max_batch_tokens, T))
+    N = train.largest_batch_tokens  # activations grow with the padded tokens, however they split into windows
     B = max(1, N // T)
     W = N + B * (K + 2)  # token rows a batch reads (each window reads ttt_steps + 2 past its rows)
     P = trainable_parameters(d)
