@@ -24,23 +24,7 @@ from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 sys.path.insert(0, str(REPO / "bench"))
 import drafter_memory  # noqa: E402 - bench/drafter_memory.py: its tracker and its copy of the trainer's step
 
-# moonshotai/Kimi-K2.5 config.json's text_config (the fields the drafter reads)
-KIMI_TEXT = dict(
-    vocab_size=163840,
-    hidden_size=7168,
-    intermediate_size=18432,
-    num_attention_heads=64,
-    num_key_value_heads=64,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    max_position_embeddings=262144,
-    rms_norm_eps=1e-5,
-    rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
-)
+KIMI_TEXT = drafter_memory.KIMI_TEXT  # moonshotai/Kimi-K2.5 config.json's text_config (what the drafter reads)
 SMALL_MLA = dict(KIMI_TEXT, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                  vocab_size=300)  # fmt: skip
