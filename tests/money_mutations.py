@@ -17,8 +17,8 @@ FAST = "tests/test_api.py"
 MUTATIONS = {
     "budget: in-flight not reserved": (
         "aerie/api/client.py",
-        "reserved = sum(r.in_flight * r.per_cost() for r in runs) if len(runs) > 1 else run.in_flight * per_cost",
-        "reserved = 0.0",
+        "            reserved = sum(r.in_flight * r.per_cost() for r in runs)",
+        "            reserved = 0.0",
         [f"{FAST}::test_budget_counts_in_flight_requests_and_never_overshoots"],
     ),
     "quota admit off": (
@@ -116,8 +116,8 @@ MUTATIONS = {
     ),
     "cross-dataset sharing: budget reserves only its own dataset's requests in flight": (
         "aerie/api/client.py",
-        "reserved = sum(r.in_flight * r.per_cost() for r in runs) if len(runs) > 1 else run.in_flight * per_cost",
-        "reserved = run.in_flight * per_cost",
+        "            if spent + reserved + per_cost > guard.budget_usd:",
+        "            if spent + run.in_flight * per_cost + per_cost > guard.budget_usd:",
         [f"{FAST}::test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota"],
     ),
     "report: spend beyond the journals left out": (
@@ -143,8 +143,8 @@ MUTATIONS = {
     ),
     "slow: budget reserves only its own dataset's requests in flight, under Snakemake": (
         "aerie/api/client.py",
-        "reserved = sum(r.in_flight * r.per_cost() for r in runs) if len(runs) > 1 else run.in_flight * per_cost",
-        "reserved = run.in_flight * per_cost",
+        "            if spent + reserved + per_cost > guard.budget_usd:",
+        "            if spent + run.in_flight * per_cost + per_cost > guard.budget_usd:",
         [
             "tests/test_api_pipeline.py::test_shards_and_datasets_scheduled_at_once_share_one_concurrency_budget_and_quota"
         ],
