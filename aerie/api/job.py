@@ -281,18 +281,18 @@ def regenerate_api_shards(
     prompts = {t.out: read_prompts(t.prompts) for t in tasks}
     spend = run_spend(results_dir, datasets)
 
-    # Prices and the expected cost of a request, per dataset (one endpoints-API call per distinct routing).
+    # Prices and the expected cost of a request, per dataset with work (one endpoints-API call per distinct routing).
     priced: dict[str, Prices] = {}
     guards: dict[str, MoneyGuard] = {}
     expected: dict[str, float] = {}
-    for d in datasets:
+    for d in by_dataset:
         responses = responses_config(config, d)
         key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider")], sort_keys=True)
         if key not in priced:
             priced[key] = resolve_prices(responses, keys[d], live=responses["live_prices"])
         prices = priced[key]
         mean_tokens, basis = mean_output_tokens(responses, spend[d], (d, config["datasets"][d]))
-        mine = [p for t in by_dataset.get(d, []) for p in prompts[t.out]]
+        mine = [p for t in by_dataset[d] for p in prompts[t.out]]
         prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in mine) / len(mine) if mine else 0.0
         expected[d] = expected_sample_cost(spend[d], mean_tokens, prices, prompt_tokens)
         guards[d] = MoneyGuard(
@@ -302,22 +302,28 @@ def regenerate_api_shards(
             tokens_before=int(spend[d]["completion_tokens"]),
             expected_tokens=mean_tokens,
         )
-        if d in by_dataset:
-            log(
-                f"{d}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
-                f"expected {mean_tokens:.0f} output tokens ({basis}), {usd(expected[d])} per request; "
-                f"{usd(spend[d]['cost'])} {JOURNALED} so far"
-            )
+        log(
+            f"{d}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
+            f"expected {mean_tokens:.0f} output tokens ({basis}), {usd(expected[d])} per request; "
+            f"{usd(spend[d]['cost'])} {JOURNALED} so far"
+        )
+    # A finished dataset's requests that may still be billed are priced at its journals' mean (else the most any
+    # dataset of the job expects).
+    for d in datasets:
+        if d not in expected:
+            done = spend[d]
+            expected[d] = done["cost"] / done["samples"] if done["samples"] else max(expected.values(), default=0.0)
 
-    # Every account's spend: the journals of its datasets, and what only the account saw (reconciled now).
+    # Every account's spend: the journals of its datasets, and what only the account saw (reconciled now, for the
+    # accounts this job spends from: their keys are here).
     accounts = {account_id(responses_config(config, d)) for d in datasets}
     before = {
         a: sum(spend[d]["cost"] for d in datasets if account_id(responses_config(config, d)) == a) for a in accounts
     }
     watchers = {}
     job = f"responses ({len(tasks)} shards)"
-    for a in sorted(accounts - {None}):
-        key = keys[account_datasets(config, a)[0]]
+    for a in sorted({account_id(responses_config(config, d)) for d in by_dataset} - {None}):
+        key = keys[next(d for d in by_dataset if account_id(responses_config(config, d)) == a)]
         _, watcher = start_account(config, a, results_dir, expected, key, job, log)
         if watcher is not None:
             watchers[a] = watcher
