@@ -28,7 +28,9 @@ Arms (``--arms`` picks some); from ``specforge-default`` down, each rung changes
   it never trains the first two response tokens and trains past the turn end).
 - ``+betas``: AdamW betas (0.9, 0.95) (SpecForge: torch's (0.9, 0.999)).
 - ``+schedule``: aerie's schedule, warmup 3 % of the steps and a cosine floor of 0.1 x lr (SpecForge: 1.5 %, 0).
-The last rung is aerie's recipe in SpecForge's code, up to initialisation and batch order.
+The last rung is aerie's recipe in SpecForge's code, up to initialisation and batch order. Off the ladder, run
+last: ``specforge-matched-norm-off`` and ``specforge-matched+head-norm-off``, those two rungs with SpecForge's final
+norm switched off (``norm_output`` False: how issue 15 ran every SpecForge arm), each compared with its ladder arm.
 
 Kept apart from SpecForge's defaults on purpose, in every SpecForge arm (and recorded in every result file): the
 data, held-out split and draft vocabulary (shared with aerie); the epochs and maximum length (shared; 1 epoch and
@@ -72,6 +74,7 @@ or, without it, the target's whole vocabulary (d2t all zero, t2d all true). Hidd
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import glob
 import json
@@ -116,6 +119,8 @@ class SpecForgeArm:
     mask_on_predicted_token: bool = False
     aerie_betas: bool = False  # AdamW betas (0.9, 0.95)
     aerie_schedule: bool = False  # aerie's warmup share and cosine floor (min_lr_ratio)
+    norm_before_lm_head: bool = True  # SpecForge's default; False only in the diagnostic arms (issue 15's setting)
+    compare_to: str = ""  # a diagnostic arm: the ladder arm it differs from (in that one setting)
 
 
 def _ladder() -> dict[str, SpecForgeArm]:
@@ -138,7 +143,22 @@ def _ladder() -> dict[str, SpecForgeArm]:
     return arms
 
 
-SPECFORGE_ARMS = _ladder()
+def _diagnostics(ladder: dict[str, SpecForgeArm]) -> dict[str, SpecForgeArm]:
+    """Off the ladder: two rungs with SpecForge's final norm off, as issue 15 ran every SpecForge arm, to measure
+    what that setting alone moves (run last; each compared with its ladder arm)."""
+    return {
+        f"{base}-norm-off": dataclasses.replace(
+            ladder[base],
+            norm_before_lm_head=False,
+            compare_to=base,
+            changes=f"final norm before lm_head off (issue 15's setting), else `{base}`",
+        )
+        for base in ("specforge-matched", "specforge-matched+head")
+    }
+
+
+LADDER = _ladder()
+SPECFORGE_ARMS = {**LADDER, **_diagnostics(LADDER)}
 ARMS = ("aerie", *SPECFORGE_ARMS)
 AERIE_BETAS = (0.9, 0.95)  # aerie.drafter.loop's AdamW betas
 
@@ -308,6 +328,7 @@ def specforge_arm_settings(defaults: dict, arm: SpecForgeArm, cfg: TrainConfig, 
         head_from_target=arm.head_from_target,
         loss_over_supervised_rows=arm.loss_over_supervised_rows,
         mask_on_predicted_token=arm.mask_on_predicted_token,
+        norm_before_lm_head=arm.norm_before_lm_head,
     )
     shared = {
         "num_epochs": cfg.epochs,
@@ -356,7 +377,11 @@ def specforge_drafter(
     sf: Any, config: Any, target: Path, vocab: Any, heads: Any, seed: int, arm: SpecForgeArm, dtype: torch.dtype
 ) -> Any:
     """SpecForge's drafter as ``specforge train`` builds it (its class from its draft config, the target's
-    embeddings loaded and frozen, the draft vocabulary's maps), with the target's head when the arm says so."""
+    embeddings loaded and frozen, the draft vocabulary's maps), with the target's head when the arm says so; the
+    diagnostic arms set ``norm_output`` False (SpecForge then feeds lm_head the un-normed state)."""
+    if not arm.norm_before_lm_head:
+        config = copy.deepcopy(config)
+        config.norm_output = False
     torch.manual_seed(seed)
     model = sf.LlamaForCausalLMEagle3(config, attention_backend="sdpa")
     model.load_embedding(str(target))
@@ -785,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
                             "seed": seed,
                             "rung": ARMS.index(arm),
                             "changes": SPECFORGE_ARMS[arm].changes if arm in SPECFORGE_ARMS else "aerie's recipe",
+                            "compare_to": SPECFORGE_ARMS[arm].compare_to if arm in SPECFORGE_ARMS else "",
                             "figures": figures,
                             "settings": settings,
                             **extra,

@@ -100,7 +100,7 @@ def peer_training_table(run_dir: Path) -> str:
 
     benched = all("measured_acceptance_length" in r["figures"] for a in arms for r in results[a].values())
     rows, tests = [], []
-    previous = None
+    by_rung = {next(iter(results[a].values()))["rung"]: a for a in arms}
     for arm in arms:
         seeds = sorted(results[arm])
         first = results[arm][seeds[0]]
@@ -126,14 +126,15 @@ def peer_training_table(run_dir: Path) -> str:
             for key in ("simulated_acceptance_length", *(["measured_acceptance_length"] if benched else [])):
                 paired = sorted(set(seeds) & set(results[base]))
                 test_row.append(gap_text(paired_test(values(arm, key, paired), values(base, key, paired))))
-            if previous is not None and previous != base:
-                paired = sorted(set(seeds) & set(results[previous]))
+            # the rung above (by rung number, when it has results), or the ladder arm a diagnostic arm varies
+            above = first.get("compare_to") or by_rung.get(first["rung"] - 1)
+            if above is not None and above != base and above in results:
+                paired = sorted(set(seeds) & set(results[above]))
                 key = "simulated_acceptance_length"
-                test_row.append(gap_text(paired_test(values(arm, key, paired), values(previous, key, paired))))
+                test_row.append(gap_text(paired_test(values(arm, key, paired), values(above, key, paired))))
             else:
                 test_row.append("-")
             tests.append(test_row)
-        previous = arm
     head = ["arm", "changes (from the rung above)", "seeds", "held-out simulated acceptance", "per position"]
     if benched:
         head += ["measured acceptance (aerie.bench)", "bench speedup"]
@@ -141,7 +142,7 @@ def peer_training_table(run_dir: Path) -> str:
     test_head = ["arm", "simulated: arm - aerie [95 % CI], paired t"]
     if benched:
         test_head.append("measured: arm - aerie [95 % CI], paired t")
-    test_head.append("simulated: arm - the rung above, paired t")
+    test_head.append("simulated: arm - the rung above (or its ladder arm), paired t")
     return "\n".join(
         [
             "Mean ± stdev over seeds:",

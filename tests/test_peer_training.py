@@ -31,6 +31,7 @@ import paired_stats  # noqa: E402
 import tables  # noqa: E402
 from peer_training import (  # noqa: E402
     ARMS,
+    LADDER,
     SPECFORGE_ARMS,
     finished,
     loss_over_supervised_rows,
@@ -154,8 +155,9 @@ def test_each_rung_changes_the_one_thing_it_names_from_specforge_defaults() -> N
     in the result); each later rung differs from the one above in exactly its own settings, and the last rung
     trains with aerie's values for all of them."""
     cfg = TrainConfig(epochs=1, seed=3, ttt_steps=3, batch_size=4, learning_rate=1e-3, max_seq_len=2048)
-    arms = list(SPECFORGE_ARMS)
+    arms = list(LADDER)
     assert ARMS[0] == "aerie" and arms[0] == "specforge-default" and len(arms) == 1 + len(RUNG_CHANGES)
+    assert list(ARMS[1 : 1 + len(arms)]) == arms  # the ladder in rung order, the diagnostic arms after it
     settings = [specforge_arm_settings(SPECFORGE_DEFAULTS, SPECFORGE_ARMS[a], cfg, "float32") for a in arms]
     first = settings[0]
     assert first["kept_apart_from_defaults"] == ["attention_backend", "seed", "torch_dtype"]
@@ -181,6 +183,13 @@ def test_each_rung_changes_the_one_thing_it_names_from_specforge_defaults() -> N
         cfg.step_loss_decay,
     )  # already equal at SpecForge's defaults: no rung needed
     assert last["head_from_target"] and last["loss_over_supervised_rows"] and last["mask_on_predicted_token"]
+    assert all(s["norm_before_lm_head"] for s in settings)  # SpecForge's default on every rung
+    for name, arm in SPECFORGE_ARMS.items():  # off the ladder: its ladder arm with the final norm off, nothing else
+        if name in LADDER:
+            continue
+        base = specforge_arm_settings(SPECFORGE_DEFAULTS, LADDER[arm.compare_to], cfg, "float32")
+        diag = specforge_arm_settings(SPECFORGE_DEFAULTS, arm, cfg, "float32")
+        assert {k for k in diag if diag[k] != base[k]} == {"norm_before_lm_head"} and not diag["norm_before_lm_head"]
 
 
 @pytest.mark.skipif(not os.environ.get("AERIE_SPECFORGE_SITE"), reason="AERIE_SPECFORGE_SITE (SpecForge 0.2.0) not set")
@@ -199,13 +208,20 @@ def test_specforge_drafter_is_built_at_its_own_defaults(tmp_path: Path) -> None:
     _, target = smoke_data(tmp_path, seqs=2, seq_len=8)
     config = specforge_draft_config(sf, target, draft_vocab_size=256)
     assert not hasattr(config, "norm_output") or config.norm_output is True
-    vocab = argparse.Namespace(d2t=torch.zeros(256, dtype=torch.int64), t2d=torch.ones(256, dtype=torch.bool))
-    model = specforge_drafter(sf, config, target, vocab, None, 0, SPECFORGE_ARMS["specforge-default"], torch.float32)
-    assert model.norm_output is True
+    vocab = argparse.Namespace(
+        d2t=torch.zeros(256, dtype=torch.int64), t2d=torch.ones(256, dtype=torch.bool), target_ids=torch.arange(256)
+    )
+    heads = argparse.Namespace(lm_head=torch.randn(256, config.hidden_size), norm=torch.ones(config.hidden_size))
+    for name in LADDER:
+        model = specforge_drafter(sf, config, target, vocab, heads, 0, LADDER[name], torch.float32)
+        assert model.norm_output is True, name
     with torch.no_grad():
         model.norm.weight.mul_(3.0)
         h = torch.randn(1, 4, config.hidden_size)
         assert torch.allclose(model.compute_logits(h), model.lm_head(model.norm(h)))
+    off = SPECFORGE_ARMS["specforge-matched-norm-off"]
+    assert specforge_drafter(sf, config, target, vocab, heads, 0, off, torch.float32).norm_output is False
+    assert not hasattr(config, "norm_output") or config.norm_output is True  # the shared config is left as it was
     assert specforge_defaults(sf) == SPECFORGE_DEFAULTS
 
 
