@@ -86,13 +86,15 @@ BENCH_EMBED_ROWS = 32000  # the frozen embedding table's rows in the bench (Kimi
 # "meta" points run the same code on meta tensors (shapes and lifetimes, no data: any T, no memory), fp32 flow;
 # "fake" points on fake CPU tensors, which autocast treats as CPU tensors: the GPU trainer's bf16 flow.
 KINDS = ("mla", "llama")
+FLOWS = (("fp32", "meta"), ("bf16", "fake"))
 POINTS = {
     "cpu": [(kind, impl, "fp32", "cpu", 128) for impl in ("new", "old") for kind in KINDS],
     "meta": [(kind, "new", "fp32", "meta", T) for kind in KINDS for T in (256, 512, 1024, 2048, 4096, 8192)]
     + [(kind, "old", "fp32", "meta", T) for kind in KINDS for T in (256, 512, 1024, 2048, 4096)],
-    "fake": [(kind, "new", "bf16", "fake", T) for kind in KINDS for T in (256, 512, 1024)]
+    "fake": [(kind, "new", "bf16", "fake", T) for kind in KINDS for T in (256, 512, 1024, 2048, 4096)]
     + [(kind, "old", "bf16", "fake", T) for kind in KINDS for T in (256, 512)],
-    "long": [(kind, "new", "fp32", "meta", 32768) for kind in KINDS],
+    # the shipped window itself (a batch of 32,768 tokens), both dtype flows
+    "long": [(kind, "new", dtype, execution, 32768) for kind in KINDS for dtype, execution in FLOWS],
 }
 POINTS["all"] = POINTS["cpu"] + POINTS["meta"] + POINTS["fake"]
 KEY = ("kind", "impl", "dtype", "execution", "T")
@@ -415,11 +417,11 @@ def table() -> str:
         "training process (torchrun + DDP: every GPU holds a whole replica, fp32 master weights, gradients and AdamW",
         "state, and trains its own batch; gradients live in DDP's buckets), bf16 autocast, compact hidden shards",
         "(no target lm_head on the GPU), Kimi's 163,840-row frozen embeddings. `estimate`: aerie.drafter.memory, what",
-        "the fit plan uses. `from the bf16 fit`: the same static parts plus the window of the largest batch taken from",
-        "the linear fit of the measured bf16 (`fake`) points, extrapolated to the batch's tokens.",
+        "the fit plan uses. `measured`: the same static parts plus the window measured at the shipped batch (bf16,",
+        "`fake` rows at T = 32,768; else the linear fit of the bf16 rows extrapolated to it).",
         "",
-        "| kind | parameters + frozen embeddings + AdamW + batch GiB | window GiB (estimate / from the bf16 fit) "
-        "| total GiB (estimate / from the fit) | of 131.3 GiB (141 GB) | margin |",
+        "| kind | parameters + frozen embeddings + AdamW + batch GiB | window GiB (estimate / measured) "
+        "| total GiB (estimate / measured) | larger of the two, of 131.3 GiB (141e9 bytes) | margin |",
         "|---|---|---|---|---|---|",
     ]
     for kind in KINDS:
@@ -429,7 +431,11 @@ def table() -> str:
         static = sum(v for k, v in est.parts.items() if k not in window_parts)
         window = est.total - static
         lin = fits.get((kind, "new", "bf16"))
-        measured = lin["a"] + lin["b"] * train.largest_batch_tokens if lin else None
+        direct = [p for p in series.get((kind, "new", "bf16"), []) if p["T"] == train.largest_batch_tokens]
+        if direct:  # measured at the shipped batch itself
+            measured = direct[0]["window_bytes"]
+        else:
+            measured = lin["a"] + lin["b"] * train.largest_batch_tokens if lin else None
         cell = f"{window / GIB:.1f} / {measured / GIB:.1f}" if measured else f"{window / GIB:.1f} / -"
         total = f"{est.total / GIB:.1f} / {(static + measured) / GIB:.1f}" if measured else f"{est.total / GIB:.1f}"
         worst = max(est.total, static + (measured or 0))

@@ -16,7 +16,8 @@ Parts (bytes per GPU):
 - activations of that batch at the peak of backward (``activation_bytes``): what the TTT unroll keeps per token
   (each step's hidden state and attention key/value; the rest is recomputed: activation checkpointing per step),
   the key/value gradients waiting to be summed, the re-run step's saved tensors and the larger of the chunked
-  loss's and attention's working sets; plus one weight gradient being summed (or, if larger, AdamW's temporaries).
+  loss's and attention's working sets; plus one weight gradient being summed. AdamW's step comes after backward
+  freed them: its fp32 temporaries count only where they exceed the activations (short windows).
 
 ``tests/test_drafter_memory.py`` checks the estimate against the peak measured on CPU at small dims;
 ``bench/drafter_memory.py`` against the peak at Kimi K2.5's drafter dims (bench/RESULTS.md).
@@ -213,6 +214,8 @@ def estimate_training_memory(
     # step that follows, when activations are gone, makes one fp32 temporary per parameter (foreach, on GPUs) or
     # of the largest (CPU: one tensor at a time). The larger of the two moments counts.
     largest = max(d.draft_vocab_size, d.intermediate_size, A * H) * H
-    backward = activation_bytes(d, K, a, B, T) + FP32 * largest
-    parts["activations"] = max(backward, FP32 * (P if on_gpu else largest))
+    parts["activations"] = activation_bytes(d, K, a, B, T) + FP32 * largest
+    optimizer_step = FP32 * (P if on_gpu else largest)
+    if optimizer_step > parts["activations"]:  # short windows: the AdamW step is the peak
+        parts["AdamW step temporaries beyond the activations"] = optimizer_step - parts["activations"]
     return TrainingMemory(parts=parts, batch_tokens=N, window=T, activation_bytes=a)
