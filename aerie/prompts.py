@@ -275,6 +275,11 @@ _CONVERTED: dict[str, _Converted] = {}
 _CODE = (Path(__file__), Path(__file__).with_name("prompt_sources.py"), Path(__file__).with_name("prompt_cache.py"))
 
 
+@functools.cache
+def _code() -> str:
+    return code_fingerprint(*_CODE)
+
+
 def _key_material(
     name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None, cache_dir: Path | None
 ) -> tuple[dict[str, Any], bool]:
@@ -283,7 +288,7 @@ def _key_material(
     source = dataset["source"]
     material: dict[str, Any] = {
         "format": CACHE_FORMAT,
-        "code": code_fingerprint(*_CODE),
+        "code": _code(),
         "dataset": name,
         "source": source,
         "max_prompts": dataset.get("max_prompts"),
@@ -407,11 +412,11 @@ def prompts_at(
 def iter_planned_prompts(plan: DatasetPlan, datasets: Mapping[str, dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """The training prompts of a plan's shards, shard 0 first, in the plan's order (``datasets``: the config's)."""
     stop = plan.planned_prompts
-    for start in range(0, stop, 4096):  # a chunk at a time: a large plan is never held whole
+    for start in range(0, stop, 512):  # a chunk at a time: a large plan is never held whole
         yield from prompts_at(
             plan.name,
             datasets[plan.name],
-            plan.positions(start, min(stop, start + 4096)),
+            plan.positions(start, min(stop, start + 512)),
             datasets,
             Path(plan.cache_dir) if plan.cache_dir else None,
         )

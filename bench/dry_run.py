@@ -166,7 +166,10 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def real_size_config(files: dict[str, Path], out: Path, kimi: Path = REPO / "config" / "kimi-k2.5.yaml") -> Path:
+KIMI = Path("config") / "kimi-k2.5.yaml"
+
+
+def real_size_config(files: dict[str, Path], out: Path, kimi: Path = REPO / KIMI) -> Path:
     """config/kimi-k2.5.yaml with each named Hub source replaced by its local stand-in (shape, field, id kept)."""
     config = yaml.safe_load(kimi.read_text())
     for name, ds in config["datasets"].items():
@@ -206,12 +209,21 @@ def real_size(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {name: path.stat().st_size for name, path in files.items()}
     workdir = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    config = real_size_config(files, workdir / "kimi-k2.5-real-size.yaml")
     snakefiles = {"aerie": REPO / "Snakefile"}
     if args.compare_snakefile:
-        snakefiles["compared"] = args.compare_snakefile.resolve()
+        snakefiles[args.compare_label] = args.compare_snakefile.resolve()
+    # Each checkout plans its own shipped config/kimi-k2.5.yaml (an older schema refuses keys added since).
+    configs = {
+        name: real_size_config(files, workdir / f"kimi-k2.5-real-size.{name}.yaml", snakefile.parent / KIMI)
+        for name, snakefile in snakefiles.items()
+    }
     hf_root = Path(tempfile.mkdtemp(prefix="aerie-dry-run-hf-"))
-    base_env = {k: v for k, v in os.environ.items() if k != "OPENROUTER_API_KEY"}
+    # The Kimi config's SGLang rules need conda deployment (profiles/gpu-host sets it); a dry run only asks conda
+    # what it is, which the tests' stand-in answers (tests/conda_stand_in.py): no conda is installed here.
+    sys.path.insert(0, str(REPO / "tests"))
+    from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
+
+    base_env = {k: v for k, v in conda_on_path(hf_root).items() if k != "OPENROUTER_API_KEY"}
     # Each checkout gets its own workdir and HF_HOME: caches of one never serve the other.
     envs = {name: base_env | {"HF_HOME": str(hf_root / name)} for name in snakefiles}
     snakemake = [sys.executable, "-m", "snakemake"]
@@ -219,7 +231,17 @@ def real_size(args: argparse.Namespace) -> dict[str, Any]:
     def dry(name: str, *extra: str) -> list[str]:
         wd = workdir / name
         wd.mkdir(exist_ok=True)
-        return [*snakemake, "-s", str(snakefiles[name]), "--directory", str(wd), "--configfile", str(config), *extra]
+        return [
+            *snakemake,
+            "-s",
+            str(snakefiles[name]),
+            "--directory",
+            str(wd),
+            "--configfile",
+            str(configs[name]),
+            *CONDA_DEPLOYMENT,
+            *extra,
+        ]
 
     samples: dict[str, list[dict[str, float]]] = {}
     first: dict[str, dict[str, float]] = {}
@@ -296,6 +318,7 @@ def main() -> None:
     ap.add_argument("--real-size", type=Path, metavar="DATA", help="stand-in prompt files at the real sizes here")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the stand-ins' row counts (a quick try)")
     ap.add_argument("--compare-snakefile", type=Path, help="another checkout's Snakefile, timed interleaved")
+    ap.add_argument("--compare-label", default="before", help="its name in the output")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, help="write every sample here")
     args = ap.parse_args()

@@ -45,6 +45,21 @@ except ConfigError as e:
 except ValueError as e:
     raise WorkflowError(f"bad configuration: {e}") from None
 
+# Every GPU job's memory per GPU against the host's (aerie.fit): a job that cannot fit stops the parse - the dry
+# run's and the real run's - naming the setting to change, before any job runs and any money is spent. (A job's own
+# parse under SLURM skips it: its main process checked the plan.)
+if workflow.is_main_process:
+    from aerie.fit import fit_plan
+
+    try:
+        FIT = fit_plan(config, PLANS)
+    except (OSError, ValueError) as e:
+        raise WorkflowError(f"bad configuration: the fit plan: {e}") from None
+    if getattr(workflow.output_settings, "dryrun", False):
+        print(FIT.text(), file=sys.stderr)
+    if FIT.failures():
+        raise WorkflowError(f"the fit plan refuses this run: {FIT.error()}")
+
 RUN = config["run"]
 # Converted prompt sources, read by every parse (aerie.prompt_cache).
 PROMPT_CACHE = str(prompt_cache_dir(Path("results")))

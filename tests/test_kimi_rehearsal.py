@@ -40,6 +40,9 @@ ALLOWED_DIFFERENCES = {
     "target.hidden_size": "size of the toy target",
     "target.device": "CI has no GPU",
     "target.dtype": "CPU runs in fp32",
+    "target.config_json": "the real target's dimensions for the fit plan before its folder is here (the toy target's "
+    "come from target.rehearsal)",
+    "target.weights_gib": "size: the real target's weights for the fit plan before its folder is here",
     "datasets.*.source.name": "path: a Hub dataset becomes a local file of the same shape",
     "datasets.*.source.data_files": "path: the local prompt file",
     "datasets.*.source.split": "path: a local file has one split",

@@ -185,6 +185,32 @@ def test_a_setting_that_would_change_a_written_shard_is_refused(tmp_path: Path) 
     assert plan_datasets(quota_config(tmp_path, shard_size=40), results)["chat"].num_shards
 
 
+def test_the_cost_preview_reads_the_sampled_shards(tmp_path: Path) -> None:
+    """The preview prices what the planned shards still lack: their prompts in the plan's order, matched with
+    their journals (source order would count none of these journaled samples as done)."""
+    from aerie.api.preview import backend_settings, cost_preview
+    from aerie.config_file import ConfigSources
+    from aerie.plan import validate_config
+
+    config, results = quota_config(tmp_path), tmp_path / "results"
+    config["responses"] |= {"price_per_million_output_usd": 1.0, "live_prices": False}
+    (tmp_path / "c.yaml").write_text(json.dumps(config))
+    validate_config(config, ConfigSources.read([str(tmp_path / "c.yaml")]))
+    plans = write_planned_prompts(config, results)
+    prompts = read_prompts(results / "chat" / "prompts" / "shard-00000.jsonl")
+    phash = backend_settings(config["responses"], config["target"]["path"]).params_hash()
+    journal = journal_path(results / "chat" / "responses" / "shard-00000.jsonl")
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.write_text(
+        "".join(
+            json.dumps({"id": p["id"], "params_hash": phash, "messages": p["messages"], "usage": {}, "cost": 0}) + "\n"
+            for p in prompts[:20]
+        )
+    )
+    estimate = cost_preview(config, plans, results, live=False).datasets["chat"]
+    assert (estimate.shards, estimate.pending_prompts) == (3, 150 - 20)
+
+
 @pytest.mark.slow  # four Snakemake runs against the emulator (~1 min on 2 quiet cores)
 def test_a_too_short_expectation_tops_up_through_snakemake_and_the_quota_still_holds(
     workdir: Path, tmp_path_factory

@@ -1,0 +1,601 @@
+"""The fit plan: every GPU job's estimated peak memory per GPU against the host's GPU memory, decided before any job
+runs (``snakemake -n`` prints it; a job that cannot fit fails the parse, the dry run's and the real run's, naming the
+setting to change). Torch-free: Snakemake calls it while it reads the workflow.
+
+The host's memory per GPU: ``resources.gpu_memory_gib``, else the smallest GPU ``nvidia-smi`` reports, else unknown
+(a CPU-only machine planning a GPU run): the plan is then printed for the job's own device without a verdict and
+says what to set. The jobs and what each counts, per GPU (the job's fullest GPU):
+
+- ``hidden`` (capture). ``hf``: the whole target on the job's first GPU (aerie.hidden.backends loads it there) +
+  one forward of ``hidden.batch_tokens`` tokens (the hooks' aux and final states, one layer's working tensors;
+  on the CPU also attention's score matrix) + the top-k head's fp32 workspace. ``sglang``: SGLang's static share
+  ``mem_fraction_static`` x the GPU (weights / TP + its KV pool; on GPU 0 also aerie's lm_head copy, placed before
+  SGLang sizes its pool, so the pool shrinks by it: aerie.sglang_capture.mapping.lm_head_copy) + one forward
+  outside it: SGLang's ``chunked_prefill_size`` tokens, or one longest sequence (``tokens.max_seq_len``), which
+  runs alone, at most ``batch_tokens``. Checked too: the static share holds the weights,
+  the copy and the KV of one longest sequence (``tokens.max_seq_len``).
+- ``drafter`` (training): :func:`aerie.drafter.memory.estimate_training_memory` (parameters, gradients, AdamW
+  state, frozen embeddings, the largest batch the settings allow and its activations), a replica per GPU.
+- ``bench``. ``inprocess``: the target placed as aerie.target.placement places it (one GPU, or spread over the
+  job's GPUs with device_map; refused when it cannot fit them, naming ``bench.backend: sglang``) + the trained and
+  the untrained drafter + the target's KV cache for one prompt (the longest of the plan's first prompts) and
+  ``bench.max_new_tokens``. ``sglang``: the server's static share ``sglang.mem_fraction_static`` (<= 1) + a
+  prefill chunk outside it; its static share must hold the weights / ``sglang.tp``, the drafter and one request's KV.
+- ``responses`` in-process (``hf``, or ``serve: transformers``): the whole target on one GPU + the KV cache of
+  ``responses.batch_size`` sequences of that prompt + ``max_new_tokens`` + their logits.
+
+Every GPU job also counts ``RUNTIME_BYTES`` (the CUDA context, cuBLAS/NCCL workspaces, allocator slack). These
+are estimates from the code's structure and the target's config.json, not measurements: on the CPU the demo's and
+the rehearsal's jobs are compared with their measured peak RSS (tests/test_pipeline_e2e.py,
+tests/test_kimi_rehearsal.py); on a GPU, ``torch.cuda.max_memory_allocated`` of a real run is the check to make.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aerie.target.config import read_config, text_config
+
+GIB = 1024**3
+RUNTIME_BYTES = 2 * GIB  # per GPU job: CUDA context (~0.5 GiB), cuBLAS / NCCL workspaces, allocator fragmentation
+# Prompt tokens allowed for per sequence in the benchmark's and generation's KV cache when the plan's prompts are not
+# given (fit_plan's ``plans``: then the longest of the first prompts of each dataset, ~4 characters a token).
+PROMPT_TOKENS = 2048
+PROMPTS_SAMPLED = 200
+SGLANG_DEFAULT_STATIC = 0.9  # the static share checked when sglang/hidden.sglang set no mem_fraction_static
+# SGLang's chunked_prefill_size unless set, on GPUs of 35 to 160 GB (H100, H200; server_args.py): one forward's tokens
+SGLANG_PREFILL_CHUNK = 8192
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---- the target ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetFacts:
+    """What the plan knows of the target: its text config (None: unknown) and its weight bytes as stored."""
+
+    text: dict[str, Any] | None
+    weights: int | None  # bytes of the weights as stored (a float folder loaded in another dtype is rescaled)
+    stored_dtype_bytes: int | None  # bytes per element of the stored float weights, when they are all one dtype
+    config_from: str
+    weights_from: str
+
+    def loaded_weights(self, load_dtype_bytes: int) -> int | None:
+        """Bytes once loaded in a float dtype of ``load_dtype_bytes`` (an int4/quantized folder as stored)."""
+        if self.weights is None or self.stored_dtype_bytes is None:
+            return self.weights
+        return self.weights * load_dtype_bytes // self.stored_dtype_bytes
+
+
+def decoder_parameters(text: dict[str, Any]) -> int:
+    """Parameters of a Llama-style or DeepSeek-V3-style (MLA, MoE) causal LM from its text config.json."""
+    H, L, V = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
+    heads = int(text["num_attention_heads"])
+    if text.get("kv_lora_rank"):  # multi-latent attention
+        nope, rope, v = int(text["qk_nope_head_dim"]), int(text["qk_rope_head_dim"]), int(text["v_head_dim"])
+        q_lora, kv_lora = text.get("q_lora_rank"), int(text["kv_lora_rank"])
+        q = H * q_lora + q_lora + q_lora * heads * (nope + rope) if q_lora else H * heads * (nope + rope)
+        attn = q + H * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v) + heads * v * H
+    else:
+        hd = int(text.get("head_dim") or H // heads)
+        kvh = int(text.get("num_key_value_heads") or heads)
+        attn = H * heads * hd + 2 * H * kvh * hd + heads * hd * H
+    dense = 3 * H * int(text["intermediate_size"])
+    experts = int(text.get("n_routed_experts") or 0)
+    if experts:
+        moe_i = int(text["moe_intermediate_size"])
+        moe = (experts + int(text.get("n_shared_experts") or 0)) * 3 * H * moe_i + experts * H  # + the router
+        first_dense = int(text.get("first_k_dense_replace") or 0)
+        mlp = first_dense * dense + (L - first_dense) * moe
+    else:
+        mlp = L * dense
+    embed = V * H * (1 if text.get("tie_word_embeddings") else 2)
+    return embed + L * (attn + 2 * H) + mlp + H
+
+
+def _safetensors_weights(folder: Path) -> tuple[int, int | None] | None:
+    """(stored bytes, bytes per element when every float tensor has one dtype) from the headers of the folder's
+    ``*.safetensors`` files (the 8-byte length and the JSON header: no tensor is read); None without files."""
+    import struct
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+    total, float_sizes = 0, set()
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, stop = t["data_offsets"]
+            total += stop - start
+            if t["dtype"] in sizes:
+                float_sizes.add(sizes[t["dtype"]])
+            elif t["dtype"] not in ("BOOL",):
+                float_sizes.add(None)  # packed ints, fp8: quantized, taken as stored
+    return total, (float_sizes.pop() if len(float_sizes) == 1 else None)
+
+
+def target_facts(config: dict[str, Any]) -> TargetFacts:
+    """The target's text config and weight bytes: from its folder (config.json; safetensors headers) when it is
+    there, else from the config (a pipeline-built target's own settings; ``target.config_json`` and
+    ``target.weights_gib`` for a target not on this machine)."""
+    target = config["target"]
+    folder = Path(target["path"])
+    text, config_from = None, ""
+    if (folder / "config.json").exists():
+        text, config_from = text_config(read_config(folder)), f"{folder}/config.json"
+    elif "demo" in target:
+        from aerie.plan import demo_target_config
+
+        d = demo_target_config(config)
+        text = {
+            "hidden_size": d.hidden_size,
+            "num_hidden_layers": d.num_hidden_layers,
+            "num_attention_heads": d.num_attention_heads,
+            "num_key_value_heads": d.num_key_value_heads,
+            "intermediate_size": d.intermediate_size,
+            "vocab_size": d.vocab_size,
+            "tie_word_embeddings": d.tie_word_embeddings,
+        }
+        config_from = "target.demo"
+    elif "rehearsal" in target:
+        from aerie.rehearsal_target.config import RehearsalTargetConfig
+
+        r = RehearsalTargetConfig(**target["rehearsal"] or {})
+        text = {
+            "hidden_size": r.hidden_size,
+            "num_hidden_layers": r.num_hidden_layers,
+            "num_attention_heads": r.num_attention_heads,
+            "num_key_value_heads": r.num_attention_heads,
+            "intermediate_size": r.intermediate_size,
+            "moe_intermediate_size": r.moe_intermediate_size,
+            "n_routed_experts": r.n_routed_experts,
+            "num_experts_per_tok": r.num_experts_per_tok,
+            "n_shared_experts": r.n_shared_experts,
+            "first_k_dense_replace": r.first_k_dense_replace,
+            "q_lora_rank": r.q_lora_rank,
+            "kv_lora_rank": r.kv_lora_rank,
+            "qk_nope_head_dim": r.qk_nope_head_dim,
+            "qk_rope_head_dim": r.qk_rope_head_dim,
+            "v_head_dim": r.v_head_dim,
+            "vocab_size": 163840,  # Kimi's vocabulary (aerie.rehearsal_target.build.VOCAB_SIZE)
+        }
+        config_from = "target.rehearsal"
+    elif target.get("config_json"):
+        path = Path(target["config_json"])
+        if not path.exists() and not path.is_absolute():  # a copy shipped beside the configs (config/)
+            path = Path(__file__).resolve().parents[1] / path
+        text, config_from = text_config(json.loads(path.read_text())), "target.config_json"
+    stored = _safetensors_weights(folder) if folder.is_dir() else None
+    if stored is not None:
+        weights, dtype_bytes = stored
+        weights_from = f"{folder}/*.safetensors headers"
+    elif target.get("weights_gib"):
+        weights, dtype_bytes, weights_from = int(target["weights_gib"] * GIB), None, "target.weights_gib"
+    elif ("demo" in target or "rehearsal" in target) and text is not None:
+        weights, dtype_bytes = 4 * decoder_parameters(text), 4  # built in fp32
+        weights_from = f"{config_from} (parameters x 4 bytes)"
+    else:
+        weights, dtype_bytes, weights_from = None, None, ""
+    return TargetFacts(text, weights, dtype_bytes, config_from, weights_from)
+
+
+def kv_bytes_per_token(text: dict[str, Any], dtype_bytes: int, *, latent: bool) -> int:
+    """KV-cache bytes per token, all layers. ``latent``: MLA as SGLang caches it (the compressed latent + rope
+    key); otherwise as transformers caches it (MLA keys and values per head)."""
+    L, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+    if text.get("kv_lora_rank"):
+        rope = int(text["qk_rope_head_dim"])
+        if latent:
+            return L * dtype_bytes * (int(text["kv_lora_rank"]) + rope)
+        return L * dtype_bytes * heads * (int(text["qk_nope_head_dim"]) + rope + int(text["v_head_dim"]))
+    hd = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    return L * dtype_bytes * 2 * int(text.get("num_key_value_heads") or heads) * hd
+
+
+def forward_bytes_per_token(text: dict[str, Any], dtype_bytes: int, *, tp: int = 1, captured: int = 0) -> int:
+    """Activation bytes per token of one inference forward (no gradients: one layer's working set at a time):
+    the residual stream and ~5 working copies of the hidden state, ``captured`` hidden states kept to the end,
+    attention's query/key/value/output for the rank's heads, and the MLP's intermediates (MoE: each routed
+    token's gate/up/down buffers of the rank's share, and its expert outputs before they are summed)."""
+    H, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+    per = (6 + captured) * H
+    if text.get("kv_lora_rank"):
+        head = 2 * (int(text["qk_nope_head_dim"]) + int(text["qk_rope_head_dim"])) + 2 * int(text["v_head_dim"])
+    else:
+        head = 4 * int(text.get("head_dim") or H // heads)
+    per += math.ceil(heads / tp) * head
+    experts = int(text.get("num_experts_per_tok") or 0) if text.get("n_routed_experts") else 0
+    if experts:
+        per += experts * (H + 3 * math.ceil(int(text["moe_intermediate_size"]) / tp))
+    per += 3 * math.ceil(int(text["intermediate_size"]) / tp)
+    return per * dtype_bytes
+
+
+def draft_vocab_size(config: dict[str, Any], text: dict[str, Any]) -> int:
+    """``vocab.draft_vocab_size``, at most the target's vocabulary (what aerie.vocab selects)."""
+    return min(int(config["vocab"]["draft_vocab_size"]), int(text["vocab_size"]))
+
+
+def drafter_weight_bytes(config: dict[str, Any], text: dict[str, Any], dtype_bytes: int) -> int:
+    """The trained drafter's parameters (its frozen embeddings are the target's: not counted again)."""
+    from aerie.drafter.memory import drafter_shape, trainable_parameters
+    from aerie.plan import train_config
+
+    ids = config["hidden"].get("aux_layer_ids") or [0, 0, 0]
+    d = drafter_shape(train_config(config), text, draft_vocab_size(config, text), len(ids))
+    return trainable_parameters(d) * dtype_bytes
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobFit:
+    """One GPU job's estimate on its fullest GPU."""
+
+    rule: str
+    gpus: int  # GPUs the job holds (0: it runs on the CPU)
+    where: str  # which GPU the parts are on
+    parts: dict[str, int] = field(default_factory=dict)  # bytes
+    setting: str = ""  # what to change when it does not fit
+    refusal: str = ""  # it cannot run at all with these settings (checked before the memory)
+    unknown: str = ""  # why it cannot be estimated
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def fits(self, gpu_bytes: int | None) -> bool | None:
+        if self.refusal:
+            return False
+        if gpu_bytes is None or self.unknown or not self.gpus:
+            return None
+        return self.total <= gpu_bytes
+
+    def line(self, gpu_bytes: int | None) -> str:
+        head = f"  {self.rule:<10}{self.gpus} GPU{'s' if self.gpus != 1 else ''}, {self.where}: "
+        if self.unknown:
+            return head + f"not estimated: {self.unknown}"
+        parts = ", ".join(f"{name} {size / GIB:,.2f}" for name, size in self.parts.items() if size)
+        text = head + f"~{self.total / GIB:,.1f} GiB ({parts} GiB)"
+        fits = self.fits(gpu_bytes)
+        if self.refusal:
+            text += f"\n    CANNOT RUN: {self.refusal}"
+        elif fits is True:
+            text += f": fits, {100 * (1 - self.total / gpu_bytes):.0f}% free"
+        elif fits is False:
+            text += f"\n    DOES NOT FIT: {self.total / GIB:,.1f} GiB > {gpu_bytes / GIB:,.1f} GiB; {self.setting}"
+        return text + "".join(f"\n    {n}" for n in self.notes)
+
+
+@dataclass
+class FitPlan:
+    gpu_bytes: int | None
+    gpu_source: str
+    jobs: list[JobFit]
+
+    def failures(self) -> list[JobFit]:
+        return [j for j in self.jobs if j.fits(self.gpu_bytes) is False]
+
+    def text(self) -> str:
+        if self.gpu_bytes is None:
+            head = (
+                "aerie fit plan: GPU memory unknown (no resources.gpu_memory_gib, no nvidia-smi): the estimates "
+                "below are for the job's own device here and are not checked; set resources.gpu_memory_gib to the "
+                "GPU host's memory per GPU to check them"
+            )
+        else:
+            head = f"aerie fit plan: {self.gpu_bytes / GIB:,.1f} GiB per GPU ({self.gpu_source})"
+        return "\n".join([head, *(j.line(self.gpu_bytes) for j in self.jobs)])
+
+    def error(self) -> str:
+        """Why the run cannot start: each failing job with the setting to change."""
+        reasons = []
+        for j in self.failures():
+            why = j.refusal or (
+                f"~{j.total / GIB:,.1f} GiB per GPU does not fit {self.gpu_bytes / GIB:,.1f} GiB ({self.gpu_source}); "
+                + j.setting
+            )
+            reasons.append(f"rule {j.rule}: {why}")
+        return "; ".join(reasons)
+
+
+def host_gpu_memory(config: dict[str, Any], nvidia_smi: str | None = "nvidia-smi") -> tuple[int | None, str]:
+    """(bytes per GPU, where that came from): ``resources.gpu_memory_gib``, else the smallest GPU nvidia-smi
+    reports, else (None, "")."""
+    gib = config["resources"].get("gpu_memory_gib")
+    if gib:
+        return int(gib * GIB), "resources.gpu_memory_gib"
+    smi = shutil.which(nvidia_smi) if nvidia_smi else None
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            mib = [int(float(x)) for x in out.stdout.split() if x.strip()]
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            mib = []
+        if out.returncode == 0 and mib:
+            return min(mib) * 2**20, f"nvidia-smi: the smallest of {len(mib)} GPU(s)"
+    return None, ""
+
+
+def _dtype_bytes(config: dict[str, Any], on_gpu: bool) -> int:
+    """The target's loading dtype: ``target.dtype``, ``auto`` = bf16 on a GPU, fp32 on the CPU."""
+    name = config["target"].get("dtype", "auto")
+    return DTYPE_BYTES.get(name, 2 if on_gpu else 4)
+
+
+def _runtime(parts: dict[str, int], on_gpu: bool) -> dict[str, int]:
+    return {**parts, "runtime": RUNTIME_BYTES} if on_gpu else parts
+
+
+def hidden_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None) -> JobFit:
+    gpus = config["resources"]["hidden_gpus"]
+    hcfg, text = config["hidden"], facts.text
+    on_gpu = gpu_bytes is not None and gpus >= 1 and config["target"].get("device") != "cpu"
+    a = _dtype_bytes(config, on_gpu)
+    ids = hcfg.get("aux_layer_ids") or [0, 0, 0]
+    fit = JobFit("hidden", gpus, "GPU 0", setting="lower hidden.batch_tokens")
+    if text is None:
+        fit.unknown = "the target's config.json is not here (set target.config_json)"
+        return fit
+    if hcfg.get("backend") == "sglang":
+        return _sglang_capture_fit(config, facts, gpu_bytes, fit, a, len(ids))
+    weights = facts.loaded_weights(a)
+    if weights is None:
+        fit.unknown = "the target's weights are not here (set target.weights_gib)"
+        return fit
+    tokens = hcfg.get("batch_tokens", 8192)
+    width = min(tokens, config["tokens"].get("max_seq_len", 4096))
+    fit.where = "GPU 0 (the whole target)" if on_gpu else "the CPU"
+    fit.parts = {"target weights": weights}
+    fit.parts["forward"] = tokens * forward_bytes_per_token(text, a, captured=len(ids) + 1)
+    if not on_gpu:  # PyTorch's CPU attention computes the [heads, T, T] fp32 scores of each sequence
+        fit.parts["attention scores"] = tokens * width * int(text["num_attention_heads"]) * 4
+    fit.parts["top-k workspace"] = 4 * min(int(text["vocab_size"]) * tokens, 4 * (1 << 26))
+    fit.parts = _runtime(fit.parts, on_gpu)
+    fit.setting = (
+        "lower hidden.batch_tokens, or set hidden.backend: sglang (tensor parallel over hidden.sglang.tp_size)"
+    )
+    return fit
+
+
+def _sglang_capture_fit(
+    config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None, fit: JobFit, a: int, num_aux: int
+) -> JobFit:
+    from aerie.sglang_capture.mapping import lm_head_copy
+
+    opts = dict(config["hidden"].get("sglang") or {})
+    tp = int(opts.get("tp_size", 1))
+    text = facts.text
+    static = float(opts.get("mem_fraction_static") or SGLANG_DEFAULT_STATIC)
+    head = lm_head_copy(int(text["vocab_size"]), int(text["hidden_size"]), opts, config["target"].get("device", "auto"))
+    weights = facts.loaded_weights(2)
+    if tp > fit.gpus:
+        fit.refusal = f"hidden.sglang.tp_size {tp} needs {tp} GPUs but resources.hidden_gpus is {fit.gpus}"
+    # aerie sends batches of hidden.batch_tokens; the capture splits them into forwards of SGLang's
+    # chunked_prefill_size, and a longer sequence runs alone (aerie.sglang_capture.mapping.plan_forwards).
+    longest = config["tokens"].get("max_seq_len", 4096)
+    chunk = int(opts.get("chunked_prefill_size") or SGLANG_PREFILL_CHUNK)
+    tokens = min(config["hidden"].get("batch_tokens", 8192), max(chunk, longest))
+    if weights is None:
+        fit.unknown = "the target's weights are not here (set target.weights_gib)"
+        return fit
+    fit.where = f"GPU {head.gpu if head.gpu is not None else 0} (SGLang rank 0 + aerie's lm_head copy)"
+    if gpu_bytes is None:
+        fit.parts = {"weights / TP": weights // tp, "lm_head copy + top-k workspace": head.bytes}
+        fit.notes.append("SGLang's static share is a fraction of the GPU: known only with the GPU's memory")
+    else:
+        fit.parts = {f"SGLang static share ({static:.2f} x GPU)": int(static * gpu_bytes)}
+    fit.parts["forward"] = tokens * forward_bytes_per_token(text, 2, tp=tp, captured=num_aux + 1)
+    fit.parts["runtime"] = RUNTIME_BYTES
+    kv = longest * kv_bytes_per_token(text, 2, latent=True)
+    fit.notes.append(
+        f"inside the static share: weights / TP {weights / tp / GIB:,.1f} GiB, {head.describe()}, KV pool >= one "
+        f"{longest:,}-token sequence {kv / GIB:,.2f} GiB (tokens.max_seq_len)"
+    )
+    if gpu_bytes is not None and not fit.refusal:
+        room = static * gpu_bytes - weights / tp - (head.bytes if head.gpu is not None else 0)
+        if room < kv:
+            fit.refusal = (
+                f"SGLang's static share ({static:.2f} x {gpu_bytes / GIB:,.0f} GiB) leaves {room / GIB:,.1f} GiB for "
+                f"its KV pool after the weights / TP and the lm_head copy, less than one {longest:,}-token sequence "
+                f"({kv / GIB:,.2f} GiB): raise hidden.sglang.mem_fraction_static or hidden.sglang.tp_size (and "
+                "resources.hidden_gpus)"
+            )
+    fit.setting = (
+        "lower hidden.sglang.mem_fraction_static (it leaves the rest of each GPU for the forward), or "
+        "hidden.batch_tokens / hidden.sglang.chunked_prefill_size"
+    )
+    return fit
+
+
+def drafter_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None) -> JobFit:
+    from aerie.drafter.memory import estimate_training_memory
+    from aerie.plan import train_config
+
+    gpus = config["resources"]["drafter_gpus"]
+    train = train_config(config)
+    on_gpu = gpu_bytes is not None and gpus >= 1 and train.device != "cpu"
+    fit = JobFit("drafter", gpus, "each GPU (a replica per GPU)" if on_gpu else "the CPU")
+    if facts.text is None:
+        fit.unknown = "the target's config.json is not here (set target.config_json)"
+        return fit
+    ids = config["hidden"].get("aux_layer_ids") or [0, 0, 0]
+    memory = estimate_training_memory(
+        train,
+        facts.text,
+        draft_vocab_size(config, facts.text),
+        gpus if on_gpu else 0,
+        num_aux_layers=len(ids),
+        hidden_layout=config["hidden"].get("layout", "compact"),
+        target_topk=config["hidden"].get("target_topk", 32),
+    )
+    fit.parts = _runtime(dict(memory.parts), on_gpu)
+    fit.notes.append(
+        f"the largest batch: {memory.batch_tokens:,} tokens in windows of {memory.window:,} "
+        "(drafter.max_batch_tokens, else batch_size x max_seq_len)"
+    )
+    fit.setting = "set drafter.max_batch_tokens (a token budget per batch), or lower drafter.max_seq_len / batch_size"
+    return fit
+
+
+def bench_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None, prompt_tokens: int) -> JobFit:
+    gpus = config["resources"]["bench_gpus"]
+    bench, text = config["bench"], facts.text
+    backend = bench.get("backend", "inprocess")
+    on_gpu = gpu_bytes is not None and gpus >= 1 and config["target"].get("device") != "cpu"
+    fit = JobFit("bench", gpus, "GPU 0" if on_gpu else "the CPU")
+    if text is None:
+        fit.unknown = "the target's config.json is not here (set target.config_json)"
+        return fit
+    if backend == "sglang":
+        return _sglang_bench_fit(config, facts, gpu_bytes, fit, prompt_tokens)
+    a = _dtype_bytes(config, on_gpu)
+    weights = facts.loaded_weights(a)
+    if weights is None:
+        fit.unknown = "the target's weights are not here (set target.weights_gib)"
+        return fit
+    sequence = prompt_tokens + bench.get("max_new_tokens", 128)
+    kv = sequence * kv_bytes_per_token(text, a, latent=False)
+    on = 1
+    if on_gpu:
+        from aerie.target.placement import plan_placement
+
+        try:
+            placement = plan_placement(weights, [gpu_bytes] * max(gpus, 1))
+        except ValueError as e:
+            fit.refusal = str(e)
+            placement = None
+        if placement is not None and placement.kind == "spread":
+            on = len(placement.max_memory)
+            fit.where = f"GPU 0 of {on} (device_map: the target spread, the drafters beside its embeddings)"
+    fit.parts = {"target weights": math.ceil(weights / on), "target KV cache": math.ceil(kv / on)}
+    fit.parts["drafter + untrained reference"] = 2 * drafter_weight_bytes(config, text, a)
+    fit.parts["forward"] = sequence * forward_bytes_per_token(text, a)
+    fit.parts = _runtime(fit.parts, on_gpu)
+    fit.notes.append(f"one sequence of {prompt_tokens:,} prompt + bench.max_new_tokens tokens")
+    fit.setting = "set bench.backend: sglang (tensor parallel over sglang.tp), or give the job more GPUs"
+    return fit
+
+
+def _sglang_bench_fit(
+    config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None, fit: JobFit, prompt_tokens: int
+) -> JobFit:
+    s = config.get("sglang") or {}
+    tp, text = int(s.get("tp", 1)), facts.text
+    static = float(s.get("mem_fraction_static") or SGLANG_DEFAULT_STATIC)
+    fit.where = "each GPU (an SGLang TP rank)"
+    if tp > fit.gpus:
+        fit.refusal = f"sglang.tp {tp} needs {tp} GPUs but resources.bench_gpus is {fit.gpus}"
+    weights = facts.loaded_weights(2)
+    if weights is None:
+        fit.unknown = "the target's weights are not here (set target.weights_gib)"
+        return fit
+    sequence = prompt_tokens + config["bench"].get("max_new_tokens", 128)
+    needs = weights / tp + drafter_weight_bytes(config, text, 2) + sequence * kv_bytes_per_token(text, 2, latent=True)
+    if gpu_bytes is None:
+        fit.parts = {"weights / TP": int(weights / tp)}
+        fit.notes.append("SGLang's static share is a fraction of the GPU: known only with the GPU's memory")
+    else:
+        fit.parts = {f"SGLang static share ({static:.2f} x GPU)": int(static * gpu_bytes)}
+        if not fit.refusal and static * gpu_bytes < needs:
+            fit.refusal = (
+                f"sglang.mem_fraction_static {static:.2f} x {gpu_bytes / GIB:,.0f} GiB does not hold the weights / "
+                f"sglang.tp ({weights / tp / GIB:,.1f} GiB), the drafter and one request's KV: raise "
+                "sglang.mem_fraction_static or sglang.tp (and resources.bench_gpus)"
+            )
+    fit.parts["prefill chunk"] = SGLANG_PREFILL_CHUNK * forward_bytes_per_token(text, 2, tp=tp)
+    fit.parts["runtime"] = RUNTIME_BYTES
+    fit.notes.append(
+        f"inside the static share: weights / TP {weights / tp / GIB:,.1f} GiB + drafter + the KV pool"
+        + ("" if s.get("mem_fraction_static") else f" (sglang.mem_fraction_static not set: checked at {static})")
+    )
+    fit.setting = "lower sglang.mem_fraction_static (the rest of each GPU is the servers' working memory)"
+    return fit
+
+
+def responses_fit(
+    config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None, prompt_tokens: int
+) -> JobFit | None:
+    """In-process generation or a loopback transformers server: the target on one GPU (None: no such dataset)."""
+    from aerie.plan import responses_config
+
+    settings = [responses_config(config, n) for n in config["datasets"]]
+    local = [r for r in settings if r["backend"] == "hf" or r.get("serve")]
+    if not local:
+        return None
+    gpus = config["resources"]["responses_gpus"]
+    on_gpu = gpu_bytes is not None and gpus >= 1 and config["target"].get("device") != "cpu"
+    fit = JobFit("responses", gpus, "GPU 0 (the whole target)" if on_gpu else "the CPU")
+    text = facts.text
+    a = _dtype_bytes(config, on_gpu)
+    weights = facts.loaded_weights(a)
+    if text is None or weights is None:
+        fit.unknown = "the target's config.json or weights are not here (target.config_json, target.weights_gib)"
+        return fit
+    batch = max(r["batch_size"] if r["backend"] == "hf" else r.get("concurrency", 1) for r in local)
+    sequence = prompt_tokens + max(r["max_new_tokens"] for r in local)
+    fit.parts = {
+        "target weights": weights,
+        "KV cache": batch * sequence * kv_bytes_per_token(text, a, latent=False),
+        "logits": batch * int(text["vocab_size"]) * 4 * 2,
+        "forward": batch * prompt_tokens * forward_bytes_per_token(text, a),
+    }
+    fit.parts = _runtime(fit.parts, on_gpu)
+    fit.notes.append(f"{batch} sequences of {prompt_tokens:,} prompt + max_new_tokens tokens at once")
+    fit.setting = "lower responses.batch_size / max_new_tokens, or regenerate through an API backend"
+    return fit
+
+
+def longest_prompt(config: dict[str, Any], plans: dict[str, Any]) -> int:
+    """Estimated tokens of the longest of each dataset's first PROMPTS_SAMPLED planned and benchmark prompts (~4
+    characters a token, as the cost preview), at most tokens.max_seq_len."""
+    import itertools
+
+    from aerie.api.money import estimate_prompt_tokens
+    from aerie.prompts import iter_planned_prompts, prompts_at
+
+    longest = 1
+    for name, plan in plans.items():
+        prompts = list(itertools.islice(iter_planned_prompts(plan, config["datasets"]), PROMPTS_SAMPLED))
+        start, stop = plan.bench_range()
+        cache = Path(plan.cache_dir) if plan.cache_dir else None
+        bench = range(start, min(stop, start + PROMPTS_SAMPLED))
+        prompts += prompts_at(name, config["datasets"][name], bench, config["datasets"], cache)
+        longest = max([longest, *(estimate_prompt_tokens(p["messages"]) for p in prompts)])
+    return min(longest, config["tokens"].get("max_seq_len", 4096))
+
+
+def fit_plan(
+    config: dict[str, Any], plans: dict[str, Any] | None = None, nvidia_smi: str | None = "nvidia-smi"
+) -> FitPlan:
+    """Every GPU job of the run with its estimate. ``plans``: the shard plan (aerie.plan.plan_datasets), whose
+    prompts bound the sequences the benchmark and in-process generation hold; without it PROMPT_TOKENS."""
+    gpu_bytes, source = host_gpu_memory(config, nvidia_smi)
+    facts = target_facts(config)
+    prompt_tokens = longest_prompt(config, plans) if plans else PROMPT_TOKENS
+    jobs = [j for j in (responses_fit(config, facts, gpu_bytes, prompt_tokens),) if j is not None]
+    jobs += [hidden_fit(config, facts, gpu_bytes), drafter_fit(config, facts, gpu_bytes)]
+    jobs.append(bench_fit(config, facts, gpu_bytes, prompt_tokens))
+    for job in jobs:
+        if facts.weights_from and not job.unknown and job.rule != "drafter":
+            job.notes.append(f"target: weights from {facts.weights_from}, dims from {facts.config_from}")
+    return FitPlan(gpu_bytes, source, jobs)
