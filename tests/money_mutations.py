@@ -42,6 +42,12 @@ MUTATIONS = {
         '                if False:\n                    return "wait"',
         [f"{FAST}::test_a_quota_of_one_wave_keeps_admitting_as_short_answers_come_back"],
     ),
+    "a final budget stop decided on a reading taken with requests in flight": (
+        "aerie/api/client.py",
+        "                if any(not w.exact for w in spend.watchers.values()):",
+        "                if False:",
+        [f"{FAST}::test_a_final_budget_stop_is_decided_on_a_reading_without_requests_in_flight"],
+    ),
     "start-of-run reconciliation off": (
         "aerie/api/job.py",
         "        floor=money.billed_unjournaled,",

@@ -400,6 +400,24 @@ def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds
     assert len(read_journal(journal_path(out)).finished) >= 60 - 4 - 1  # what the budget left, minus a window
 
 
+def test_a_final_budget_stop_is_decided_on_a_reading_without_requests_in_flight(tmp_path: Path) -> None:
+    """A reading taken while requests are in flight can count some answers twice (billed, not journaled yet). At
+    2,000 in flight that stopped a run 3.5% short of its budget: the stop is final only once the account was read
+    with nothing of the job in flight."""
+    from aerie.api.client import AccountWatcher
+
+    per = exact_cost(100)
+    out = tmp_path / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        watcher = AccountWatcher(f"{base}/key", baseline_usage=0.0, baseline_journal=0.0)
+        watcher.billed = watcher.lost = 10 * per  # as read with 10 answers billed and still on their way
+        watcher.exact = False
+        guard = MoneyGuard(budget_usd=40 * per, expected_cost=per, account=watcher)
+        with pytest.raises(RegenerationStopped, match="budget: "):
+            run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
+    assert len(read_journal(journal_path(out)).finished) == 40
+
+
 def test_a_quota_of_one_wave_keeps_admitting_as_short_answers_come_back(tmp_path: Path) -> None:
     """Quota = concurrency x expected length (the Kimi config's 7M = 2,000 x 3,500): answers half as long as
     expected leave room, so admission waits for requests in flight instead of ending the dataset after its

@@ -150,6 +150,9 @@ class AccountWatcher:
         self._record = record
         self.billed = floor  # what the account shows beyond the journals, at the last reading
         self.lost = self.figure(floor)
+        # Whether the last reading was taken with nothing of this job in flight (then it holds none of its own
+        # answers billed and not journaled yet: what a final budget stop must be decided on).
+        self.exact = True
         self.polls = 0
         self.errors = 0
 
@@ -177,7 +180,8 @@ class AccountWatcher:
         )
         return parts.words()
 
-    async def poll(self, session: aiohttp.ClientSession, journal_spend: float) -> None:
+    async def poll(self, session: aiohttp.ClientSession, journal_spend: float, in_flight: int = 0) -> None:
+        """Read the account; ``in_flight``: this job's requests in flight while it is read."""
         try:
             async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=15), headers=self.headers) as resp:
                 body = await resp.json(content_type=None) if resp.status == 200 else None
@@ -188,6 +192,7 @@ class AccountWatcher:
             self.errors += 1  # the last known figure stands; the journals still count live
             return
         self.polls += 1
+        self.exact = in_flight == 0
         self.billed = max(self.floor, self.unexplained(float(usage), journal_spend))
         self.lost = self.figure(self.billed)
         if self._record is not None:
@@ -520,6 +525,14 @@ async def _run(
     # that is admitted wakes the next, so a wake-up costs what it admits plus one check, not one check per
     # waiting worker (2,000 of them near the end of a budget).
     waiters: deque[asyncio.Future] = deque()
+    refreshing: list[asyncio.Future | None] = [None]
+
+    async def refresh() -> None:
+        for name, watcher in spend.watchers.items():
+            await watcher.poll(accounts[name], spend.journals(name), in_flight[0])
+            watcher.exact = True  # read again, or unreadable: the figure stands either way
+        refreshing[0] = None
+        wake()
 
     def wake(n: int = 1) -> None:
         while n > 0 and waiters:
@@ -541,6 +554,12 @@ async def _run(
             per_cost = run.per_cost()
             if spent + reserved + per_cost > guard.budget_usd:
                 if in_flight[0] > 0:
+                    return "wait"
+                if any(not w.exact for w in spend.watchers.values()):
+                    # The account was last read with requests in flight: it may count some of their answers twice
+                    # (billed, not yet journaled). Read it again before a final stop.
+                    if refreshing[0] is None:
+                        refreshing[0] = asyncio.ensure_future(refresh())
                     return "wait"
                 halt(
                     run,
@@ -766,7 +785,7 @@ async def _run(
             while True:
                 await asyncio.sleep(interval)
                 for name, watcher in spend.watchers.items():
-                    await watcher.poll(accounts[name], spend.journals(name))
+                    await watcher.poll(accounts[name], spend.journals(name), in_flight[0])
                 wake()  # the figures may have moved either way
                 progress_lines()
 
@@ -780,6 +799,8 @@ async def _run(
                 await watcher.poll(accounts[name], spend.journals(name))
         finally:
             reporter.cancel()
+            if refreshing[0] is not None:
+                refreshing[0].cancel()
             for session_ in accounts.values():
                 await session_.close()
         progress_lines()
