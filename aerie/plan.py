@@ -317,7 +317,8 @@ def check_planned_shards(plan: DatasetPlan, config: dict[str, Any], results_dir:
             raise ConfigError(
                 f"{path} begins with prompt {written!r}, but this plan puts {planned['id']!r} first in shard {k}: "
                 "the shards were planned with other settings (shard_size, sample_seed, max_prompts, a quota "
-                "turned on or off). A written shard never changes: restore those settings, or move "
+                "turned on or off). A written shard never changes: restore those settings (shards written in the "
+                f"source's order, as before quotas sampled: datasets.{plan.name}.sample_seed: null), or move "
                 f"results/{plan.name}/ away to plan the dataset afresh",
                 ("datasets", plan.name),
             )
