@@ -217,8 +217,9 @@ def rerun_scenario(code: str, tree: Path, folder: Path, target: Path, concurrenc
     }
 
 
-def scale_scenario(folder: Path) -> dict:
-    """The user's size through the job's own path, in a process of its own (its CPU and peak memory)."""
+def scale_scenario(folder: Path, tree: Path = REPO) -> dict:
+    """The user's size through the job's own path (the code of ``tree``), in a process of its own (its CPU and
+    peak memory)."""
     datasets = [f"d{k}" for k in range(5)]
     emu_args = ["--latency-mean", "2", "--output-tokens-mean", "40"]
     emu = Emulator(folder, *emu_args)
@@ -269,8 +270,8 @@ def scale_scenario(folder: Path) -> dict:
     )
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=3600,
-            env={**os.environ, "PYTHONPATH": str(REPO), "OPENROUTER_API_KEY": KEY},
+            [sys.executable, "-c", code], cwd=tree, capture_output=True, text=True, timeout=3600,
+            env={**os.environ, "PYTHONPATH": str(tree), "OPENROUTER_API_KEY": KEY},
         )  # fmt: skip
         stats = emu.drained()
     finally:
@@ -416,7 +417,7 @@ def main() -> None:
                 if name.startswith("rerun"):
                     row = rerun_scenario(code, trees[code], folder, target, 400 if name == "rerun-400" else 200)
                 elif name == "scale":
-                    row = scale_scenario(folder)
+                    row = scale_scenario(folder, trees[code])
                 else:
                     datasets, cores, responses = cases[name]
                     row = limits_run(code, trees[code], folder, target, datasets, cores, **responses)
