@@ -265,7 +265,9 @@ def scale_scenario(folder: Path, tree: Path = REPO) -> dict:
         f"t = [ApiShardTask(d, Path(p), Path(o)) for d, p, o in json.load(open({str(folder / 'tasks.json')!r}))]; "
         "t0 = time.monotonic(); r = regenerate_api_shards(t, c, log=lambda m: None); wall = time.monotonic() - t0; "
         "u = resource.getrusage(resource.RUSAGE_SELF); "
-        "print(json.dumps({'wall_s': wall, 'cpu_s': u.ru_utime + u.ru_stime, 'peak_rss_mib': u.ru_maxrss / 1024, "
+        # VmHWM, not ru_maxrss: ru_maxrss keeps the parent's size from before exec (this script imports torch).
+        "hwm = int(next(x for x in open('/proc/self/status') if x.startswith('VmHWM')).split()[1]); "
+        "print(json.dumps({'wall_s': wall, 'cpu_s': u.ru_utime + u.ru_stime, 'peak_rss_mib': hwm / 1024, "
         "'unfinished': sum(isinstance(v, str) for v in r.values())}))"
     )
     try:
