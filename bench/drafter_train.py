@@ -10,11 +10,16 @@ batch_size 4) and again with ttt_steps=3, nothing held out. "tokens/s" is the tr
 sequence rows per second of optimizer steps (batch loading, target soft labels, TTT unroll, backward,
 AdamW), each row running ttt_steps draft steps. Prints one JSON line per setting; figures go to
 bench/RESULTS.md by hand, with the command that made them.
+
+``--reference``: the default setting again with the TTT unroll and loss aerie trained with before issue 22
+(tests/ttt_reference.py: full [T, T] attention, no checkpointing, whole-window logits), interleaved with the
+current path (new, old, new, old, ...) ``--repeats`` times in the same process, and the ratio of their tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
+sys.path.insert(0, str(REPO / "tests"))  # the reference (old) TTT path lives with the tests
 
 from aerie.drafter.config import TrainConfig  # noqa: E402
 from aerie.drafter.loop import train_drafter  # noqa: E402
@@ -89,18 +95,26 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=24, help="sequences in the shard (steps = seqs / batch_size)")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reference", action="store_true", help="also the pre-issue-22 TTT path, interleaved")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of the interleaved comparison")
     args = ap.parse_args()
+    settings = [("default", {}, False), ("ttt_steps=3", {"ttt_steps": 3}, False)]
+    if args.reference:
+        settings = [(name, {}, old) for _ in range(args.repeats) for name, old in (("new", False), ("old", True))]
+    speeds: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="aerie-drafter-bench-") as tmp:
         root = Path(tmp)
         shards, vocab, target = build_inputs(root, args.seqs, args.seq_len)
-        for name, overrides in [("default", {}), ("ttt_steps=3", {"ttt_steps": 3})]:
+        for i, (name, overrides, old) in enumerate(settings):
             cfg = TrainConfig(**{"epochs": 1, "eval_fraction": 0.0, "threads": args.threads, **overrides})
             t0 = time.perf_counter()
-            result = train_drafter(shards, vocab, target, root / f"drafter-{len(overrides)}", cfg, log=lambda _: None)
+            with reference_path() if old else contextlib.nullcontext():
+                result = train_drafter(shards, vocab, target, root / f"drafter-{i}", cfg, log=lambda _: None)
+            speeds.setdefault(name, []).append(result["tokens_per_s"])
             print(
                 json.dumps(
                     {
-                        "setting": name,
+                        "setting": name + (" (pre-issue-22 TTT path)" if old else ""),
                         "ttt_steps": cfg.ttt_steps,
                         "batch_size": cfg.batch_size,
                         "tokens_per_s": round(result["tokens_per_s"], 1),
@@ -116,6 +130,30 @@ def main() -> None:
                 ),
                 flush=True,
             )
+    if args.reference:
+        new_s, old_s = (sum(speeds[k]) / len(speeds[k]) for k in ("new", "old"))
+        print(json.dumps({"tokens_per_s new / old": round(new_s / old_s, 3), "load_avg_1m": os.getloadavg()[0]}))
+
+
+@contextlib.contextmanager
+def reference_path():
+    """Train with the TTT path of tests/ttt_reference.py (as aerie did before issue 22) while inside."""
+    from ttt_reference import naive_loss, naive_unroll
+
+    from aerie.drafter import evaluate, ttt
+
+    def old_forward(model, b, targets, steps, decay, checkpointing=True):
+        logits = naive_unroll(model, b.aux, b.ids, b.position_ids, steps)
+        q = targets.rows(0, b.ids.shape[1])  # [B, W, Vd] for the whole window, as before
+        loss, stats = naive_loss(logits, q, b, targets.ok, decay)
+        return loss, stats, [x.argmax(-1) for x in logits]
+
+    saved = ttt.ttt_forward, evaluate.ttt_forward
+    ttt.ttt_forward = evaluate.ttt_forward = old_forward
+    try:
+        yield
+    finally:
+        ttt.ttt_forward, evaluate.ttt_forward = saved
 
 
 if __name__ == "__main__":

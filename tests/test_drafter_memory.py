@@ -102,9 +102,9 @@ LLAMA_SHAPE = {"num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 
 
 
 @pytest.mark.parametrize(("kind", "bf16"), [("mla", False), ("mla", True), ("llama", False), ("llama", True)])
-def test_estimate_bounds_the_measured_peak_within_1_3x(kind: str, bf16: bool) -> None:
+def test_estimate_bounds_the_measured_peak_within_1_35x(kind: str, bf16: bool) -> None:
     """Two training steps (the second with AdamW's state in place), on the CPU, fp32 or under bf16 autocast (the
-    GPU trainer's dtypes): the estimate is at least the peak of live tensor bytes, and at most 1.3 times it."""
+    GPU trainer's dtypes): the estimate is at least the peak of live tensor bytes, and at most 1.35 times it."""
     torch.set_num_threads(1)
     T, vocab = 200, 1500  # 200: a multiple of neither chunk size
     shape = LLAMA_SHAPE if kind == "llama" else {}
@@ -117,4 +117,4 @@ def test_estimate_bounds_the_measured_peak_within_1_3x(kind: str, bf16: bool) ->
     measured = drafter_memory.measure(model, b, head, cfg, "new", bf16, steps=2, opt=opt)["peak_tensor_bytes"]
     est = estimate_training_memory(cfg, MEASURED, vocab, 1 if bf16 else 0, hidden_layout="compact")
     estimated = est.total - est.parts["batch"]  # the batch was made before the measurement started
-    assert measured <= estimated <= 1.3 * measured, (measured, est.describe())
+    assert measured <= estimated <= 1.35 * measured, (measured, est.describe())

@@ -10,7 +10,7 @@ Parts (bytes per GPU):
 - trainable parameters, their gradients (fp32 master copies) and AdamW's two moments (fp32);
 - the frozen target embeddings the drafter holds (fp32 [V, H]) and, for ``full`` hidden shards, the target's
   lm_head (fp32 [V, H] for the greedy token plus its draft-vocab rows [Vd, H] for the soft targets);
-- bf16 copies of the weights that autocast keeps while a forward runs (GPU only);
+- bf16 copies of the weights that autocast keeps while a step runs (GPU only);
 - the batch tensors of the largest batch the settings allow (``max_batch_tokens``, else ``batch_size`` windows
   of ``max_seq_len`` rows);
 - activations of that batch at the peak of backward (``activation_bytes``): what the TTT unroll keeps per token
@@ -148,23 +148,26 @@ def loss_chunk_bytes(rows: int, vocab: int, hidden: int, a: int) -> int:
 
 def activation_bytes(d: DrafterConfig, K: int, a: int, batch: int, window: int) -> int:
     """Peak activation bytes of one batch of ``batch`` windows of ``window`` rows in the checkpointed unroll
-    (ttt.ttt_forward). Forward keeps, per step, the hidden state it hands on and its cached key/value
-    (activation checkpointing drops the rest). The peak is in backward, while step K-2 is re-run: every step's
-    key/value is still held, the gradients step K-1 sent back to keys/values 0..K-2 wait to be summed, and the
-    re-run step holds its saved activations; then either at the start of that step's backward (everything it
-    saved, the loss chunk) or in its attention (the query, key/value and diagonal gradients, fp32 sums of the
-    step-0 key/value gradient, one chunk of scores)."""
+    (ttt.ttt_forward). Forward keeps, per step, the hidden state it hands on, its cached key/value and the input
+    of the vocabulary loss in the logits' dtype (activation checkpointing drops the rest). The peak is in
+    backward, around step K-2: every step's key/value is still held and the gradients step K-1 sent back to
+    keys/values 0..K-2 wait to be summed; then the largest of three moments: the loss's backward (one chunk of
+    logits, the fp32 gradient of its input), the start of the re-run step's backward (everything it saved), or
+    its attention (the query, key/value and diagonal gradients, fp32 sums of the step-0 key/value gradient, one
+    chunk of scores)."""
     H = d.hidden_size
     h, kvh, dq, dv = _attention_dims(d)
     kv = kvh * (dq + dv)
     N = batch * window
-    persistent = (K + 1) * a * H + K * a * kv + K * (8 + 8 + FP32)  # hidden chain, cache; positions, drafts, weights
+    # per step: the hidden state handed on, the cached key/value, the loss's input; positions, draft ids, row weights
+    persistent = a * H + K * (a * H + a * kv + a * H) + K * (8 + 8 + FP32)
     pending = max(K - 1, 0) * a * kv
     before, after = step_saved_bytes_per_token(d, a)
-    at_loss = N * after + loss_chunk_bytes(batch * max(1, LOSS_CHUNK_ROWS // batch), d.draft_vocab_size, H, a)
+    grad_in = FP32 * H + a * H  # gradients arriving at the step: its loss input's (fp32) and its hidden's
+    loss = loss_chunk_bytes(batch * max(1, LOSS_CHUNK_ROWS // batch), d.draft_vocab_size, H, a)
     attention_grads = a * h * dq + a * h * dv + max(K - 2, 0) * a * kv + FP32 * kv  # dq, d(out), diagonal, step 0
     at_attention = N * attention_grads + attention_block_bytes(batch, h, window + K, a)
-    return N * (persistent + pending + before) + max(at_loss, at_attention)
+    return N * (persistent + pending + before + grad_in) + max(loss, N * after, at_attention)
 
 
 def estimate_training_memory(
@@ -207,7 +210,8 @@ def estimate_training_memory(
     if hidden_layout == "full":
         parts["target lm_head"] = FP32 * (V + Vd) * H
     if on_gpu:
-        parts["bf16 weight copies"] = 2 * P
+        # autocast's bf16 copies of the weights a (re-run) step uses; fc's only exist while step 0 runs
+        parts["bf16 weight copies"] = 2 * (P - A * H * H)
     per_row = 8 + 1 + 1 + (8 * target_topk + FP32 * target_topk if hidden_layout == "compact" else FP32 * H)
     parts["batch"] = N * (FP32 * A * H + 8 + 1) + W * per_row
     # Backward sums each weight's gradients over the steps (one more copy of the largest at a time); the AdamW

@@ -8,11 +8,12 @@ against the target's next-token distribution restricted to the draft vocab (``Ta
 states through lm_head for ``full`` hidden shards, from the stored top-k for ``compact`` ones), weighted
 ``step_loss_decay**k`` and normalised by the supervised rows.
 
-Memory (training): each step runs under activation checkpointing (``torch.utils.checkpoint``, non-reentrant):
-between forward and backward a step keeps only its inputs and outputs - the hidden state it hands on and the
-key/value it adds to the cache - and backward re-runs it. The vocabulary loss (``SoftCrossEntropy``) takes
-``LOSS_CHUNK_ROWS`` rows of logits at a time and keeps none (backward recomputes them), and the soft targets
-are built per chunk too (``Targets.rows``): no [B, T, Vd] tensor exists. The attention is TTTAttention
+Memory (training): each step up to lm_head runs under activation checkpointing (``torch.utils.checkpoint``,
+non-reentrant): between forward and backward a step keeps only its inputs and outputs - the hidden state it
+hands on and the key/value it adds to the cache - and backward re-runs it. The vocabulary loss
+(``SoftCrossEntropy``, outside the checkpoint so that re-running a step does not redo it) keeps its input in the
+logits' dtype, takes ``LOSS_CHUNK_ROWS`` rows of logits at a time and keeps none (backward recomputes them), and
+the soft targets are built per chunk too (``Targets.rows``): no [B, T, Vd] tensor exists. The attention is TTTAttention
 (layers.py). So memory grows linearly in the window (aerie.drafter.memory counts it; bench/drafter_memory.py
 measures it), and the numbers are those of the plain composition (tests/ttt_reference.py; tests check
 outputs and gradients against it).
@@ -163,7 +164,8 @@ class SoftCrossEntropy(torch.autograd.Function):
     x [B,T,H] (the normed hidden state), weight [Vd,H] (lm_head), q_rows(r0, r1) -> [B, r1-r0, Vd] soft targets of
     rows r0..r1-1, w [B,T] row weights. Logits are made in ``dtype`` (bf16 under autocast, as lm_head would) and
     normalised in fp32; backward recomputes each chunk's logits (d logits = (softmax * sum(q) - q) * w) instead of
-    keeping [B,T,Vd] of them, and accumulates lm_head's gradient in fp32.
+    keeping [B,T,Vd] of them, and accumulates lm_head's gradient in fp32. It keeps x in ``dtype``: what the
+    logits are made from (a bf16 copy under autocast, x itself in fp32).
     """
 
     @staticmethod
@@ -172,47 +174,48 @@ class SoftCrossEntropy(torch.autograd.Function):
         ce_sum = torch.zeros((), device=x.device)
         correct = torch.zeros((), device=x.device)
         draft = torch.empty(B, T, dtype=torch.long, device=x.device)
+        xd = x.to(dtype)
         with _fp32(x.device):
             wc = weight.to(dtype)
             for r0 in range(0, T, chunk_rows):
                 r1 = min(T, r0 + chunk_rows)
-                logits = F.linear(x[:, r0:r1].to(dtype), wc)  # [B, c, Vd]
+                logits = F.linear(xd[:, r0:r1], wc)  # [B, c, Vd]
                 q = q_rows(r0, r1)
                 ce = -(q * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [B, c]
                 ce_sum += (ce * w[:, r0:r1]).sum()
                 draft[:, r0:r1] = logits.argmax(-1)
                 correct += ((draft[:, r0:r1] == q.argmax(-1)).float() * w[:, r0:r1]).sum()
-        ctx.save_for_backward(x, weight, w)
-        ctx.q_rows, ctx.dtype, ctx.chunk_rows = q_rows, dtype, chunk_rows
+        ctx.save_for_backward(xd, weight, w)
+        ctx.q_rows, ctx.dtype, ctx.chunk_rows, ctx.x_dtype = q_rows, dtype, chunk_rows, x.dtype
         ctx.mark_non_differentiable(correct, draft)
         return ce_sum, correct, draft
 
     @staticmethod
     def backward(ctx, grad_ce: Tensor, _grad_correct, _grad_draft):
-        x, weight, w = ctx.saved_tensors
-        dtype, T = ctx.dtype, x.shape[1]
-        dx = torch.empty_like(x)
+        xd, weight, w = ctx.saved_tensors
+        dtype, T = ctx.dtype, xd.shape[1]
+        dx = torch.empty(xd.shape, dtype=ctx.x_dtype, device=xd.device)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        with _fp32(x.device):
+        with _fp32(xd.device):
             wc = weight.to(dtype)
             for r0 in range(0, T, ctx.chunk_rows):
                 r1 = min(T, r0 + ctx.chunk_rows)
-                xc = x[:, r0:r1].to(dtype)
+                xc = xd[:, r0:r1]
                 p = torch.softmax(F.linear(xc, wc).float(), dim=-1)
                 q = ctx.q_rows(r0, r1)
                 dlogits = ((p * q.sum(-1, keepdim=True) - q) * (w[:, r0:r1] * grad_ce)[..., None]).to(dtype)
-                dx[:, r0:r1] = (dlogits @ wc).to(x.dtype)
+                dx[:, r0:r1] = dlogits @ wc
                 dw += (dlogits.flatten(0, 1).T @ xc.flatten(0, 1)).float()
         return dx, dw.to(weight.dtype), None, None, None, None
 
 
-def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values, q_rows, w, dtype, chunk_rows):
-    """One TTT step with its loss: (ce_sum, correct, draft ids, next hidden, this step's key, value). A pure
-    function of its arguments (a fresh cache over the earlier steps' keys), so checkpointing can re-run it."""
+def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values):
+    """One TTT step up to lm_head: (normed, next hidden, this step's key, value). A pure function of its arguments
+    (a fresh cache over the earlier steps' keys), so checkpointing can re-run it. The loss stays outside: its
+    forward would be re-run for nothing (SoftCrossEntropy keeps only its input and recomputes logits anyway)."""
     cache = TTTCache(keys, values)
     normed, hidden = model.step(hidden, tokens, positions, cache)
-    ce_sum, correct, draft = SoftCrossEntropy.apply(normed, model.lm_head.weight, q_rows, w, dtype, chunk_rows)
-    return ce_sum, correct, draft, hidden, cache.keys[-1], cache.values[-1]
+    return normed, hidden, cache.keys[-1], cache.values[-1]
 
 
 def ttt_forward(
@@ -243,10 +246,10 @@ def ttt_forward(
             return targets.rows(r0 + 1 + k, r1 + 1 + k)
 
         tokens = b.ids[:, 1 + k : 1 + k + T]  # token t+1+k at row t, at position t+k
-        ce_sum, correct, draft, hidden, key, value = run(
-            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values), q_rows, w, dtype,
-            chunk_rows,
-        )  # fmt: skip
+        normed, hidden, key, value = run(
+            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values)
+        )
+        ce_sum, correct, draft = SoftCrossEntropy.apply(normed, model.lm_head.weight, q_rows, w, dtype, chunk_rows)
         keys.append(key)
         values.append(value)
         w_sum = w.sum()
