@@ -86,6 +86,13 @@ def test_kill_9_of_snakemake_mid_job_keeps_both_attempts_logs(workdir: Path) -> 
     emu = EmulatorSettings(api_key="sk-test", latency_mean=0.1, output_tokens_mean=40)
     with serve_in_thread(emu) as base:
         config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+        # The responses job reads only the target's tokenizer (checked before any request): a tiny target built in
+        # seconds, not the demo's trained one (minutes).
+        from tiny_world import save_tiny_llama_target
+
+        target = save_tiny_llama_target(workdir.parent / "target")
+        config["target"] = {"path": str(target), "device": "cpu", "dtype": "float32"}
+        config["hidden"]["aux_layer_ids"] = [1, 2, 4]  # of its 6 layers
         config["datasets"] = {
             "chat": {
                 "source": {"kind": "jsonl", "path": str(src), "id_field": "id"},
