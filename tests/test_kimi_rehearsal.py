@@ -361,3 +361,13 @@ def test_kimi_paths_ran_hidden_drafter_and_benchmark(rehearsal) -> None:
     # The drafter learned something: it beats the untrained one (acceptance 1.00); prompt lookup is not gated here.
     assert bench["acceptance_length"] > 1.0 and "beats_references" in bench
     assert (results / "report" / "spend.png").exists() and (workdir / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_fit_plan_agrees_with_the_jobs_measured_peaks(rehearsal) -> None:
+    """aerie.fit's estimate of each job, for the CPU, plus the Python/torch baseline, against its peak RSS
+    (tests/fit_check.py says what the comparison means)."""
+    from fit_check import assert_estimates_agree
+
+    workdir = rehearsal["workdir"]
+    assert_estimates_agree(workdir, workdir / "kimi-rehearsal.yaml", {"hidden", "drafter", "bench"})

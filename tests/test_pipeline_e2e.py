@@ -143,6 +143,15 @@ def test_gate_fails_the_benchmark_job_and_keeps_the_evidence(demo_run) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_the_fit_plan_agrees_with_the_jobs_measured_peaks(demo_run) -> None:
+    """aerie.fit's estimate of each job, for the CPU, plus the Python/torch baseline, against its peak RSS
+    (tests/fit_check.py says what the comparison means)."""
+    from fit_check import assert_estimates_agree
+
+    workdir, configfile = demo_run
+    assert_estimates_agree(workdir, configfile, {"responses", "hidden", "drafter", "bench"})
+
+
 def test_second_run_has_nothing_to_do_and_code_edits_rerun_nothing(demo_run) -> None:
     workdir, configfile = demo_run
     counts, out = dry_run_counts(workdir, configfile)
