@@ -167,14 +167,18 @@ def peer_provenance(results: dict[str, dict[int, dict]]) -> str:
     commits = sorted({r["code"]["commit"][:10] + (" (dirty)" if r["code"]["dirty"] else "") for r in every})
     loads = [x for r in every for x in (r["load_before"]["loadavg"][0], r["load_after"]["loadavg"][0])]
     versions = sorted({r["specforge_version"] for r in every if r.get("specforge_version")})
-    norm = sorted({r["norm_before_lm_head"] for r in every if "norm_before_lm_head" in r})
+    ladder_norm = sorted(
+        {r["norm_before_lm_head"] for r in every if "norm_before_lm_head" in r and not r.get("compare_to")}
+    )
+    diag_norm = sorted({r["norm_before_lm_head"] for r in every if "norm_before_lm_head" in r and r.get("compare_to")})
     lossless = [r["figures"]["bench_lossless"] for r in every if "bench_lossless" in r["figures"]]
     started = sorted(r["started_at"] for r in every)
     parts = [
         f"Data: {data['sequences']} sequences, {data['tokens']:,} tokens ({data['supervised_tokens']:,} supervised) in "
         f"{len(data['hidden'])} hidden shards (sha256 {', '.join(f['sha256'][:12] for f in data['hidden'])}).",
         "Run settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()) + ".",
-        f"SpecForge {', '.join(versions)}, final norm before lm_head in every SpecForge arm: {norm == [True]}."
+        f"SpecForge {', '.join(versions)}; final norm before lm_head in every ladder arm: {ladder_norm == [True]}"
+        + (f", in the diagnostic arms: {diag_norm == [True]}." if diag_norm else ".")
         if versions
         else "",
         f"Code: {', '.join(commits)}. {len(every)} arm x seed results, {started[0]} to {started[-1]}, load average "
