@@ -20,11 +20,13 @@ from aerie.drafter.config import TrainConfig
 from aerie.prompts import DatasetPlan, plan_dataset, prompt_cache_dir
 from aerie.rehearsal_target.config import ARCHITECTURES as REHEARSAL_ARCHITECTURES
 from aerie.rehearsal_target.config import RehearsalTargetConfig
+from aerie.target.config import architectures as target_config_architectures
 from aerie.target.config import (
     check_servable_aux_layer_ids,
     default_aux_layer_ids,
     read_text_config,
     target_architectures,
+    text_config,
 )
 
 
@@ -84,6 +86,13 @@ def check_config(config: dict[str, Any]) -> None:
         architectures = REHEARSAL_ARCHITECTURES
     elif (Path(target["path"]) / "config.json").exists():
         architectures = target_architectures(target["path"])
+    elif target.get("config_json"):  # the real target's config before its folder is here (kimi-k2.5.yaml)
+        try:
+            described = json.loads(Path(target["config_json"]).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read it: {e}", ("target", "config_json")) from None
+        architectures = target_config_architectures(described)
+        layers = layers or text_config(described).get("num_hidden_layers")
     if ids or layers:
         try:
             check_servable_aux_layer_ids(

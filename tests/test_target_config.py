@@ -187,3 +187,29 @@ def test_the_drafter_job_refuses_kimi_ids_from_zero_before_training(tmp_path) ->
             log_path=tmp_path / "drafter.log",
         )
     assert not (tmp_path / "drafter").exists()
+
+
+def test_parse_time_refuses_the_kimi_config_with_ids_from_zero_before_its_folder_is_here(monkeypatch) -> None:
+    """config/kimi-k2.5.yaml as shipped, target folder absent: its target.config_json names the architectures, so
+    ids from 0 are refused by the dry run (they were accepted when only num_hidden_layers was known)."""
+    from aerie.config_file import ConfigError
+    from aerie.plan import check_config
+
+    monkeypatch.chdir(REPO)
+    config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    assert not (REPO / config["target"]["path"] / "config.json").exists()
+    config["hidden"]["aux_layer_ids"] = [0, 29, 57]
+    with pytest.raises(ConfigError, match=r"^hidden\.aux_layer_ids: aux layer ids \[0, 29, 57\] do not start with 1"):
+        check_config(config)
+    config["hidden"]["aux_layer_ids"] = [1, 29, 57]
+    check_config(config)
+
+
+def test_training_by_hand_refuses_kimi_ids_from_zero(tmp_path, capsys) -> None:
+    from aerie.drafter.cli import main
+
+    target = kimi_like_folder(tmp_path / "kimi")
+    args = ["--hidden", str(tmp_path / "h.safetensors"), "--vocab", str(tmp_path / "v.safetensors")]
+    with pytest.raises(SystemExit, match=r"--aux-layer-ids: aux layer ids \[0, 3, 4\] do not start with 1"):
+        main([*args, "--target", str(target), "--out", str(tmp_path / "drafter"), "--aux-layer-ids", "[0, 3, 4]"])
+    assert not (tmp_path / "drafter").exists()
