@@ -97,6 +97,7 @@ POINTS = {
     "long": [(kind, "new", dtype, execution, 32768) for kind in KINDS for dtype, execution in FLOWS],
 }
 POINTS["all"] = POINTS["cpu"] + POINTS["meta"] + POINTS["fake"]
+POINTS["new"] = [p for p in POINTS["all"] + POINTS["long"] if p[1] == "new"]  # after a change of the new path
 KEY = ("kind", "impl", "dtype", "execution", "T")
 
 
@@ -323,6 +324,7 @@ def main() -> None:
 
 
 H200_BYTES = 141 * 10**9  # HBM3e of one H200 (141 GB = 131.3 GiB)
+LINEAR_FROM = 4096  # the fits' linear regime: from here on the attention backward is the peak (both kinds)
 GB = 10**9
 
 
@@ -361,7 +363,8 @@ def table() -> str:
     data = json.loads(RESULTS.read_text())
     points = data["points"]
     out = [
-        "## Drafter training memory at Kimi K2.5's size (issue 22 item 1): linear in the window, 64 GiB per H200",
+        "## Drafter training memory at Kimi K2.5's size (issue 22 item 1): linear in the window, the shipped Kimi "
+        "settings at about half an H200",
         "",
         "`nice -n 10 .venv/bin/python bench/drafter_memory.py run --points all` (then `--points long`), table by",
         "`.venv/bin/python bench/drafter_memory.py table`; raw rows: `bench/results/drafter_memory.json`. One",
@@ -372,6 +375,15 @@ def table() -> str:
         "tracked per storage through torch's dispatcher; `cpu` rows computed in fp32 (peak RSS growth beside them),",
         "`meta` rows ran the same code on meta tensors (fp32 flow, no data), `fake` rows on fake CPU tensors under",
         "bf16 autocast (the GPU trainer's dtypes). The script's docstring has the details.",
+        "",
+        "What changed (aerie/drafter/layers.py, ttt.py): the TTT attention runs in chunks of 64 query rows with the",
+        "exact softmax over each row's keys and recomputes them in backward (`TTTAttention`: no [T, T] tensor is",
+        "kept); each TTT step is checkpointed; the vocabulary loss takes 256 rows of logits at a time and builds its",
+        "soft targets per chunk. Why not flex attention: torch 2.13's has no CPU backward (\"FlexAttention does not",
+        'support backward on CPU") and its eager path materialises the full score matrix, so CI could not train with',
+        "it; this kernel runs the same on CPU and CUDA with plain matmuls. Not measured on a GPU (none was lent): its",
+        "softmax passes read and write fp32 score blocks (h x T^2 / 2 elements per step), which a fused kernel would",
+        "not; at the Kimi data's ~3.5k-token answers that is a small share of a step.",
         "",
         "| kind | path | dtypes | run on | T | window GB | estimate GB (memory.py) | estimate / measured "
         "| peak RSS growth GB |",
@@ -388,13 +400,16 @@ def table() -> str:
         )
     out += [
         "",
-        "Fits of window bytes against T per series (least squares; `worst` = largest relative residual). The new",
-        "path's quadratic coefficient is nil: its memory is linear in the window; the old one's is what issue 22",
-        "measured (~2.7 KB per T^2 in fp32).",
+        "Growth per series: the window bytes added per token between consecutive points (`slopes`, KB/token), and",
+        "least-squares fits (`worst` = largest relative residual): a + b T + c T^2 over all points, and a + b T over",
+        f"the points from T = {LINEAR_FROM:,} on. The new path has no T^2 term: its peak is the largest of a few",
+        "moments of backward, each linear in T (the loss chunk's, constant, for short windows; the attention's",
+        "backward from a few thousand rows on), so its slope settles, and the fit from there has no residual to",
+        "speak of. The old path's c is the ~2.7 KB per T^2 (fp32) issue 22 measured.",
         "",
-        "| kind | path | dtypes | points (T) | a + b T + c T^2: a GB, b KB/token, c bytes/token^2 "
-        "| linear a + b T: b KB/token, worst |",
-        "|---|---|---|---|---|---|",
+        "| kind | path | dtypes | points (T) | slopes KB/token | all points: a GB, b KB/token, c bytes/token^2 "
+        f"| from T = {LINEAR_FROM:,}: a GB, b KB/token, worst |",
+        "|---|---|---|---|---|---|---|",
     ]
     series: dict[tuple, list[dict]] = {}
     for p in points:
@@ -403,11 +418,18 @@ def table() -> str:
     for key, pts in sorted(series.items()):
         if len(pts) < 3:
             continue
-        q, lin = fit(pts, True), fit(pts, False)
-        fits[key] = lin
+        pts = sorted(pts, key=lambda p: p["T"])
+        slopes = [(b["window_bytes"] - a["window_bytes"]) / (b["T"] - a["T"]) / 1e3 for a, b in zip(pts, pts[1:])]
+        q = fit(pts, True)
+        tail = [p for p in pts if p["T"] >= LINEAR_FROM]
+        lin = fit(tail, False) if len(tail) >= 2 else None
+        if lin:
+            fits[key] = lin
+        tail_cell = f"{lin['a'] / GB:.2f}, {lin['b'] / 1e3:.1f}, {lin['worst']:.1%}" if lin else ""
         out.append(
-            f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(str(p['T']) for p in pts)} | {q['a'] / GB:.2f}, "
-            f"{q['b'] / 1e3:.1f}, {q['c']:.1f} | {lin['b'] / 1e3:.1f}, {lin['worst']:.1%} |"
+            f"| {key[0]} | {key[1]} | {key[2]} | {', '.join(str(p['T']) for p in pts)} | "
+            f"{', '.join(f'{s:.0f}' for s in slopes)} | {q['a'] / GB:.2f}, {q['b'] / 1e3:.1f}, {q['c']:.1f} | "
+            f"{tail_cell} |"
         )
     shipped = shipped_drafter_config()
     out += [

@@ -12,7 +12,9 @@ the block's data lives:
   (bench/paired_stats.py);
 - ``api_client``: every bench/results/api_client/RUN.json (bench/api_client.py --run RUN), the newest first: per
   transport, in-flight count and client the median over interleaved repeats, ratios taken within each repeat,
-  and the client goals restated on each run.
+  and the client goals restated on each run;
+- ``drafter_memory``, ``drafter_kinds``, ``dry_run``: bench/results/drafter_memory.json, drafter_kinds/*.json and
+  dry_run.json, rendered by those benches' own table functions.
 A block in RESULTS.md whose data is gone is an error; data with no block is listed (place its marker by hand
 where the prose about it is). Torch-free, so the test that checks the committed tables is fast.
 """
@@ -35,6 +37,7 @@ from paired_stats import paired_test
 
 RESULTS_MD = BENCH / "RESULTS.md"
 PEER_DIR = BENCH / "results" / "peer_training"
+RESULTS_DIR = BENCH / "results"
 CLIENT_DIR = BENCH / "results" / "api_client"
 BLOCK = re.compile(
     r"(<!-- begin generated: (?P<name>\S+) \(bench/tables\.py\) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)",
@@ -389,7 +392,22 @@ def generators() -> dict[str, Callable[[], str]]:
         gens[f"peer_training/{run_dir.name}"] = lambda d=run_dir: peer_training_table(d)
     if any(CLIENT_DIR.glob("*.json")):
         gens["api_client"] = lambda: api_client_tables(CLIENT_DIR)
+    # The other benches' own table functions (each torch-free), over their committed results.
+    if (RESULTS_DIR / "drafter_memory.json").exists():
+        gens["drafter_memory"] = lambda: _bench_module("drafter_memory").table()
+    if any((RESULTS_DIR / "drafter_kinds").glob("*-seed*.json")):
+        gens["drafter_kinds"] = lambda: _bench_module("drafter_kinds").kinds_table(RESULTS_DIR / "drafter_kinds")
+    if (RESULTS_DIR / "dry_run.json").exists():
+        gens["dry_run"] = lambda: _bench_module("dry_run").markdown(
+            json.loads((RESULTS_DIR / "dry_run.json").read_text())
+        )
     return gens
+
+
+def _bench_module(name: str):
+    import importlib
+
+    return importlib.import_module(name)
 
 
 def regenerate(text: str, gens: dict[str, Callable[[], str]]) -> tuple[str, list[str]]:
