@@ -9,13 +9,14 @@ Two cases:
   MT-bench 80; ~0.4 GB of generated text, seeded; reused when already there), and config/kimi-k2.5.yaml with
   each named source replaced by its local file (same shape, field and id settings) in WORKDIR, then times
   ``snakemake -n`` of that config: the first parse (fresh HF_HOME: ``datasets`` converts the files; aerie
-  fills its prompt cache), the parses after it, and a job's re-parse (``--list-rules``: the Snakefile is read
-  and planned, no DAG and no preview, what every SLURM job pays before it runs), and counts the jobs planned.
+  fills its prompt cache), the parses after it, and a job's own run (``--mode remote --target-jobs``, as every
+  SLURM job re-reads the workflow before it runs: here the one-second bench_prompts job), and counts the jobs.
   ``--compare-snakefile OLD/Snakefile`` times another checkout (``git archive``) of the workflow interleaved.
 
 Every command runs in its own process, interleaved with the others, so load from other work hits all alike;
 medians of wall and CPU seconds (user + sys of the child: less sensitive to a busy machine than wall) are
-printed, and ``--json FILE`` keeps every sample with ``uptime``'s load before and after.
+printed, and ``--json FILE`` keeps every sample with ``uptime``'s load; ``--table FILE`` prints the RESULTS.md
+table of a saved run again (bench/results/dry_run.json).
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def real_size(args: argparse.Namespace) -> dict[str, Any]:
     envs = {name: base_env | {"HF_HOME": str(hf_root / name)} for name in snakefiles}
     snakemake = [sys.executable, "-m", "snakemake"]
 
-    def dry(name: str, *extra: str) -> list[str]:
+    def dry(name: str, *extra: str, conda: bool = True) -> list[str]:
         wd = workdir / name
         wd.mkdir(exist_ok=True)
         return [
@@ -239,7 +240,7 @@ def real_size(args: argparse.Namespace) -> dict[str, Any]:
             str(wd),
             "--configfile",
             str(configs[name]),
-            *CONDA_DEPLOYMENT,
+            *(CONDA_DEPLOYMENT if conda else ()),
             *extra,
         ]
 
@@ -259,7 +260,11 @@ def real_size(args: argparse.Namespace) -> dict[str, Any]:
                 first[name] = {"wall": wall, "cpu": cpu, "load": load()}
                 counts[name] = job_counts(out)
                 commands[f"{name} snakemake -n"] = (dry(name, "-n", "--quiet"), envs[name])
-                commands[f"{name} job re-parse (--list-rules)"] = (dry(name, "--list-rules"), envs[name])
+                # What a SLURM job runs: Snakemake in remote mode, reading the workflow for one job, here the cheapest
+                # (bench_prompts of MT-bench, 80 prompts; conda off: that rule's env would need a real conda).
+                job = ("--mode", "remote", "--target-jobs", "bench_prompts:dataset=mtbench")
+                job += ("--allowed-rules", "bench_prompts", "--cores", "1")
+                commands[f"{name} job re-parse (--mode remote, one job)"] = (dry(name, *job, conda=False), envs[name])
             timed(bare, base_env)
             for _ in range(args.repeats):
                 for label, (cmd, env) in commands.items():
@@ -311,9 +316,43 @@ def summary(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The RESULTS.md table of one saved run (``--table FILE`` prints it again from the committed JSON)."""
+    bare = result["samples"]["empty workflow"]
+    bare_wall, bare_cpu = (statistics.median(s[k] for s in bare) for k in ("wall", "cpu"))
+    lines = [
+        "| command | median wall | min wall | median CPU (user+sys) | wall / empty workflow | CPU / empty workflow |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, runs in result["samples"].items():
+        wall, cpu = (statistics.median(s[k] for s in runs) for k in ("wall", "cpu"))
+        lines.append(
+            f"| {label} | {wall:.2f} s | {min(s['wall'] for s in runs):.2f} s | {cpu:.2f} s | "
+            f"{wall / bare_wall:.2f}x | {cpu / bare_cpu:.2f}x |"
+        )
+    for name, f in result.get("first_parse", {}).items():
+        lines.append(
+            f"| {name} snakemake -n, first parse (fresh caches) | {f['wall']:.2f} s | | {f['cpu']:.2f} s | | |"
+        )
+    lines.append("")
+    for name, c in result.get("jobs", {}).items():
+        rules = ", ".join(f"{k} {v}" for k, v in c.items() if k != "total")
+        lines.append(f"- {name}: {c.get('total')} jobs planned ({rules})")
+    sizes = result.get("prompt_files_bytes")
+    if sizes:
+        files = ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in sizes.items())
+        lines.append(f"- prompt files: {sum(sizes.values()) / 1e6:,.0f} MB ({files})")
+    loads = [s["load"].split("load average: ")[-1] for runs in result["samples"].values() for s in runs]
+    lines.append(
+        f"- {result['repeats']} interleaved repeats, {result['date']}, {result['cores']} cores; load averages "
+        f"during the run: {loads[0]} ... {loads[-1]} (before: {result['load_before'].split('load average: ')[-1]})"
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("workdir", type=Path, help="a finished demo (default case) or where the real-size runs work")
+    ap.add_argument("workdir", type=Path, nargs="?", help="a finished demo, or where the real-size runs work")
     ap.add_argument("--configfile", type=Path, help="the config the demo ran with (default: the workflow's)")
     ap.add_argument("--real-size", type=Path, metavar="DATA", help="stand-in prompt files at the real sizes here")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink the stand-ins' row counts (a quick try)")
@@ -321,7 +360,11 @@ def main() -> None:
     ap.add_argument("--compare-label", default="before", help="its name in the output")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, help="write every sample here")
+    ap.add_argument("--table", type=Path, help="print the RESULTS.md table of a saved --json run and exit")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(json.loads(args.table.read_text())))
+        return
     started = load()
     result = real_size(args) if args.real_size else demo(args)
     result |= {
