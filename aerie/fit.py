@@ -8,7 +8,8 @@ says what to set. The jobs and what each counts, per GPU (the job's fullest GPU)
 
 - ``hidden`` (capture). ``hf``: the whole target on the job's first GPU (aerie.hidden.backends loads it there) +
   one forward of ``hidden.batch_tokens`` tokens (the hooks' aux and final states, one layer's working tensors;
-  on the CPU also attention's score matrix) + the top-k head's fp32 workspace. ``sglang``: SGLang's static share
+  on the CPU also attention's score matrix) + the top-k head's fp32 workspace (per sequence, in row blocks:
+  :func:`topk_workspace_bytes`). ``sglang``: SGLang's static share
   ``mem_fraction_static`` x the GPU (weights / TP + its KV pool; on GPU 0 also aerie's lm_head copy, placed before
   SGLang sizes its pool, so the pool shrinks by it: aerie.sglang_capture.mapping.lm_head_copy) + one forward
   outside it: SGLang's ``chunked_prefill_size`` tokens, or one longest sequence (``tokens.max_seq_len``), which
@@ -27,7 +28,8 @@ says what to set. The jobs and what each counts, per GPU (the job's fullest GPU)
 Every GPU job also counts ``RUNTIME_BYTES`` (the CUDA context, cuBLAS/NCCL workspaces, allocator slack). These
 are estimates from the code's structure and the target's config.json, not measurements: on the CPU the demo's and
 the rehearsal's jobs are compared with their measured peak RSS (tests/test_pipeline_e2e.py,
-tests/test_kimi_rehearsal.py); on a GPU, ``torch.cuda.max_memory_allocated`` of a real run is the check to make.
+tests/test_kimi_rehearsal.py); on a GPU, ``torch.cuda.max_memory_allocated`` of a real run is the check to make
+(every job's log ends with both: aerie.rulelog.peak_memory_line).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aerie.target.config import read_config, text_config
+from aerie.target.config import read_config, read_described_config, text_config
 
 GIB = 1024**3
 RUNTIME_BYTES = 2 * GIB  # per GPU job: CUDA context (~0.5 GiB), cuBLAS / NCCL workspaces, allocator fragmentation
@@ -173,10 +175,7 @@ def target_facts(config: dict[str, Any]) -> TargetFacts:
         }
         config_from = "target.rehearsal"
     elif target.get("config_json"):
-        path = Path(target["config_json"])
-        if not path.exists() and not path.is_absolute():  # a copy shipped beside the configs (config/)
-            path = Path(__file__).resolve().parents[1] / path
-        text, config_from = text_config(json.loads(path.read_text())), "target.config_json"
+        text, config_from = text_config(read_described_config(target["config_json"])), "target.config_json"
     stored = _safetensors_weights(folder) if folder.is_dir() else None
     if stored is not None:
         weights, dtype_bytes = stored
@@ -369,12 +368,22 @@ def hidden_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None
     fit.parts["forward"] = tokens * forward_bytes_per_token(text, a, captured=len(ids) + 1)
     if not on_gpu:  # PyTorch's CPU attention computes the [heads, T, T] fp32 scores of each sequence
         fit.parts["attention scores"] = tokens * width * int(text["num_attention_heads"]) * 4
-    fit.parts["top-k workspace"] = 4 * min(int(text["vocab_size"]) * tokens, 4 * (1 << 26))
+    fit.parts["top-k workspace"] = topk_workspace_bytes(int(text["vocab_size"]), width, head_fp32=a == 4)
     fit.parts = _runtime(fit.parts, on_gpu)
     fit.setting = (
         "lower hidden.batch_tokens, or set hidden.backend: sglang (tensor parallel over hidden.sglang.tp_size)"
     )
     return fit
+
+
+def topk_workspace_bytes(vocab_size: int, longest_sequence: int, *, head_fp32: bool) -> int:
+    """aerie.hidden.head.lm_head_topk's temporaries: it runs per sequence, in row blocks of at most
+    TOPK_CHUNK_ELEMENTS fp32 logits; an fp32 head keeps two blocks alive (the logits and logsumexp's scratch), a
+    bf16 one up to TOPK_LIVE_TEMPORARIES (its fp32 chunk copy and the logits being assembled too)."""
+    from aerie.sglang_capture.mapping import TOPK_CHUNK_ELEMENTS, TOPK_LIVE_TEMPORARIES
+
+    rows = min(max(1, TOPK_CHUNK_ELEMENTS // vocab_size), max(1, longest_sequence))
+    return (2 if head_fp32 else TOPK_LIVE_TEMPORARIES) * rows * vocab_size * 4
 
 
 def _sglang_capture_fit(
@@ -488,8 +497,14 @@ def bench_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None,
             on = len(placement.max_memory)
             fit.where = f"GPU 0 of {on} (device_map: the target spread, the drafters beside its embeddings)"
     fit.parts = {"target weights": math.ceil(weights / on), "target KV cache": math.ceil(kv / on)}
-    fit.parts["drafter + untrained reference"] = 2 * drafter_weight_bytes(config, text, a)
+    # In-process, each drafter holds its own copy of the target's input embeddings (Eagle3Drafter
+    # .load_target_embeddings copies them; SGLang's EAGLE worker shares them): [V, H] each, Kimi's 2.35 GB in bf16.
+    embeddings = int(text["vocab_size"]) * int(text["hidden_size"]) * a
+    fit.parts["drafter + untrained reference"] = 2 * (drafter_weight_bytes(config, text, a) + embeddings)
     fit.parts["forward"] = sequence * forward_bytes_per_token(text, a)
+    # The prefill's logits over the whole prompt where the target's forward takes no logits_to_keep (remote-code
+    # wrappers such as Kimi's: aerie.bench.speculative asks for the last position only where it can).
+    fit.parts["prefill logits"] = prompt_tokens * int(text["vocab_size"]) * a
     fit.parts = _runtime(fit.parts, on_gpu)
     fit.notes.append(f"one sequence of {prompt_tokens:,} prompt + bench.max_new_tokens tokens")
     fit.setting = "set bench.backend: sglang (tensor parallel over sglang.tp), or give the job more GPUs"

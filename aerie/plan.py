@@ -24,6 +24,7 @@ from aerie.target.config import architectures as target_config_architectures
 from aerie.target.config import (
     check_servable_aux_layer_ids,
     default_aux_layer_ids,
+    read_described_config,
     read_text_config,
     target_architectures,
     text_config,
@@ -88,7 +89,7 @@ def check_config(config: dict[str, Any]) -> None:
         architectures = target_architectures(target["path"])
     elif target.get("config_json"):  # the real target's config before its folder is here (kimi-k2.5.yaml)
         try:
-            described = json.loads(Path(target["config_json"]).read_text())
+            described = read_described_config(target["config_json"])
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read it: {e}", ("target", "config_json")) from None
         architectures = target_config_architectures(described)

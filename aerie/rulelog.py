@@ -11,6 +11,7 @@ never deletes. N counts the attempts that ever started, across Snakemake invocat
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -117,12 +118,35 @@ def open_rule_log(log_path: str | Path, echo: bool = True) -> Callable[[str], No
         if echo:
             print(line, flush=True)
 
+    atexit.register(lambda: log(peak_memory_line()))
     earlier = [p.name for n, p in attempt_logs(path).items() if n < attempt]
     log(
         f"attempt {attempt} (pid {os.getpid()} on {socket.gethostname()}); this log is kept as {copy.name}"
         + (f"; earlier attempts: {', '.join(earlier)}" if earlier else "")
     )
     return log
+
+
+PEAK_MEMORY = re.compile(r"peak memory: ([\d,]+) MiB resident")
+
+
+def peak_memory_line() -> str:
+    """What the job used at most, for its log's last line: the process's resident high-water mark (VmHWM, exact,
+    where Snakemake's ``benchmark:`` max_rss samples every 0.5-30 s and misses short peaks) and, when the job used
+    CUDA, each GPU's most allocated by torch. Read by tests/fit_check.py (PEAK_MEMORY) against the fit plan."""
+    parts = []
+    try:
+        with open("/proc/self/status") as fh:
+            hwm = next((int(line.split()[1]) for line in fh if line.startswith("VmHWM:")), None)
+        if hwm is not None:
+            parts.append(f"{hwm / 1024:,.0f} MiB resident (VmHWM)")
+    except OSError:  # not Linux
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            parts.append(f"GPU {i}: {torch.cuda.max_memory_allocated(i) / 2**30:,.2f} GiB allocated by torch")
+    return "peak memory: " + ("; ".join(parts) or "not measurable here")
 
 
 def snakemake_threads(smk: Any) -> int:

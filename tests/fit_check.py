@@ -1,8 +1,8 @@
-"""The fit plan's estimates (aerie.fit) against the peaks a finished run measured (results/benchmarks/*.tsv).
+"""The fit plan's estimates (aerie.fit) against the peaks a finished run measured (each job log's last line).
 
 Used by the end-to-end runs that already exist (tests/test_pipeline_e2e.py for the demo, tests/test_kimi_rehearsal.py
 for the rehearsal). Both run on the CPU, so the plan estimates each job for the CPU (fp32, the target on the one
-device) and Snakemake's ``benchmark:`` records the job's peak RSS. What the comparison means:
+device) and each job's log ends with its peak RSS (VmHWM). What the comparison means:
 
 - RSS is the whole process: the Python, torch, transformers and plotting modules the job's script imports (its
   *baseline*, measured here by a process importing the same modules) plus what the estimate counts (weights,
@@ -18,7 +18,6 @@ device) and Snakemake's ``benchmark:`` records the job's peak RSS. What the comp
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import os
 import subprocess
@@ -30,36 +29,44 @@ import yaml
 from aerie.config_file import ConfigSources
 from aerie.fit import fit_plan
 from aerie.plan import plan_datasets, validate_config
+from aerie.rulelog import PEAK_MEMORY
 
 FACTOR = 2.0  # max_rss - baseline vs the estimate at the run's own sizes, both ways (above FLOOR)
 FLOOR = 32 * 2**20  # bytes: below this, differences are the allocator's and the libraries', not the estimate's
-# The benchmark file of each GPU job (in-process responses: rule responses_hf; a served dataset's peak is two
-# processes, the client's and the server's, and is not compared) and what its script imports.
-BENCHMARKS = {
-    "responses": ("responses_hf.tsv", "aerie.responses"),
-    "hidden": ("hidden.tsv", "aerie.hidden"),
-    "drafter": ("drafter/*.tsv", "aerie.drafter.cli"),
-    "bench": ("bench/*.tsv", "aerie.bench.job, aerie.bench.plots, matplotlib.pyplot"),
+# The log of each GPU job (in-process responses: rule responses_hf; a served dataset's peak is two processes, the
+# client's and the server's, and is not compared) and what its script imports. Each job's log ends with its exact
+# peak (aerie.rulelog.peak_memory_line: VmHWM); the benchmark files' max_rss is sampled (every 0.5 s, then 30 s)
+# and misses a job's short peaks (the capture's top-k block, a load), so it is not what is compared.
+LOGS = {
+    "responses": ("responses_hf.log", "aerie.responses"),
+    "hidden": ("hidden.log", "aerie.hidden"),
+    "drafter": ("drafter/*.log", "aerie.drafter.cli"),
+    "bench": ("bench/*.log", "aerie.bench.job, aerie.bench.plots, matplotlib.pyplot"),
 }
 
 
 def measured_peaks(results: Path) -> dict[str, int]:
-    """Peak RSS (bytes) per rule from Snakemake's benchmark files (max_rss: MiB)."""
+    """Peak RSS (bytes) per rule: the last ``peak memory`` line of each job's declared log (not attempt copies)."""
     peaks = {}
-    for rule, (pattern, _) in BENCHMARKS.items():
-        for path in sorted((results / "benchmarks").glob(pattern)):
-            with open(path) as fh:
-                rows = list(csv.DictReader(fh, delimiter="\t"))
-            peaks[rule] = max(peaks.get(rule, 0), *(int(float(r["max_rss"]) * 2**20) for r in rows))
+    for rule, (pattern, _) in LOGS.items():
+        for path in sorted((results / "logs").glob(pattern)):
+            if ".attempt-" in path.name:
+                continue
+            found = PEAK_MEMORY.findall(path.read_text())
+            if found:
+                peaks[rule] = max(peaks.get(rule, 0), int(found[-1].replace(",", "")) * 2**20)
     return peaks
 
 
 def baseline(modules: str) -> int:
-    """Peak RSS (bytes) of a process that imports what a job's script imports, and transformers' model classes."""
+    """Peak RSS (bytes) of a process that imports what a job's script imports, and transformers' model classes.
+
+    VmHWM, the high-water mark of this process's own memory: ``ru_maxrss`` survives exec, so a child spawned by a
+    large parent (pytest late in the suite: 683 MiB in CI) reads the parent's peak instead of its own."""
     code = (
-        f"import resource, torch, transformers\nimport {modules}\n"
+        f"import torch, transformers\nimport {modules}\n"
         "from transformers import LlamaForCausalLM, DeepseekV3ForCausalLM, AutoTokenizer\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.split()[-1]) * 1024
@@ -107,7 +114,7 @@ def compare(workdir: Path, configfile: Path) -> list[dict]:
     assert all(j.gpus == 0 or "CPU" in j.where for j in at_run.values()), "CPU runs: estimates for the CPU"
     peaks = measured_peaks(workdir / "results")
     rows = []
-    for rule, (_, modules) in BENCHMARKS.items():
+    for rule, (_, modules) in LOGS.items():
         if rule in peaks and rule in at_run and not at_run[rule].unknown:
             base = baseline(modules)
             rows.append(

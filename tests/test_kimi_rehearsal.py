@@ -60,7 +60,6 @@ ALLOWED_DIFFERENCES = {
     "hidden.backend": "CI has no GPU: transformers hooks instead of SGLang's engine",
     "hidden.batch_tokens": "size",
     "drafter.ttt_steps": "count",
-    "drafter.epochs": "count",
     "drafter.max_seq_len": "size",
     "drafter.batch_size": "count: the toy's ~35 short samples train at the schema's default batch",
     "drafter.max_batch_tokens": "size: Kimi's 32,768-token budget is about the H200; the toy's batches are a few "
@@ -69,10 +68,11 @@ ALLOWED_DIFFERENCES = {
     "bench.backend": "CI has no GPU: aerie decodes in-process instead of SGLang serving (same report and gate)",
     "bench.max_new_tokens": "count",
     "bench.max_prompts": "count",
-    "bench.gate": "a toy drafter trained on a few dozen samples cannot pay off; the speed gate is the demo's to prove",
+    "bench.gate": "a drafter of the toy target costs about what the target does on a CPU; the speed gate is the "
+    "demo's to prove (must_beat_references and the lossless check are on, as for Kimi)",
     "bench.gate.min_speedup": "(as bench.gate)",
-    "bench.gate.must_beat_references": "(as bench.gate): ~35 toy samples put the drafter at prompt lookup's level "
-    "(1.40 vs 1.47 in one 2-core run); the test asserts it beats the untrained drafter instead",
+    "vocab.draft_vocab_size": "size: the toy answers' distinct tokens",
+    "drafter.epochs": "count: ~35 toy samples need 20 passes to beat prompt lookup (~1 CPU minute)",
     "resources.*": "count: CI has no GPU",
 }
 # The dataset whose output-token quota the rehearsal reaches. It is one shard whose quota is concurrency x
@@ -361,8 +361,10 @@ def test_kimi_paths_ran_hidden_drafter_and_benchmark(rehearsal) -> None:
     assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]  # the MLA drafter SGLang serves for Kimi
     bench = json.loads((results / "bench" / f"{config['run']}.json").read_text())
     assert bench["prompts"] >= 1 and bench["lossless"] is True and bench["speedup"] > 0
-    # The drafter learned something: it beats the untrained one (acceptance 1.00); prompt lookup is not gated here.
-    assert bench["acceptance_length"] > 1.0 and "beats_references" in bench
+    # The gate is on as for Kimi: the job passed, so the trained drafter beat prompt lookup (and the untrained one).
+    methods = {m: v["acceptance_length"] for m, v in bench["methods"].items()}
+    assert bench["beats_references"] is True, methods
+    assert methods["eagle3"] > max(methods["ngram"], methods["untrained"]), methods
     assert (results / "report" / "spend.png").exists() and (workdir / "report.html").stat().st_size > 10_000
 
 

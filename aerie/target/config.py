@@ -44,6 +44,15 @@ def read_config(target_path: str | Path) -> dict[str, Any]:
         ) from None
 
 
+def read_described_config(config_json: str | Path) -> dict[str, Any]:
+    """``target.config_json``: the real target's config.json before its folder is here. A relative path is read from
+    the workflow's directory, else beside the repository's configs (config/kimi-k2.5.config.json ships there)."""
+    path = Path(config_json)
+    if not path.exists() and not path.is_absolute():
+        path = Path(__file__).resolve().parents[2] / path
+    return json.loads(path.read_text())
+
+
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The language model's entries: a wrapper's nested text config, else the config itself."""
     for key in NESTED_TEXT_CONFIG_KEYS:
