@@ -79,10 +79,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         ids = json.loads(args.aux_layer_ids) if args.aux_layer_ids else None
-        try:  # by hand as in the rule: ids SGLang would not serve (a DeepSeek/Kimi target's 0) are refused first
-            ids = resolve_aux_layer_ids(ids, target_num_hidden_layers(args.target), target_architectures(args.target))
-        except ValueError as e:
-            raise SystemExit(f"aerie-train-drafter --aux-layer-ids: {e}") from None
+        # By hand as in the rule: ids SGLang would not serve (a DeepSeek/Kimi target's 0) are refused first; without
+        # ids, training takes the shards' own (checked when they were captured).
+        if ids is not None:
+            try:
+                layers, archs = target_num_hidden_layers(args.target), target_architectures(args.target)
+                ids = resolve_aux_layer_ids(ids, layers, archs)
+            except ValueError as e:
+                raise SystemExit(f"aerie-train-drafter --aux-layer-ids: {e}") from None
         train_drafter(
             [Path(x) for x in args.hidden],
             Path(args.vocab),
