@@ -153,3 +153,22 @@ def test_kill_9_of_snakemake_mid_job_keeps_both_attempts_logs(workdir: Path) -> 
     assert "earlier attempts" not in first.splitlines()[0]
     assert second.splitlines()[0].endswith("earlier attempts: shard-00000.attempt-1.log")
     assert os.path.samefile(logs[2], declared) and "attempt 1 " not in declared.read_text()
+
+
+def test_the_log_ends_with_the_jobs_exact_peak_memory(tmp_path: Path) -> None:
+    """A job that held ~256 MiB for a moment (far shorter than Snakemake's 0.5 s benchmark sampling) says so in its
+    log's last line; the fit plan's check reads that line (tests/fit_check.py)."""
+    from aerie.rulelog import PEAK_MEMORY
+
+    log = tmp_path / "job.log"
+    code = (
+        "from aerie.rulelog import open_rule_log\n"
+        f"log = open_rule_log({str(log)!r}, echo=False)\n"
+        "block = bytearray(256 * 2**20)\n"  # zero-filled and touched: resident
+        "del block\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    last = log.read_text().splitlines()[-1]
+    peak = PEAK_MEMORY.search(last)
+    assert peak and last.endswith("(VmHWM)"), last
+    assert 256 < int(peak.group(1).replace(",", "")) < 256 + 200, last  # the block + the interpreter and aerie
