@@ -34,7 +34,6 @@ tests/test_kimi_rehearsal.py); on a GPU, ``torch.cuda.max_memory_allocated`` of 
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import subprocess
@@ -102,32 +101,6 @@ def decoder_parameters(text: dict[str, Any]) -> int:
     return embed + L * (attn + 2 * H) + mlp + H
 
 
-def _safetensors_weights(folder: Path) -> tuple[int, int | None] | None:
-    """(stored bytes, bytes per element when every float tensor has one dtype) from the headers of the folder's
-    ``*.safetensors`` files (the 8-byte length and the JSON header: no tensor is read); None without files."""
-    import struct
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-    total, float_sizes = 0, set()
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            start, stop = t["data_offsets"]
-            total += stop - start
-            if t["dtype"] in sizes:
-                float_sizes.add(sizes[t["dtype"]])
-            elif t["dtype"] not in ("BOOL",):
-                float_sizes.add(None)  # packed ints, fp8: quantized, taken as stored
-    return total, (float_sizes.pop() if len(float_sizes) == 1 else None)
-
-
 def target_facts(config: dict[str, Any]) -> TargetFacts:
     """The target's text config and weight bytes: from its folder (config.json; safetensors headers) when it is
     there, else from the config (a pipeline-built target's own settings; ``target.config_json`` and
@@ -176,7 +149,9 @@ def target_facts(config: dict[str, Any]) -> TargetFacts:
         config_from = "target.rehearsal"
     elif target.get("config_json"):
         text, config_from = text_config(read_described_config(target["config_json"])), "target.config_json"
-    stored = _safetensors_weights(folder) if folder.is_dir() else None
+    from aerie.target.placement import stored_weights
+
+    stored = stored_weights(folder) if folder.is_dir() else None
     if stored is not None:
         weights, dtype_bytes = stored
         weights_from = f"{folder}/*.safetensors headers"

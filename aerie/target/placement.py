@@ -13,8 +13,8 @@ The rule :func:`aerie.target.model.load_target` follows, and the one a fit plan 
   sglang`` (SGLang serves a target of that size with tensor parallelism; accelerate would otherwise put the rest on
   the CPU or disk, and every decode step would stream it).
 
-Weight bytes are the sizes of the folder's ``*.safetensors`` files, scaled from their stored dtype to the loading
-dtype when both are known (a bf16 folder loaded as fp32 takes twice its size).
+Weight bytes are the folder's ``*.safetensors`` tensors as stored (their headers), scaled from their stored dtype
+to the loading dtype when both are known (a bf16 folder loaded as fp32 takes twice its size).
 """
 
 from __future__ import annotations
@@ -27,30 +27,41 @@ from pathlib import Path
 
 GPU_WEIGHT_FRACTION = 0.85  # of each device's total memory, for weights; the rest for activations, KV cache, drafter
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
+_FLOAT_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors' names of the rescalable dtypes
 
 
-def _stored_dtype_bytes(file: Path) -> int | None:
-    """Bytes per element of the floating-point tensors of a safetensors file (None: mixed or unknown)."""
-    with open(file, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    sizes = {_SAFETENSORS_DTYPE_BYTES.get(v["dtype"]) for k, v in header.items() if k != "__metadata__"}
-    sizes.discard(None)
-    return sizes.pop() if len(sizes) == 1 else None
+def stored_weights(path: str | Path) -> tuple[int, int | None] | None:
+    """(bytes of the folder's ``*.safetensors`` tensors as stored, bytes per element when every tensor is one float
+    dtype) from the files' headers (the 8-byte length and the JSON: no tensor is read); None without files. Packed
+    ints and fp8 (quantized folders such as Kimi K2.5's int4 experts) or mixed dtypes give None: taken as stored."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    total, per_element = 0, set()
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            start, stop = t["data_offsets"]
+            total += stop - start
+            if t["dtype"] != "BOOL":
+                per_element.add(_FLOAT_DTYPE_BYTES.get(t["dtype"]))
+    return total, (per_element.pop() if len(per_element) == 1 else None)
 
 
 def weight_bytes(path: str | Path, load_dtype: str | None = None) -> int:
-    """Bytes the target's weights take once loaded: its safetensors files, scaled to ``load_dtype`` when the files
+    """Bytes the target's weights take once loaded: its safetensors tensors, scaled to ``load_dtype`` when the files
     hold one floating dtype (int4/quantized folders are taken as stored)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    total = sum(f.stat().st_size for f in files)
-    if not files or load_dtype not in DTYPE_BYTES:
+    stored = stored_weights(path)
+    if stored is None:
+        return 0
+    total, per_element = stored
+    if per_element is None or load_dtype not in DTYPE_BYTES:
         return total
-    stored = {_stored_dtype_bytes(f) for f in files}
-    if len(stored) != 1 or None in stored:
-        return total
-    return total * DTYPE_BYTES[load_dtype] // stored.pop()
+    return total * DTYPE_BYTES[load_dtype] // per_element
 
 
 @dataclass(frozen=True)
