@@ -1,6 +1,6 @@
 """Capture a target's EAGLE-3 aux hidden states with forward hooks on only the needed layers.
 
-Layer convention (SGLang's, see aerie.target.config): aux id ``i`` is the output of 0-based decoder layer
+Layer convention (SGLang's, see aerie.target_model.config): aux id ``i`` is the output of 0-based decoder layer
 ``i`` - the residual stream after that layer, before any norm - which equals transformers'
 ``output_hidden_states[i + 1]``.
 Only the hooked layers' outputs are kept, so memory does not grow with the number of layers.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from aerie.target.config import check_aux_layer_ids
+from aerie.target_model.config import check_aux_layer_ids
 
 
 def base_decoder(model: nn.Module) -> nn.Module:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from aerie.target.config import read_text_config
+from aerie.target_model.config import read_text_config
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -17,7 +17,7 @@ says what to set. The jobs and what each counts, per GPU (the job's fullest GPU)
   the copy and the KV of one longest sequence (``tokens.max_seq_len``).
 - ``drafter`` (training): :func:`aerie.drafter.memory.estimate_training_memory` (parameters, gradients, AdamW
   state, frozen embeddings, the largest batch the settings allow and its activations), a replica per GPU.
-- ``bench``. ``inprocess``: the target placed as aerie.target.placement places it (one GPU, or spread over the
+- ``bench``. ``inprocess``: the target placed as aerie.target_model.placement places it (one GPU, or spread over the
   job's GPUs with device_map; refused when it cannot fit them, naming ``bench.backend: sglang``) + the trained and
   the untrained drafter + the target's KV cache for one prompt (the longest of the plan's first prompts) and
   ``bench.max_new_tokens``. ``sglang``: the server's static share ``sglang.mem_fraction_static`` (<= 1) + a
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aerie.target.config import read_config, read_described_config, text_config
+from aerie.target_model.config import read_config, read_described_config, text_config
 
 GIB = 1024**3
 RUNTIME_BYTES = 2 * GIB  # per GPU job: CUDA context (~0.5 GiB), cuBLAS / NCCL workspaces, allocator fragmentation
@@ -149,7 +149,7 @@ def target_facts(config: dict[str, Any]) -> TargetFacts:
         config_from = "target.rehearsal"
     elif target.get("config_json"):
         text, config_from = text_config(read_described_config(target["config_json"])), "target.config_json"
-    from aerie.target.placement import stored_weights
+    from aerie.target_model.placement import stored_weights
 
     stored = stored_weights(folder) if folder.is_dir() else None
     if stored is not None:
@@ -461,7 +461,7 @@ def bench_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None,
     kv = sequence * kv_bytes_per_token(text, a, latent=False)
     on = 1
     if on_gpu:
-        from aerie.target.placement import plan_placement
+        from aerie.target_model.placement import plan_placement
 
         try:
             placement = plan_placement(weights, [gpu_bytes] * max(gpus, 1))

@@ -20,8 +20,8 @@ from aerie.drafter.config import TrainConfig
 from aerie.prompts import DatasetPlan, plan_dataset, prompt_cache_dir
 from aerie.rehearsal_target.config import ARCHITECTURES as REHEARSAL_ARCHITECTURES
 from aerie.rehearsal_target.config import RehearsalTargetConfig
-from aerie.target.config import architectures as target_config_architectures
-from aerie.target.config import (
+from aerie.target_model.config import architectures as target_config_architectures
+from aerie.target_model.config import (
     check_servable_aux_layer_ids,
     default_aux_layer_ids,
     read_described_config,

@@ -35,9 +35,9 @@ from aerie.shard_store import (
     target_identity,
     write_generation_record,
 )
-from aerie.target.chat import ChatFormat, read_chat_format
-from aerie.target.model import load_target, set_threads
-from aerie.target.template import render_prompt_ids
+from aerie.target_model.chat import ChatFormat, read_chat_format
+from aerie.target_model.model import load_target, set_threads
+from aerie.target_model.template import render_prompt_ids
 
 
 def params_hash(model: str, params: dict[str, Any]) -> str:

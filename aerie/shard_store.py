@@ -166,7 +166,7 @@ def capture_settings(
 def config_key_function(config: Mapping[str, Any]) -> Callable[[Path], str] | None:
     """tokens path -> capture key, from the pipeline config as rule ``hidden`` would compute it; None when the
     target is not there yet (its layer count and identity are unknown)."""
-    from aerie.target.config import read_text_config, resolve_aux_layer_ids, target_architectures
+    from aerie.target_model.config import read_text_config, resolve_aux_layer_ids, target_architectures
 
     hidden, target = config["hidden"], config["target"]
     try:

@@ -10,7 +10,7 @@ import torch
 
 from aerie.formats.tokens import read_tokens_shard
 from aerie.formats.vocab import write_draft_vocab
-from aerie.target.config import read_text_config
+from aerie.target_model.config import read_text_config
 
 
 def count_tokens(token_shards: Sequence[Path], vocab_size: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
 from aerie.capture import AuxHiddenCapture  # noqa: E402
-from aerie.target.config import default_aux_layer_ids  # noqa: E402
+from aerie.target_model.config import default_aux_layer_ids  # noqa: E402
 
 GOAL = 0.25
 

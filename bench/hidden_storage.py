@@ -49,7 +49,7 @@ from aerie.formats.hidden import dequantize_aux, open_hidden_shards  # noqa: E40
 from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
 from aerie.formats.vocab import load_draft_vocab  # noqa: E402
 from aerie.hidden import capture_shard  # noqa: E402
-from aerie.target.heads import read_target_heads  # noqa: E402
+from aerie.target_model.heads import read_target_heads  # noqa: E402
 
 OLDER_TOKENS_FORMATS = ("aerie.tokens/1",)  # same tensors (input_ids, loss_mask, seq_offsets)
 

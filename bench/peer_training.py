@@ -638,7 +638,7 @@ def run_seed(
 ) -> None:
     """The given arms at one seed, one after the other (aerie first), each scored by the same judges;
     ``on_arm(arm, figures, settings, extra)`` after each (so a long run keeps what it finished)."""
-    from aerie.target.heads import read_target_heads
+    from aerie.target_model.heads import read_target_heads
 
     cfg = train_config(args, seed)
     if "aerie" in arms:

@@ -4,7 +4,7 @@
 #   tiktoken tokenizer with Kimi's ids, custom code loaded with trust_remote_code), same task language.
 # Every target's tokenizer is checked (rule tokenizer_check, at the end).
 
-from aerie.target.markers import package_version, tokenizer_files
+from aerie.target_model.markers import package_version, tokenizer_files
 
 if DEMO_TARGET and REHEARSAL_TARGET:
     raise WorkflowError(
@@ -49,7 +49,7 @@ if REHEARSAL_TARGET:
 
 
 # The target's tokenizer as loaded must keep each special marker its chat template writes one id (<think>, the
-# turn end, tool-call markers: aerie.target.markers). Checked once per run, before any responses job (no API
+# turn end, tool-call markers: aerie.target_model.markers). Checked once per run, before any responses job (no API
 # request is paid on a target whose tokenizer splits one) and any tokens job, which take the check file as an
 # input; ancient there, so checking again (a new transformers, changed tokenizer files) never re-runs them.
 TOKENIZER_CHECK = "results/target/tokenizer_check.json"

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from torch import nn
 
 from aerie.sglang_capture import TESTED_SGLANG_VERSION, capture_layers_of
-from aerie.target.config import text_config
+from aerie.target_model.config import text_config
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 

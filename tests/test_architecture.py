@@ -2,7 +2,7 @@
 
 Layers (a module may import from its own layer or a lower one, never a higher one):
   0  aerie.artifacts                      atomic publishing, packed safetensors, JSONL
-  1  aerie.formats.*, aerie.target.*      one module per on-disk format; everything about the target model
+  1  aerie.formats.*, aerie.target_model.*      one module per on-disk format; everything about the target model
   2  everything else (the stages, the drafter, the API client, benchmarks, the plan)
 and no import cycle anywhere, counting imports inside functions too.
 """
@@ -62,7 +62,7 @@ def import_graph() -> dict[str, set[str]]:
 def layer(module: str) -> int:
     if module == "aerie.artifacts":
         return 0
-    if module.startswith(("aerie.formats", "aerie.target")):
+    if module.startswith(("aerie.formats", "aerie.target_model")):
         return 1
     return 2
 

@@ -7,7 +7,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from aerie.capture import AuxHiddenCapture
-from aerie.target.config import default_aux_layer_ids
+from aerie.target_model.config import default_aux_layer_ids
 
 
 @pytest.fixture(scope="module")

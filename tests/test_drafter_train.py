@@ -28,7 +28,7 @@ from aerie.drafter.model import DrafterConfig, Eagle3Drafter
 from aerie.drafter.state import train_state_dir
 from aerie.formats.hidden import open_hidden_shards
 from aerie.formats.vocab import load_draft_vocab
-from aerie.target.heads import read_target_heads
+from aerie.target_model.heads import read_target_heads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -365,7 +365,7 @@ def test_target_heads_read_only_what_they_need(layout, tmp_path, monkeypatch):
     files = sorted(folder.glob("*.safetensors"))
     assert len(files) == 1 if layout == "single-file" else len(files) > 3
 
-    import aerie.target.heads as heads_module
+    import aerie.target_model.heads as heads_module
 
     opened = []
     real_safe_open = heads_module.safe_open

@@ -45,7 +45,7 @@ def test_the_plan_is_torch_free() -> None:
     import subprocess
 
     code = (
-        "import sys; import aerie.sglang_capture as sc; from aerie.target.config import weight_dtype_bytes\n"
+        "import sys; import aerie.sglang_capture as sc; from aerie.target_model.config import weight_dtype_bytes\n"
         "c = sc.lm_head_copy(163840, 7168, {'tp_size': 8}, 'auto', weight_dtype_bytes({'torch_dtype': 'bfloat16'}))\n"
         "print(c.bytes, 'torch' in sys.modules)"
     )

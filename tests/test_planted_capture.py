@@ -211,7 +211,7 @@ def test_unservable_layer_ids_are_refused_before_any_work(world, tmp_path) -> No
 
 
 def test_deepseek_family_ids_must_start_with_one() -> None:
-    from aerie.target.config import check_servable_aux_layer_ids
+    from aerie.target_model.config import check_servable_aux_layer_ids
 
     # SGLang's DeepseekV2/V3 (Kimi K2.5) read ids not starting with 1 as layer inputs: served one layer early.
     with pytest.raises(ValueError, match=r"do not start with 1: SGLang's DeepseekV3ForCausalLM adds 1"):

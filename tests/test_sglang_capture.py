@@ -24,7 +24,7 @@ from aerie.capture import AuxHiddenCapture
 from aerie.sglang_capture import SGLangCapture, SGLangCaptureError, SGLangUnavailableError
 from aerie.sglang_capture.sglang_0523 import request_capacity
 from aerie.sglang_capture.worker import backend_reference, resolve_backend
-from aerie.target.config import check_servable_aux_layer_ids
+from aerie.target_model.config import check_servable_aux_layer_ids
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_capture"

@@ -58,7 +58,7 @@ def test_make_tiny_kimi_is_kimis_form(tiny_kimi) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from aerie.target.heads import read_target_heads
+    from aerie.target_model.heads import read_target_heads
 
     config = json.loads((tiny_kimi / "config.json").read_text())
     assert config["architectures"] == ["KimiK25ForConditionalGeneration"] and config["model_type"] == "kimi_k25"

@@ -17,8 +17,8 @@ from aerie.formats.vocab import load_draft_vocab
 from aerie.hidden import HiddenStateError, capture_shard, check_captured
 from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
 from aerie.responses import generate_hf, split_generated
-from aerie.target.chat import read_chat_format, special_token_id
-from aerie.target.config import default_aux_layer_ids, resolve_aux_layer_ids
+from aerie.target_model.chat import read_chat_format, special_token_id
+from aerie.target_model.config import default_aux_layer_ids, resolve_aux_layer_ids
 from aerie.tokens.rebuild import rebuild_output_ids
 from aerie.tokens.stage import tokenize_shard
 from aerie.vocab import build_draft_vocab, select_draft_vocab

@@ -1,4 +1,4 @@
-"""aerie.target.config: the one reader of a target's config.json (torch-free) and SGLang's aux-layer rules."""
+"""aerie.target_model.config: the one reader of a target's config.json (torch-free) and SGLang's aux-layer rules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import REPO, snakemake
 
-from aerie.target.config import (
+from aerie.target_model.config import (
     architectures,
     check_servable_aux_layer_ids,
     default_aux_layer_ids,

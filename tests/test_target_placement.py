@@ -1,4 +1,4 @@
-"""Where the in-process benchmark puts the target (aerie.target.placement): one GPU when it fits, balanced over the
+"""Where the in-process benchmark puts the target (aerie.target_model.placement): one GPU when it fits, balanced over the
 job's GPUs with device_map/max_memory when it does not, refused (naming bench.backend: sglang) when the GPUs together
 cannot hold it; the CPU as before. No GPU here: the CUDA branch is checked through what it asks transformers for."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny_world import save_random_llama
 
-from aerie.target import model as target_model
-from aerie.target.placement import GPU_WEIGHT_FRACTION, plan_placement, weight_bytes
+from aerie.target_model import model as target_model
+from aerie.target_model.placement import GPU_WEIGHT_FRACTION, plan_placement, weight_bytes
 
 GIB = 2**30
 H200 = 141 * GIB
@@ -77,7 +77,7 @@ def test_cuda_spread_asks_for_device_map_and_max_memory(tmp_path: Path, monkeypa
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
     monkeypatch.setattr(target_model, "visible_gpu_memory", lambda: [GIB, GIB])
     monkeypatch.setattr(target_model, "load_tokenizer", lambda path, trust=False: "tok")
-    monkeypatch.setattr("aerie.target.placement.weight_bytes", lambda path, dtype=None: 3 * GIB // 2)
+    monkeypatch.setattr("aerie.target_model.placement.weight_bytes", lambda path, dtype=None: 3 * GIB // 2)
     calls = []
 
     def from_pretrained(path, **kwargs):

@@ -19,9 +19,9 @@ from template_families import EXPECTED, FAMILIES, Family, family_records, family
 
 from aerie.artifacts import split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, read_tokens_shard
-from aerie.target.markers import check_template_markers
-from aerie.target.template import ChatTemplateError
-from aerie.target.turns import TurnRefused, render_turn
+from aerie.target_model.markers import check_template_markers
+from aerie.target_model.template import ChatTemplateError
+from aerie.target_model.turns import TurnRefused, render_turn
 from aerie.tokens.stage import tokenize_shard
 
 # The token that ends each family's answer turn (its documented format); GLM writes none: the model stops
@@ -97,7 +97,7 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def loaded(targets):
     """name -> the family's tokenizer, loaded from its target folder once per module (a 10 MB tokenizer.json)."""
-    from aerie.target.model import load_tokenizer
+    from aerie.target_model.model import load_tokenizer
 
     cache: dict = {}
 
@@ -247,7 +247,7 @@ def test_shard_does_not_depend_on_how_records_are_chunked(targets, tmp_path, mon
     """The stage renders one chunk of records while a worker thread encodes the previous one: every chunking
     (one record a chunk, a few, the whole shard) writes the same bytes and report, and the batch encode is
     what the rebuild uses (each kept record's prompt and turn go through it)."""
-    from aerie.target.text_encoder import TextEncoder
+    from aerie.target_model.text_encoder import TextEncoder
 
     real_many, real_encode = TextEncoder.encode_many, TextEncoder.encode
     batches: list[list[str]] = []

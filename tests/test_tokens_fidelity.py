@@ -18,8 +18,8 @@ from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 from aerie.artifacts import load_packed, split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, check_loss_mask
 from aerie.responses import RESPONSES_FORMAT, split_generated
-from aerie.target.chat import read_chat_format
-from aerie.target.template import render_prompt_ids
+from aerie.target_model.chat import read_chat_format
+from aerie.target_model.template import render_prompt_ids
 from aerie.tokens.rebuild import classify_mismatch, rebuild_output_ids
 from aerie.tokens.stage import tokenize_shard
 
@@ -38,7 +38,7 @@ def kimi_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(kimi_target):
-    from aerie.target.model import load_tokenizer
+    from aerie.target_model.model import load_tokenizer
 
     return load_tokenizer(kimi_target)
 

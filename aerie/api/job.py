@@ -215,9 +215,9 @@ def open_shard_log(path: Path) -> Callable[[str], None]:
 def _sglang_ids(target: dict[str, Any]) -> tuple[Callable, Callable, list[int]]:
     """The sglang backend sends ids rendered by the target's template and splits the answer's ids at its markers."""
     from aerie.responses import split_generated
-    from aerie.target.chat import read_chat_format
-    from aerie.target.model import load_tokenizer, read_generation_config
-    from aerie.target.template import render_prompt_ids
+    from aerie.target_model.chat import read_chat_format
+    from aerie.target_model.model import load_tokenizer, read_generation_config
+    from aerie.target_model.template import render_prompt_ids
 
     tok = load_tokenizer(target["path"], target.get("trust_remote_code", False))
     fmt = read_chat_format(tok, read_generation_config(target["path"]))
@@ -236,7 +236,7 @@ def _server(config: dict[str, Any], datasets: list[str], log_path: Path):
     if not any(responses_config(config, d).get("serve") == "transformers" for d in datasets):
         return contextlib.nullcontext(None)
     from aerie.api.serve import serve_on_loopback, transformers_serve_command
-    from aerie.target.model import pick_device
+    from aerie.target_model.model import pick_device
 
     target = config["target"]
     device = str(pick_device(target.get("device", "auto")))

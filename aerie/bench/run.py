@@ -32,8 +32,8 @@ from aerie.bench.speculative import (
     greedy_generate,
     speculative_generate,
 )
-from aerie.target.model import end_of_turn_ids, load_target, set_threads
-from aerie.target.template import render_prompt_ids
+from aerie.target_model.model import end_of_turn_ids, load_target, set_threads
+from aerie.target_model.template import render_prompt_ids
 
 REFERENCES = ("untrained", "ngram")  # drafters the trained one must beat
 
@@ -126,7 +126,7 @@ def run_benchmark(
     if unknown:
         raise ValueError(f"unknown reference drafters {unknown}; known: {list(REFERENCES)}")
     set_threads(threads)
-    # Larger than one GPU: spread over the job's GPUs (aerie.target.placement); too large for them all: refused.
+    # Larger than one GPU: spread over the job's GPUs (aerie.target_model.placement); too large for them all: refused.
     target, tok, dev = load_target(
         target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, spread=True
     )

@@ -1,7 +1,7 @@
 """The bench rule's settings: which backend measures, which references it runs, checked at parse time.
 
 ``bench.backend``: ``inprocess`` decodes with the target in the job's own Python (``aerie.bench.run``; the target
-must fit the job's GPUs, ``aerie.target.placement``), ``sglang`` has SGLang serve it (``aerie.bench.serving``, the
+must fit the job's GPUs, ``aerie.target_model.placement``), ``sglang`` has SGLang serve it (``aerie.bench.serving``, the
 serving harness: baseline, EAGLE-3 and NGRAM servers in turn, config ``sglang:``). Both write the same report and
 pass the same gate (``aerie.bench.gate``).
 

@@ -124,8 +124,8 @@ def tokenizer_render(
     tokenizer_path: str | Path, *, as_text: bool = False, trust_remote_code: bool = False
 ) -> Callable[[list[dict[str, Any]]], list[int] | str]:
     """A render callable from the target's tokenizer: chat template + generation prompt, as ids or text."""
-    from aerie.target.model import load_tokenizer
-    from aerie.target.template import render_prompt_ids
+    from aerie.target_model.model import load_tokenizer
+    from aerie.target_model.template import render_prompt_ids
 
     tok = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     if as_text:

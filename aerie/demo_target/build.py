@@ -26,7 +26,7 @@ from aerie.demo_target.pretrain import (
     pretrain,
 )
 from aerie.demo_target.tokenizer import END_OF_TURN, special_token_ids, tokenizer_corpus, train_tokenizer
-from aerie.target.model import set_threads
+from aerie.target_model.model import set_threads
 
 REPORT_FILE = "aerie_demo_target.json"
 REPORT_FORMAT = "aerie.demo-target/1"

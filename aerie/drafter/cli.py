@@ -19,7 +19,7 @@ import torch
 from aerie.drafter import distributed
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.loop import train_drafter
-from aerie.target.config import resolve_aux_layer_ids, target_architectures, target_num_hidden_layers
+from aerie.target_model.config import resolve_aux_layer_ids, target_architectures, target_num_hidden_layers
 
 
 def run_training_job(

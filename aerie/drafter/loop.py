@@ -44,8 +44,8 @@ from aerie.drafter.state import (
 from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast
 from aerie.formats.hidden import check_shard_layers, open_hidden_shards
 from aerie.formats.vocab import DraftVocab, load_draft_vocab
-from aerie.target.config import read_text_config, target_num_hidden_layers
-from aerie.target.heads import read_target_heads
+from aerie.target_model.config import read_text_config, target_num_hidden_layers
+from aerie.target_model.heads import read_target_heads
 
 EVAL_FORMAT = "aerie.drafter-eval/1"
 

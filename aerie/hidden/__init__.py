@@ -1,7 +1,7 @@
 """Stage 4: token shards -> target hidden states (format ``aerie.hidden/2``, aerie.formats.hidden).
 
 A capture backend runs the target over each training sequence and returns, per sequence, the EAGLE-3 aux
-layers' outputs (SGLang's layer convention, see aerie.target.config) and the final post-norm hidden state:
+layers' outputs (SGLang's layer convention, see aerie.target_model.config) and the final post-norm hidden state:
 ``hf`` in-process with transformers hooks, ``sglang`` through SGLang's engine (aerie.sglang_capture).
 Every shard is checked on the full-precision states, before anything is compressed: finite values, aux
 layers neither all zero, constant nor identical to each other, one state per token of the tokens shard, and

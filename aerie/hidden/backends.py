@@ -1,7 +1,7 @@
 """The target opened for capture: the backends that run it and the session that loads it at most once.
 
 A backend returns, per sequence, the EAGLE-3 aux layers' outputs (SGLang's layer convention, see
-aerie.target.config) and the final post-norm hidden state: ``hf`` in-process with forward hooks on the aux
+aerie.target_model.config) and the final post-norm hidden state: ``hf`` in-process with forward hooks on the aux
 layers only (aerie.capture), its hooks checked against transformers' ``output_hidden_states`` once per load;
 ``sglang`` through SGLang's engine (aerie.sglang_capture, imported only when asked for), with the lm_head read
 from the target's safetensors. :class:`TargetSession` loads one lazily and counts the loads.
@@ -17,7 +17,7 @@ import torch
 
 from aerie.capture import AuxHiddenCapture, base_decoder
 from aerie.hidden.checks import HiddenStateError
-from aerie.target.config import read_text_config, resolve_aux_layer_ids, target_architectures
+from aerie.target_model.config import read_text_config, resolve_aux_layer_ids, target_architectures
 
 BACKENDS = ("hf", "sglang")
 
@@ -67,9 +67,9 @@ class HFCapture:
     ):
         from transformers import AutoModelForCausalLM
 
-        from aerie.target.model import pick_device, pick_dtype
+        from aerie.target_model.model import pick_device, pick_dtype
 
-        # The model alone, as aerie.target.model.load_target loads it: capture never needs the tokenizer.
+        # The model alone, as aerie.target_model.model.load_target loads it: capture never needs the tokenizer.
         # trust_remote_code (config target.trust_remote_code): Kimi K2.5 and its rehearsal target load through
         # their own modeling code, a wrapper whose decoder stack is language_model.model (aerie.capture).
         self.device = pick_device(device)
@@ -192,7 +192,7 @@ def open_sglang_capture(
     with its top-k workspace, *before* SGLang starts: SGLang then sizes its KV pool around both."""
     from aerie.hidden.head import place_lm_head
     from aerie.sglang_capture import SGLangCapture, lm_head_copy, target_dims  # SGLang's env only, when asked for
-    from aerie.target.config import read_config, weight_dtype_bytes
+    from aerie.target_model.config import read_config, weight_dtype_bytes
 
     options = dict(options or {})
     config = read_config(target_path)

@@ -46,7 +46,7 @@ def place_lm_head(
     """Read the target's lm_head [V, H] (as stored) onto ``copy.device`` and, on a GPU, allocate the top-k workspace
     there at once (one top-k pass over two row blocks of zeros; the caching allocator keeps the blocks), so that
     memory is in use before SGLang measures what it may take. Returns the head and what it holds, measured."""
-    from aerie.target.heads import read_target_heads
+    from aerie.target_model.heads import read_target_heads
 
     head = read_target_heads(target_path, roles=["lm_head"]).lm_head
     V, H = head.shape

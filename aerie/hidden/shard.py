@@ -29,7 +29,7 @@ class CaptureSettings:
     """How shards are captured, checked and stored (config ``hidden.*``; ``target.*`` for the load): the keyword
     arguments of :func:`capture_shard` and :func:`aerie.hidden.run.capture_shards`."""
 
-    aux_layer_ids: Sequence[int] | None  # None: the target's default ids (aerie.target.config)
+    aux_layer_ids: Sequence[int] | None  # None: the target's default ids (aerie.target_model.config)
     layout: str = "compact"
     target_topk: int = 32
     backend: str = "hf"
@@ -49,7 +49,7 @@ class CaptureSettings:
 
     def open_session(self, target_path: str, log: Callable[[str], None]) -> TargetSession:
         """Set the capture threads and open a session on the target; nothing loads before the first shard."""
-        from aerie.target.model import set_threads
+        from aerie.target_model.model import set_threads
 
         set_threads(self.threads)
         return TargetSession(

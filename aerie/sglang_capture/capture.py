@@ -38,7 +38,7 @@ from aerie.sglang_capture.worker import (
     resolve_backend,
     run_rank,
 )
-from aerie.target.config import check_servable_aux_layer_ids, read_config
+from aerie.target_model.config import check_servable_aux_layer_ids, read_config
 
 
 class SGLangCapture:

@@ -22,7 +22,7 @@ from aerie.sglang_capture.capture import SGLangCapture
 from aerie.sglang_capture.check import TINY_KINDS, compare_with_transformers, make_tiny_target
 from aerie.sglang_capture.mapping import SGLangMappingError, target_dims
 from aerie.sglang_capture.worker import backend_reference, resolve_backend
-from aerie.target.config import read_config
+from aerie.target_model.config import read_config
 
 PROG = "aerie-sglang-capture"
 

@@ -4,7 +4,7 @@ aerie's aux id ``i`` is the output of 0-based decoder layer ``i`` (transformers'
 SGLang captures the residual stream at the *input* of the layers in ``layers_to_capture``; its
 ``set_eagle3_layers_to_capture(ids)`` sets that to ``[i + 1 for i in ids]`` for most models, the same tensor.
 DeepseekV2/V3 (and so Kimi K2.5) add the 1 only when the first id is 1 (see
-:data:`aerie.target.config.FIRST_ID_MUST_BE_ONE`).
+:data:`aerie.target_model.config.FIRST_ID_MUST_BE_ONE`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aerie.target.config import FIRST_ID_MUST_BE_ONE, architectures, text_config
+from aerie.target_model.config import FIRST_ID_MUST_BE_ONE, architectures, text_config
 
 TESTED_SGLANG_VERSION = "0.5.23"  # the version the adapter (sglang_0523.py) was written against (envs/sglang.yaml)
 ANY_VERSION_ENV = "AERIE_SGLANG_ANY_VERSION"  # set to 1 to try another SGLang version anyway

@@ -3,7 +3,7 @@
 The training sequence is the prompt rendered by the target's own chat template with the generation
 prompt (and the request's tools, system prompt and ``chat_template_kwargs``), followed by what the target
 generated. The generated part of a text-only record is the template's own rendering of the finished turn
-(``aerie.target.turns.render_turn``): prompt + assistant message rendered without a generation prompt must
+(``aerie.target_model.turns.render_turn``): prompt + assistant message rendered without a generation prompt must
 begin with the prompt, and the rest is encoded in one piece (special tokens single ids, nothing merged
 across the prompt boundary) and cut after the stop token the model samples (the template's turn end, or
 the opener of the next turn for templates that write none). So Qwen3's ``<think>\\nR\\n</think>\\n\\nC``,
@@ -14,7 +14,7 @@ Whatever the template renders for a finished turn, a record the target's text ca
 counted reason (an answer inside a reasoning block left open, e.g. Nemotron Nano v2's repeated open block). A
 text-only record whose reasoning is missing (``null``) while reasoning was requested is missing data, dropped
 (``no_reasoning``, per provider; ``aerie.tokens.reasoning``); empty reasoning is the model's own. Before any of
-it, the tokenizer as loaded must keep every special marker of the template one id (``aerie.target.markers``).
+it, the tokenizer as loaded must keep every special marker of the template one id (``aerie.target_model.markers``).
 
 Where the template cannot express the turn the record is refused with a counted reason, or framed by one
 of two fallbacks learned from the template's own renders (path ``fallback``, counted per reason): a

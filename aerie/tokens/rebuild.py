@@ -1,6 +1,6 @@
 """Rebuilding the generated ids of one record from text, and classifying where they differ from the sampled ids.
 
-One job: ``rebuild_generated`` encodes the template's text of the turn (``aerie.target.turns.TurnText``)
+One job: ``rebuild_generated`` encodes the template's text of the turn (``aerie.target_model.turns.TurnText``)
 and cuts it where the model stopped, finding special-token text inside the model's own text on the way;
 ``classify_mismatch`` says why such a rebuild differs from the exact ids a backend kept (one of
 ``aerie.tokens.fidelity.MISMATCH_CLASSES``). ``rebuild_output_ids`` is the Kimi-style framing the demo
@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aerie.artifacts import FormatError
-from aerie.target.chat import ChatFormat
-from aerie.target.text_encoder import TextEncoder
-from aerie.target.turns import TurnText
+from aerie.target_model.chat import ChatFormat
+from aerie.target_model.text_encoder import TextEncoder
+from aerie.target_model.turns import TurnText
 
 
 class Drop(Exception):

@@ -2,7 +2,7 @@
 
 One job: ``tokenize_shard``, the rule's one call. It reads and checks each ``aerie.responses/1`` record,
 decides whether it is trained on (finish reason, flags, text, the template's rendering of its turn through
-``aerie.target.turns.render_turn``, the rebuild in ``aerie.tokens.rebuild``, degenerate loops, length),
+``aerie.target_model.turns.render_turn``, the rebuild in ``aerie.tokens.rebuild``, degenerate loops, length),
 applies the drop gate (``too_many_dropped``: a shard fails only on drops beyond chance), packs the kept
 sequences into one flat buffer with their loss masks and writes the ``aerie.tokens/3`` shard
 (``aerie.formats.tokens``) and its fidelity report (``aerie.tokens.fidelity``).
@@ -25,12 +25,12 @@ from aerie.artifacts import FormatError, atomic_write_json, read_jsonl
 from aerie.bench.degenerate import degenerate_flags
 from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.formats.tokens import FidelityError, write_tokens_shard
-from aerie.target.chat import PROBE_USER, next_turn_opener, read_chat_format
-from aerie.target.markers import check_template_markers
-from aerie.target.model import load_tokenizer, read_generation_config
-from aerie.target.template import TemplateRaised, tool_calls_for_template
-from aerie.target.text_encoder import TextEncoder
-from aerie.target.turns import TurnRefused, TurnText, render_turn
+from aerie.target_model.chat import PROBE_USER, next_turn_opener, read_chat_format
+from aerie.target_model.markers import check_template_markers
+from aerie.target_model.model import load_tokenizer, read_generation_config
+from aerie.target_model.template import TemplateRaised, tool_calls_for_template
+from aerie.target_model.text_encoder import TextEncoder
+from aerie.target_model.turns import TurnRefused, TurnText, render_turn
 from aerie.tokens.fidelity import MAX_EXAMPLES, MISMATCH_CLASSES, ShardReport
 from aerie.tokens.reasoning import reasoning_requested as _reasoning_requested
 from aerie.tokens.rebuild import Drop, classify_mismatch, first_diff, mismatch_example, rebuild_generated

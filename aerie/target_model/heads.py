@@ -15,7 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import Tensor
 
-from aerie.target.config import read_config, text_config
+from aerie.target_model.config import read_config, text_config
 
 ROLES = ("embed", "lm_head", "norm")
 

@@ -7,7 +7,7 @@ writes: in its source, or in its renders of probe conversations (bos/eos come in
 reasoning markers ``<think>`` / ``</think>`` wherever the template writes them, declared or not (the tokens
 stage frames reasoning with them). Each must encode, with the tokenizer as loaded, to exactly one id - the
 id the files declare where they give one - both the way a server encodes text (``tokenizer.encode``) and the
-way the tokens stage does (``aerie.target.text_encoder.TextEncoder``). Otherwise every training sequence
+way the tokens stage does (``aerie.target_model.text_encoder.TextEncoder``). Otherwise every training sequence
 would hold several ids where the server's model reads and writes one: some transformers 5.x releases are
 publicly reported to load Kimi K2.5's tiktoken tokenizer through an automatic conversion that splits
 ``<think>``. Rule ``tokenizer_check`` runs it once per run before any responses or tokens job (no API job
@@ -122,7 +122,7 @@ def _template_source(tokenizer) -> str:
 
 def _renders(tokenizer) -> list[str]:
     """The template's text for a few probe conversations (each one the template refuses is left out)."""
-    from aerie.target.template import render_text
+    from aerie.target_model.template import render_text
 
     user = [{"role": "system", "content": "aerie probe"}, {"role": "user", "content": "aerie probe question"}]
     answered = {"role": "assistant", "content": "aerie probe answer", "reasoning_content": "aerie probe reasoning"}
@@ -163,7 +163,7 @@ def check_template_markers(
     as loaded splits or renumbers, and the transformers version that loaded it. ``as_server``: check
     ``tokenizer.encode`` too (a freshly loaded tokenizer, as a server encodes; the tokens stage checks only its
     own encoder, which no state left on the tokenizer by earlier calls changes)."""
-    from aerie.target.text_encoder import TextEncoder
+    from aerie.target_model.text_encoder import TextEncoder
 
     enc = TextEncoder(tokenizer)
     found: dict[str, int] = {}
@@ -222,7 +222,7 @@ def write_tokenizer_check(
 ) -> dict[str, Any]:
     """Rule ``tokenizer_check``: load the target's tokenizer once, check its markers, write the check file
     (``aerie.tokenizer-check/1``, docs/formats.md); nothing is written when a marker splits."""
-    from aerie.target.model import load_tokenizer
+    from aerie.target_model.model import load_tokenizer
 
     tokenizer = load_tokenizer(target_path, trust_remote_code)
     try:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aerie.target.template import (
+from aerie.target_model.template import (
     ChatTemplateError,
     TemplateRaised,
     messages_for_template,

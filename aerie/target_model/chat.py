@@ -4,8 +4,8 @@ One job: probe the tokenizer and chat template (never a per-model table) for wha
 model samples around its text: the turn end (``<|im_end|>``, Kimi K3's ``<|end_of_msg|>``; for templates
 that write none, like GLM, the token that opens the next turn), every stop id, the think tokens and the
 generation prompt (``read_chat_format``, once per target; ``next_turn_opener``, per kind of turn).
-Rendering itself is ``aerie.target.template``; the template's text of a whole generated turn is
-``aerie.target.turns``.
+Rendering itself is ``aerie.target_model.template``; the template's text of a whole generated turn is
+``aerie.target_model.turns``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aerie.target.model import end_of_turn_ids
-from aerie.target.template import ChatTemplateError, TemplateRaised, messages_for_template, render_text
+from aerie.target_model.model import end_of_turn_ids
+from aerie.target_model.template import ChatTemplateError, TemplateRaised, messages_for_template, render_text
 
 
 def special_token_id(tokenizer, token: str) -> int:

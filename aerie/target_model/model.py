@@ -55,12 +55,12 @@ def load_target(
 ):
     """(model in eval mode, tokenizer, device of its input embeddings) for a local save_pretrained folder.
 
-    ``spread``: place the weights by :mod:`aerie.target.placement` (one GPU when they fit it, else balanced over
+    ``spread``: place the weights by :mod:`aerie.target_model.placement` (one GPU when they fit it, else balanced over
     every visible GPU with ``device_map``/``max_memory``; too large for them all: ValueError before loading).
     Without it, or on the CPU, the whole model goes to ``device``."""
     from transformers import AutoModelForCausalLM
 
-    from aerie.target.placement import plan_placement, weight_bytes
+    from aerie.target_model.placement import plan_placement, weight_bytes
 
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
