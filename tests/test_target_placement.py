@@ -1,6 +1,7 @@
-"""Where the in-process benchmark puts the target (aerie.target_model.placement): one GPU when it fits, balanced over the
-job's GPUs with device_map/max_memory when it does not, refused (naming bench.backend: sglang) when the GPUs together
-cannot hold it; the CPU as before. No GPU here: the CUDA branch is checked through what it asks transformers for."""
+"""Where the in-process benchmark puts the target (aerie.target_model.placement): one GPU when it fits, balanced over
+the job's GPUs with device_map/max_memory when it does not, refused (naming bench.backend: sglang) when the GPUs
+together cannot hold it; the CPU as before. No GPU here: the CUDA branch is checked through what it asks
+transformers for."""
 
 from __future__ import annotations
 

@@ -19,7 +19,12 @@ from conftest import REPO, snakemake
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 
 from aerie.artifacts import write_jsonl
-from aerie.target_model.markers import TokenizerMarkerError, check_template_markers, package_version, write_tokenizer_check
+from aerie.target_model.markers import (
+    TokenizerMarkerError,
+    check_template_markers,
+    package_version,
+    write_tokenizer_check,
+)
 from aerie.target_model.model import load_tokenizer
 from aerie.tokens.stage import tokenize_shard
 

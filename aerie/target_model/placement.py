@@ -1,6 +1,7 @@
 """Where an in-process target's weights go: one device, or spread over the job's GPUs (torch-free).
 
-The rule :func:`aerie.target_model.model.load_target` follows, and the one a fit plan mirrors (import it; do not copy it):
+The rule :func:`aerie.target_model.model.load_target` follows, and the one a fit plan mirrors (import it; do not
+copy it):
 
 - CPU: the whole model on the CPU (``device: cpu``, or ``auto`` without CUDA).
 - CUDA, one visible device, or weights that fit in :data:`GPU_WEIGHT_FRACTION` of the first device's memory: the
