@@ -873,6 +873,34 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
     assert any("40 samples were sent before an interruption" in line for line in logged), logged
 
 
+def test_the_job_logs_its_progress_with_rate_eta_and_dollars(tmp_path: Path, monkeypatch) -> None:
+    """aerie.progress in the responses job: samples done of all, samples/s, ETA and the run's dollars, throttled
+    (the last line always), counting what a journal already holds as done."""
+    import re
+
+    from aerie.api.job import ApiShardTask, regenerate_api_shards
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(30)]
+    out = results / "chat" / "responses" / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        task = ApiShardTask("chat", write_prompt_file(tmp_path / "p.jsonl", prompts), out)
+        lines: list[str] = []
+        assert isinstance(
+            regenerate_api_shards([task], api_run(job_config(base, {"chat": {}})), log=lines.append)[out], dict
+        )
+        out.unlink()  # a rerun publishes the shard again from its journal: every sample is already done
+        rerun: list[str] = []
+        regenerate_api_shards([task], api_run(job_config(base, {"chat": {}})), log=rerun.append)
+    bars = [x for x in lines if x.startswith("responses: ")]
+    assert 1 <= len(bars) <= 3, bars  # the first, maybe one more, the last: not one per sample
+    assert re.fullmatch(
+        r"responses: 100% 30/30 \[[\d:]+<00:00, [\d.]+ ?(sample/s|s/sample), spent=\$[\d.]+\]", bars[-1]
+    )
+    assert [x for x in rerun if x.startswith("responses: ")][-1].startswith("responses: 100% 30/30")
+
+
 def test_the_preview_counts_spend_beyond_the_journals_against_the_budget() -> None:
     """The preview's remaining budget and its OVER BUDGET verdict count what the account billed beyond the journals
     and what is still priced as pending, named as the logs and the report name them."""

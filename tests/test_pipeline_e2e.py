@@ -128,8 +128,15 @@ def test_the_demo_writes_training_curves_a_model_card_and_progress_lines(demo_ru
     assert "## Training data: where the responses came from" in card and "| humaneval |" in card
     assert os.stat(published / "model.safetensors").st_ino == os.stat(drafter / "model.safetensors").st_ino
     assert json.loads((published / "benchmark.json").read_text()) == bench
-    log = (results / "logs" / "drafter" / "demo.log").read_text()
-    assert re.search(r"training: 100% (\d+)/\1 \[[\d:]+<00:00, [\d.]+(step/s|s/step)", log), log[-2000:]
+    logs = results / "logs"
+    for path, pattern in [
+        (logs / "drafter" / "demo.log", r"training: 100% (\d+)/\1 \[[\d:]+<00:00, [\d.]+ ?(step/s|s/step)"),
+        (logs / "bench" / "demo.log", r"bench: 100% (\d+)/\1 \[[\d:]+<00:00, [\d.]+ ?(prompt/s|s/prompt)"),
+        (logs / "responses.log", r"responses: 100% (\d+)/\1 \[[\d:]+<00:00, .*spent=\$"),
+        (logs / "tasks" / "hidden" / "shard-00000.log", r"capture shard-00000\.safetensors: 100% [\d.]+k?/[\d.]+k?"),
+    ]:
+        text = path.read_text()
+        assert re.search(pattern, text), (path, text[-2000:])
 
 
 def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:

@@ -45,6 +45,7 @@ from aerie.api.client import (
     ShardWork,
     regenerate,
 )
+from aerie.api.journal import journal_path, read_journal
 from aerie.api.money import (
     ACCOUNT_LAG_S,
     JOURNALED,
@@ -67,7 +68,22 @@ from aerie.api.money import (
 )
 from aerie.api.settings import ApiRun, TargetSettings
 from aerie.formats.prompts import read_prompts
+from aerie.progress import JobProgress, job_progress
 from aerie.rulelog import attempt_logs, keep_attempt_log
+
+
+class ProgressSpend(RunSpend):
+    """The run's spend, moving the job's progress too: the client calls ``add`` once per answered, journaled
+    sample, so the progress line counts samples (rate, ETA) and shows the run's dollars."""
+
+    def __init__(self, *args: Any, progress: JobProgress, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def add(self, account: str | None, cost: float) -> None:
+        super().add(account, cost)
+        self.progress.postfix(spent=usd(self.spent()))
+        self.progress.update(1)
 
 
 def client_limits(responses: dict[str, Any]) -> ClientLimits:
@@ -317,7 +333,11 @@ def regenerate_api_shards(
         _, watcher = start_account(run, a, results_dir, expected, key, job, log)
         if watcher is not None:
             watchers[a] = watcher
-    run_spend_now = RunSpend(before, watchers)
+    done = sum(
+        len(read_journal(journal_path(t.out), run.datasets[t.dataset].settings.params_hash()).finished) for t in tasks
+    )
+    progress = job_progress("responses", sum(len(p) for p in prompts.values()), unit="sample", log=log, initial=done)
+    run_spend_now = ProgressSpend(before, watchers, progress=progress)
     log(f"spent so far: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
 
     sglang = any(run.datasets[d].backend == "sglang" for d in by_dataset)
@@ -356,6 +376,7 @@ def regenerate_api_shards(
                 log=log,
             )
         )
+    progress.close()
     log(f"spent: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
     return results
 
