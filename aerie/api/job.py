@@ -257,6 +257,52 @@ def _server(run: ApiRun, datasets: list[str], log_path: Path):
     )
 
 
+def _price_requests(
+    run: ApiRun,
+    by_dataset: dict[str, list[ApiShardTask]],
+    keys: dict[str, str | None],
+    prompts: dict[Path, list[dict[str, Any]]],
+    spend: dict[str, dict[str, float]],
+    log: Callable[[str], None],
+) -> tuple[dict[str, MoneyGuard], dict[str, float]]:
+    """Per dataset with work: its money guard (budget, quota) and the expected cost of a request; per dataset
+    without: the expected cost its requests that may still be billed are priced at."""
+    # one endpoints-API call per distinct routing
+    priced: dict[str, Prices] = {}
+    guards: dict[str, MoneyGuard] = {}
+    expected: dict[str, float] = {}
+    for d in by_dataset:
+        responses = run.datasets[d].responses
+        key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider")], sort_keys=True)
+        if key not in priced:
+            priced[key] = resolve_prices(responses, keys[d], live=responses["live_prices"])
+        prices = priced[key]
+        mean_tokens, basis = mean_output_tokens(responses, spend[d], run.datasets[d].described)
+        mine = [p for t in by_dataset[d] for p in prompts[t.out]]
+        prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in mine) / len(mine) if mine else 0.0
+        expected[d] = expected_sample_cost(spend[d], mean_tokens, prices, prompt_tokens)
+        guards[d] = MoneyGuard(
+            budget_usd=responses.get("budget_usd"),
+            expected_cost=expected[d],
+            token_cap=run.datasets[d].max_output_tokens,
+            tokens_before=int(spend[d]["completion_tokens"]),
+            expected_tokens=mean_tokens,
+        )
+        log(
+            f"{d}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
+            f"expected {mean_tokens:.0f} output tokens ({basis}), {usd(expected[d])} per request; "
+            f"{usd(spend[d]['cost'])} {JOURNALED} so far"
+        )
+    # A finished dataset's requests that may still be billed are priced at its journals' mean (else the most any
+    # dataset of the job expects).
+    for d in run.datasets:
+        if d not in expected:
+            done = spend[d]
+            expected[d] = done["cost"] / done["samples"] if done["samples"] else max(expected.values(), default=0.0)
+
+    return guards, expected
+
+
 def regenerate_api_shards(
     tasks: list[ApiShardTask],
     run: ApiRun,
@@ -289,38 +335,7 @@ def regenerate_api_shards(
     prompts = {t.out: read_prompts(t.prompts) for t in tasks}
     spend = run_spend(results_dir, datasets)
 
-    # Prices and the expected cost of a request, per dataset with work (one endpoints-API call per distinct routing).
-    priced: dict[str, Prices] = {}
-    guards: dict[str, MoneyGuard] = {}
-    expected: dict[str, float] = {}
-    for d in by_dataset:
-        responses = run.datasets[d].responses
-        key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider")], sort_keys=True)
-        if key not in priced:
-            priced[key] = resolve_prices(responses, keys[d], live=responses["live_prices"])
-        prices = priced[key]
-        mean_tokens, basis = mean_output_tokens(responses, spend[d], run.datasets[d].described)
-        mine = [p for t in by_dataset[d] for p in prompts[t.out]]
-        prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in mine) / len(mine) if mine else 0.0
-        expected[d] = expected_sample_cost(spend[d], mean_tokens, prices, prompt_tokens)
-        guards[d] = MoneyGuard(
-            budget_usd=responses.get("budget_usd"),
-            expected_cost=expected[d],
-            token_cap=run.datasets[d].max_output_tokens,
-            tokens_before=int(spend[d]["completion_tokens"]),
-            expected_tokens=mean_tokens,
-        )
-        log(
-            f"{d}: price {prices.input * 1e6:.3f}/{prices.output * 1e6:.3f} USD per M in/out ({prices.source}); "
-            f"expected {mean_tokens:.0f} output tokens ({basis}), {usd(expected[d])} per request; "
-            f"{usd(spend[d]['cost'])} {JOURNALED} so far"
-        )
-    # A finished dataset's requests that may still be billed are priced at its journals' mean (else the most any
-    # dataset of the job expects).
-    for d in datasets:
-        if d not in expected:
-            done = spend[d]
-            expected[d] = done["cost"] / done["samples"] if done["samples"] else max(expected.values(), default=0.0)
+    guards, expected = _price_requests(run, by_dataset, keys, prompts, spend, log)
 
     # Every account's spend: the journals of its datasets, and what only the account saw (reconciled now, for the
     # accounts this job spends from: their keys are here).
