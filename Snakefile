@@ -18,6 +18,7 @@ include: "rules/tokens.smk"
 include: "rules/hidden.smk"
 include: "rules/drafter.smk"
 include: "rules/bench.smk"
+include: "rules/card.smk"
 include: "rules/report.smk"
 
 

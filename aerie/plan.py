@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aerie.config_file import ConfigError, ConfigSources, check_against_schema
 from aerie.demo_target.config import DemoTargetConfig
@@ -29,6 +29,9 @@ from aerie.target_model.config import (
     target_architectures,
     text_config,
 )
+
+if TYPE_CHECKING:
+    from aerie.api.settings import ApiRun
 
 
 def validate_config(config: dict[str, Any], sources: ConfigSources) -> None:
@@ -126,6 +129,42 @@ def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
             where = ("datasets", dataset, "responses") if path and path[0] in override else ("responses",)
             raise ConfigError(message, where + path)
     return merged
+
+
+def api_run(config: dict[str, Any], plans: dict[str, DatasetPlan] | None = None) -> ApiRun:
+    """The run's API settings resolved once, for the API job and the cost preview (aerie.api.settings): every
+    dataset regenerated through an API with its merged, checked ``responses`` settings, and, with ``plans``,
+    its planned training shards and their prompts in the plan's order."""
+    from aerie.api.backends import API_BACKENDS
+    from aerie.api.settings import ApiDataset, ApiRun, PlannedShard, TargetSettings, backend_settings
+    from aerie.prompts import iter_planned_prompts
+
+    target = config["target"]
+    datasets = {}
+    for name, section in config["datasets"].items():
+        responses = responses_config(config, name)
+        if responses["backend"] not in API_BACKENDS:
+            continue
+        plan = plans.get(name) if plans is not None else None
+        datasets[name] = ApiDataset(
+            name=name,
+            responses=responses,
+            section=section,
+            settings=backend_settings(responses, target["path"]),
+            shards=tuple(PlannedShard(s, *plan.shard_range(int(s))) for s in plan.shard_names) if plan else (),
+            planned_prompts=functools.partial(iter_planned_prompts, plan, config["datasets"]) if plan else None,
+        )
+    return ApiRun(
+        datasets=datasets,
+        target=TargetSettings(
+            path=str(target["path"]),
+            trust_remote_code=bool(target.get("trust_remote_code", False)),
+            device=str(target.get("device", "auto")),
+        ),
+        concurrency=config["responses"]["concurrency"],
+        progress_interval_s=config["responses"]["progress_interval_s"],
+        budget_usd=config["responses"].get("budget_usd"),
+    )
 
 
 @functools.cache

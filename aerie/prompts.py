@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aerie.artifacts import FormatError, atomic_write_text, iter_jsonl
+from aerie.artifacts import atomic_write_text, iter_jsonl
+from aerie.formats.prompts import PROMPTS_FORMAT, read_prompts  # noqa: F401 (the shard format's home)
 from aerie.prompt_cache import CACHE_FORMAT, CachedPrompts, PromptCache, cache_key, code_fingerprint
 from aerie.prompt_sources import (
     MESSAGE_KEYS,
@@ -38,8 +39,6 @@ from aerie.prompt_sources import (
     local_data_files,
     source_identity,
 )
-
-PROMPTS_FORMAT = "aerie.prompts/1"
 
 
 @dataclass(frozen=True)
@@ -474,16 +473,6 @@ def write_prompts(
         )
     atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return len(records)
-
-
-def read_prompts(path: Path) -> list[dict[str, Any]]:
-    """Read an ``aerie.prompts/1`` shard, refusing other formats."""
-    records = []
-    for lineno, obj in iter_jsonl(Path(path)):
-        if obj.get("format") != PROMPTS_FORMAT:
-            raise FormatError(f"{path}:{lineno}: not an {PROMPTS_FORMAT} record (format={obj.get('format')!r})")
-        records.append(obj)
-    return records
 
 
 # ---- benchmark prompt sets (the SGLang serving harness) -------------------------------------------------------

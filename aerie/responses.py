@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from aerie.artifacts import write_jsonl
+from aerie.formats.prompts import read_prompts
 from aerie.formats.responses import RESPONSES_FORMAT
-from aerie.prompts import read_prompts
 from aerie.shard_store import (
     GENERATION_STORE_DIR,
     StoreStage,

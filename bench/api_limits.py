@@ -260,10 +260,11 @@ def scale_scenario(folder: Path, tree: Path = REPO) -> dict:
     (folder / "tasks.json").write_text(json.dumps(tasks))
     code = (
         "import json, resource, sys, time; from pathlib import Path; "
-        "from aerie.api.job import ApiShardTask, regenerate_api_shards; "
+        "from aerie.api.job import ApiShardTask, regenerate_api_shards; from aerie.plan import api_run; "
         f"c = json.load(open({str(folder / 'config.json')!r})); "
         f"t = [ApiShardTask(d, Path(p), Path(o)) for d, p, o in json.load(open({str(folder / 'tasks.json')!r}))]; "
-        "t0 = time.monotonic(); r = regenerate_api_shards(t, c, log=lambda m: None); wall = time.monotonic() - t0; "
+        "t0 = time.monotonic(); r = regenerate_api_shards(t, api_run(c), log=lambda m: None); "
+        "wall = time.monotonic() - t0; "
         "u = resource.getrusage(resource.RUSAGE_SELF); "
         # VmHWM, not ru_maxrss: ru_maxrss keeps the parent's size from before exec (this script imports torch).
         "hwm = int(next(x for x in open('/proc/self/status') if x.startswith('VmHWM')).split()[1]); "

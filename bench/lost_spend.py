@@ -69,6 +69,7 @@ def main() -> None:
     from aerie.api.job import start_account
     from aerie.api.journal import read_journal
     from aerie.api.money import account_id
+    from aerie.plan import api_run
 
     n = 16000
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,9 +127,9 @@ def main() -> None:
                     sys.executable,
                     "-c",
                     "import json, sys; from pathlib import Path; "
-                    "from aerie.api.job import regenerate_api_shard; "
+                    "from aerie.api.job import regenerate_api_shard; from aerie.plan import api_run; "
                     f"regenerate_api_shard(Path({str(prompts)!r}), Path({str(out)!r}), "
-                    f"json.load(open({str(tmp / 'config.json')!r})), 'chat', Path({str(results)!r}), "
+                    f"api_run(json.load(open({str(tmp / 'config.json')!r}))), 'chat', Path({str(results)!r}), "
                     "log=lambda m: None)",
                 ],
                 cwd=REPO,
@@ -159,7 +160,9 @@ def main() -> None:
             journaled = sum(r["cost"] for r in finished.values())
             per_request = 40 * 1.9e-6 + 6 * 0.45e-6  # the emulator's Chutes prices, 40 output and 6 prompt tokens
             account = account_id(cfg["responses"])
-            state, _ = start_account(cfg, account, results, {"chat": per_request}, KEY, "bench-rerun", lambda m: None)
+            state, _ = start_account(
+                api_run(cfg), account, results, {"chat": per_request}, KEY, "bench-rerun", lambda m: None
+            )
             stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
         finally:
             emu.terminate()

@@ -110,6 +110,7 @@ def get_final_outputs():
         f"results/bench/{RUN}.json",
         f"results/bench/{RUN}.png",
         "results/report/spend.png",  # rule report_figures (all figures of snakemake --report)
+        f"results/publish/{RUN}",  # rule model_card: the drafter folder to publish, with its model card
     ]
 
 
@@ -151,9 +152,10 @@ def get_responses_gpus(wildcards):
 def cost_preview():
     """The pending API work per dataset, cut at each quota (aerie.api.preview.CostPreview; None without API datasets)."""
     from aerie.api.preview import cost_preview as preview
+    from aerie.plan import api_run
 
     try:
-        return preview(config, PLANS, Path("results"))
+        return preview(api_run(config, PLANS), Path("results"))
     except ValueError as e:
         raise WorkflowError(f"bad configuration: {e}") from None
 

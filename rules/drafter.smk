@@ -44,5 +44,7 @@ rule drafter:
         drafter=config["drafter"],
         target=lambda w: TARGET,
         aux_layer_ids=config["hidden"]["aux_layer_ids"],  # checked against every hidden shard
+        card=config["card"],  # the exported folder's README.md (aerie/model_card.py)
+        sglang=config.get("sglang") or {},  # its serve command
     script:
         "../scripts/drafter.py"

@@ -12,6 +12,7 @@ from pathlib import Path  # noqa: E402
 
 from aerie.drafter.cli import run_training_job  # noqa: E402
 from aerie.drafter.config import TrainConfig  # noqa: E402
+from aerie.model_card import CardSettings  # noqa: E402
 from aerie.rulelog import snakemake_threads  # noqa: E402
 
 run_training_job(
@@ -24,4 +25,6 @@ run_training_job(
     configured_aux_layer_ids=snakemake.params.aux_layer_ids,
     log=log,
     log_path=Path(snakemake.log[0]),
+    card=CardSettings.from_config(snakemake.params.card),
+    sglang=snakemake.params.sglang,
 )

@@ -11,6 +11,7 @@ acquire_rule_gpus(snakemake, log)
 from pathlib import Path  # noqa: E402
 
 from aerie.api.job import ApiShardTask, run_api_responses_job  # noqa: E402
+from aerie.plan import api_run  # noqa: E402
 
 run_api_responses_job(
     [
@@ -19,6 +20,6 @@ run_api_responses_job(
             snakemake.params.datasets, snakemake.input.prompts, snakemake.output, snakemake.log.shards, strict=True
         )
     ],
-    snakemake.params.config,
+    api_run(snakemake.params.config),  # the settings resolved once, in the planning layer
     log=log,
 )

@@ -33,6 +33,7 @@ from aerie.api.journal import (
 )
 from aerie.artifacts import FormatError, read_jsonl
 from aerie.formats.responses import read_completion
+from aerie.plan import api_run
 
 MODEL = "moonshotai/kimi-k2.5"
 
@@ -788,7 +789,7 @@ def test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota(t
     emu = EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", latency_mean=0.1)
     with serve_in_thread(emu) as base:
         config = job_config(base, {"a": {}, "b": {}, "q": {"max_output_tokens": 4000}}, budget_usd=200 * per)
-        results_by_shard = regenerate_api_shards(tasks, config, log=lambda m: None)
+        results_by_shard = regenerate_api_shards(tasks, api_run(config), log=lambda m: None)
         stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
     assert 15 <= stats["max_in_flight"] <= 30, stats  # 30 in all, not 30 per dataset or per shard
     assert 200 * per - 2 * per <= stats["charged_usd"] <= 200 * per + 1e-9, stats["charged_usd"] / per
@@ -821,7 +822,9 @@ def test_a_job_start_counts_what_the_account_billed_beyond_the_journals(tmp_path
             requests.post(f"{base}/chat/completions", json=request_body(settings(base), p["messages"]), timeout=10)
         out = results / "chat" / "responses" / "shard-00000.jsonl"
         with pytest.raises(RegenerationStopped, match=r"budget: .* billed, no request of this run explains it"):
-            regenerate_api_shard(write_prompt_file(tmp_path / "p.jsonl", prompts), out, config, "chat", log=print)
+            regenerate_api_shard(
+                write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat", log=print
+            )
         billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
     assert billed <= 70 * per + 1e-9, f"{billed / per:.1f} requests billed for a budget of 70"
     assert 28 <= len(read_journal(journal_path(out)).finished) <= 30
@@ -861,13 +864,41 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
         logged: list[str] = []
         with pytest.raises(RegenerationStopped, match=r"sent before an interruption, not yet billed"):
             regenerate_api_shard(
-                write_prompt_file(tmp_path / "p.jsonl", prompts), out, config, "chat", log=logged.append
+                write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat", log=logged.append
             )
     spent = read_journal(journal_path(out)).cost
     # 40 priced requests + what was spent fit the budget; the journals' measured mean replaces the estimate.
     assert spent + 40 * expected <= 100 * expected + 1e-9, (spent / expected, 40)
     assert spent + 40 * expected >= 100 * expected - 2 * expected
     assert any("40 samples were sent before an interruption" in line for line in logged), logged
+
+
+def test_the_job_logs_its_progress_with_rate_eta_and_dollars(tmp_path: Path, monkeypatch) -> None:
+    """aerie.progress in the responses job: samples done of all, samples/s, ETA and the run's dollars, throttled
+    (the last line always), counting what a journal already holds as done."""
+    import re
+
+    from aerie.api.job import ApiShardTask, regenerate_api_shards
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(30)]
+    out = results / "chat" / "responses" / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        task = ApiShardTask("chat", write_prompt_file(tmp_path / "p.jsonl", prompts), out)
+        lines: list[str] = []
+        assert isinstance(
+            regenerate_api_shards([task], api_run(job_config(base, {"chat": {}})), log=lines.append)[out], dict
+        )
+        out.unlink()  # a rerun publishes the shard again from its journal: every sample is already done
+        rerun: list[str] = []
+        regenerate_api_shards([task], api_run(job_config(base, {"chat": {}})), log=rerun.append)
+    bars = [x for x in lines if x.startswith("responses: ")]
+    assert 1 <= len(bars) <= 3, bars  # the first, maybe one more, the last: not one per sample
+    assert re.fullmatch(
+        r"responses: 100% 30/30 \[[\d:]+<00:00, [\d.]+ ?(sample/s|s/sample), spent=\$[\d.]+\]", bars[-1]
+    )
+    assert [x for x in rerun if x.startswith("responses: ")][-1].startswith("responses: 100% 30/30")
 
 
 def test_the_preview_counts_spend_beyond_the_journals_against_the_budget() -> None:
@@ -906,7 +937,7 @@ def test_the_money_story_adds_up_to_the_account(tmp_path: Path, monkeypatch) -> 
     with serve_in_thread(emu) as base:
         config = job_config(base, {"chat": {}}, read_timeout_s=0.3, budget_usd=1.0)
         task = ApiShardTask("chat", write_prompt_file(tmp_path / "p.jsonl", prompts), out)
-        assert isinstance(regenerate_api_shards([task], config, log=lambda m: None)[out], dict)
+        assert isinstance(regenerate_api_shards([task], api_run(config), log=lambda m: None)[out], dict)
         deadline = time.monotonic() + 10
         while requests.get(f"{base}/emulator/stats", timeout=5).json()["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -3,8 +3,12 @@
 Layers (a module may import from its own layer or a lower one, never a higher one):
   0  aerie.artifacts                      atomic publishing, packed safetensors, JSONL
   1  aerie.formats.*, aerie.target_model.*      one module per on-disk format; everything about the target model
-  2  everything else (the stages, the drafter, the API client, benchmarks, the plan)
-and no import cycle anywhere, counting imports inside functions too.
+  2  everything else (the stages, the drafter, the API client, benchmarks, prompt sources)
+  3  the planning layer: aerie.plan, aerie.config_file, aerie.disk, aerie.fit (the config, the shard plan, the
+     previews); it resolves a run's settings and hands them down (aerie.api.settings.ApiRun for the API job)
+and no import cycle anywhere, counting imports inside functions too. Within layer 2 the API package never reads
+prompt sources (aerie.prompts & co. price prompts with aerie.api.money, so they sit above it): its jobs get their
+prompts from the prompt shards (aerie.formats.prompts) and the plan's resolved settings.
 """
 
 from __future__ import annotations
@@ -59,22 +63,55 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+PLANNING = ("aerie.plan", "aerie.config_file", "aerie.disk", "aerie.fit")
+PROMPT_SOURCES = ("aerie.prompts", "aerie.prompt_sources", "aerie.prompt_cache")
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
 def layer(module: str) -> int:
     if module == "aerie.artifacts":
         return 0
-    if module.startswith(("aerie.formats", "aerie.target_model")):
+    if _in(module, ("aerie.formats", "aerie.target_model")):
         return 1
+    if _in(module, PLANNING):
+        return 3
     return 2
 
 
-def test_lower_layers_never_import_higher_ones() -> None:
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a lower layer into a higher one, and from the API package into the prompt sources."""
     wrong = [
         f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
-        for m, deps in import_graph().items()
+        for m, deps in graph.items()
         for d in deps
         if layer(d) > layer(m)
     ]
+    wrong += [
+        f"{m} imports {d}: the API package gets its settings and prompts from the plan (aerie.api.settings)"
+        for m, deps in graph.items()
+        if _in(m, ("aerie.api",))
+        for d in deps
+        if _in(d, PROMPT_SOURCES)
+    ]
+    return wrong
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    wrong = upward_imports(import_graph())
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_refuses_the_api_climbing_to_the_plan() -> None:
+    """The direction issue 31 fixed: the API job reading the plan or the prompt sources is an upward import."""
+    graph = import_graph()
+    assert "aerie.api.job" in graph and not (graph["aerie.api.job"] & {"aerie.plan", "aerie.prompts"})
+    assert upward_imports({"aerie.api.job": {"aerie.plan"}}) == ["aerie.api.job (layer 2) imports aerie.plan (layer 3)"]
+    assert len(upward_imports({"aerie.api.preview": {"aerie.prompts"}})) == 1
+    assert len(upward_imports({"aerie.drafter.loop": {"aerie.fit"}, "aerie.formats.hidden": {"aerie.hidden"}})) == 2
+    assert upward_imports({"aerie.plan": {"aerie.api.settings"}, "aerie.api.job": {"aerie.formats.prompts"}}) == []
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

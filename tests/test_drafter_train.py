@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from aerie.drafter.config import TrainConfig
+from aerie.drafter.curves import read_curves
 from aerie.drafter.data import Window, batches, epoch_batches, padded_tokens, plan_windows
 from aerie.drafter.distributed import processes_for, shard_for_rank, torchrun_command
 from aerie.drafter.loop import build_drafter, train_drafter
@@ -182,6 +183,45 @@ def test_resume_after_kills_matches_uninterrupted_run(data, uninterrupted):
     assert result["epochs"] == uninterrupted["eval"]["epochs"]
     assert result["tokens_trained"] == uninterrupted["eval"]["tokens_trained"]
     assert not (state / "state.pt").exists()  # finished: nothing left to resume
+    # the curves of the twice-killed run: every step once (what an attempt wrote past its checkpoint purged)
+    straight, resumed = read_curves(uninterrupted["out"] / "tensorboard"), read_curves(out / "tensorboard")
+    assert [s for s, _ in resumed["train/loss"]] == list(range(1, len(a) + 1))
+    assert [v for _, v in resumed["train/loss"]] == pytest.approx([v for _, v in straight["train/loss"]], abs=1e-6)
+    assert [s for s, _ in resumed["heldout/acceptance_length"]] == [s for s, _ in straight["heldout/acceptance_length"]]
+
+
+def test_training_curves_are_tensorboard_events_in_the_drafter_folder(uninterrupted):
+    """Loss and accuracy per TTT position per step, held-out acceptance per position per epoch: the same figures
+    as train_log.jsonl, readable by TensorBoard's own reader from the drafter folder."""
+    out = uninterrupted["out"]
+    curves = read_curves(out / "tensorboard")
+    train, evals = _events(out, "train"), _events(out, "eval")
+    assert [s for s, _ in curves["train/loss"]] == [e["step"] for e in train]
+    assert [v for _, v in curves["train/loss"]] == pytest.approx([e["loss"] for e in train], rel=1e-6)
+    for k in range(CFG["ttt_steps"]):
+        got = [v for _, v in curves[f"train/acc_per_position/{k}"]]
+        assert got == pytest.approx([e["acc_per_step"][k] for e in train], rel=1e-6)
+        assert [v for _, v in curves[f"train/loss_per_position/{k}"]] == pytest.approx(
+            [e["loss_per_step"][k] for e in train], rel=1e-6
+        )
+        held = [v for _, v in curves[f"heldout/acceptance_per_position/{k}"]]
+        assert held == pytest.approx([e["acceptance_per_position"][k] for e in evals], rel=1e-6)
+    # one point per evaluation (untrained at step 0), at the step its epoch ended
+    per_epoch = len(train) // CFG["epochs"]
+    assert [s for s, _ in curves["heldout/acceptance_length"]] == [0, per_epoch, 2 * per_epoch, 3 * per_epoch]
+    assert [v for _, v in curves["epoch/epoch"]] == [0, 1, 2, 3]
+    means = [sum(e["loss"] for e in train if e["epoch"] == n) / per_epoch for n in (1, 2, 3)]
+    assert [v for _, v in curves["epoch/train_loss"]] == pytest.approx(means, rel=1e-6)
+    assert not (train_state_dir(out) / "tensorboard").exists()  # moved into the folder, not copied twice
+
+
+def test_tensorboard_off_and_wandb_asked_without_the_package(data, tmp_path, monkeypatch):
+    out = tmp_path / "quiet"
+    _train(data, out, epochs=1, tensorboard=False)
+    assert not (out / "tensorboard").exists() and (out / "train_log.jsonl").exists()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb fails as when it is not installed
+    with pytest.raises(ValueError, match="wandb_project is 'aerie' but the wandb package is not installed"):
+        _train(data, tmp_path / "wandb", epochs=1, wandb_project="aerie")
 
 
 def test_resume_from_epoch_end_and_from_finished_state(data, uninterrupted, tmp_path, monkeypatch):
@@ -280,7 +320,13 @@ def test_killed_process_resumes(data, uninterrupted, tmp_path):
 def test_best_and_last_checkpoints(uninterrupted):
     out, result = uninterrupted["out"], uninterrupted["eval"]
     state = train_state_dir(out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval.json", "model.safetensors", "train_log.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "eval.json",
+        "model.safetensors",
+        "tensorboard",
+        "train_log.jsonl",
+    ]
     assert sorted(p.name for p in state.iterdir()) == ["best", "last"]  # state.pt and the partial log are gone
     on_disk = json.loads((out / "eval.json").read_text())
     epochs = on_disk["epochs"]

@@ -79,15 +79,15 @@ def test_help(name: str) -> None:
 
 
 def test_readme_command_lines_use_the_scripts() -> None:
-    """The README's command lines (its code blocks) start the tools by their console scripts, and each script
-    is documented; prose may still name the `python -m` form."""
-    readme = (REPO / "README.md").read_text()
+    """The documentation's command lines (code blocks of README.md and docs/) start the tools by their console
+    scripts, and each script is documented; prose may still name the `python -m` form."""
+    readme = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))])
     blocks = "\n".join(re.findall(r"^```[a-z]*\n(.*?)^```", readme, flags=re.M | re.S))
     modules = [v.split(":")[0].removesuffix(".cli") for v in SCRIPTS.values()]
     old = sorted({m for m in modules if re.search(rf"python -m\s+{re.escape(m)}\b", blocks)})
-    assert not old, f"README.md command lines start {old} with `python -m`; use the scripts {sorted(SCRIPTS)}"
+    assert not old, f"documented command lines start {old} with `python -m`; use the scripts {sorted(SCRIPTS)}"
     missing = [name for name in SCRIPTS if f"`{name}" not in readme and name not in blocks]
-    assert not missing, f"README.md never documents {missing}"
+    assert not missing, f"README.md and docs/ never document {missing}"
     assert re.search(r"(\s|^)aerie-sglang-capture check --target", blocks, flags=re.M)  # the first GPU step
     assert re.search(r"(/|^)aerie-sglang-bench --config", blocks, flags=re.M)
 

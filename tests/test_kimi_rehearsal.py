@@ -172,7 +172,7 @@ def preview_usd(workdir: Path, configfile: Path) -> float:
     (aerie.api.preview.cost_preview) on the config as the Snakefile validates it (schema defaults filled)."""
     from aerie.api.preview import cost_preview
     from aerie.config_file import ConfigSources
-    from aerie.plan import check_config, plan_datasets, validate_config
+    from aerie.plan import api_run, check_config, plan_datasets, validate_config
 
     config = yaml.safe_load(configfile.read_text())
     validate_config(config, ConfigSources.read([str(configfile)]))
@@ -180,7 +180,7 @@ def preview_usd(workdir: Path, configfile: Path) -> float:
     cwd = Path.cwd()
     os.chdir(workdir)  # prompt files and results/ are relative to the workflow's directory
     try:
-        return cost_preview(config, plan_datasets(config), Path("results")).pending_usd
+        return cost_preview(api_run(config, plan_datasets(config)), Path("results")).pending_usd
     finally:
         os.chdir(cwd)
 

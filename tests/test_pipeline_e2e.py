@@ -107,6 +107,38 @@ def test_every_stage_wrote_its_artifacts(demo_run) -> None:
         assert (results / "logs" / rule_log).exists()
 
 
+def test_the_demo_writes_training_curves_a_model_card_and_progress_lines(demo_run) -> None:
+    """TensorBoard events in the drafter folder, its export card, the published folder with the full card, and
+    each long job's log with tqdm's rate and ETA lines."""
+    from aerie.drafter.curves import read_curves
+
+    workdir, _ = demo_run
+    results = workdir / "results"
+    drafter, published = results / "drafter" / "demo", results / "publish" / "demo"
+    curves = read_curves(drafter / "tensorboard")
+    train = [json.loads(x) for x in (drafter / "train_log.jsonl").read_text().splitlines()]
+    steps = [e["step"] for e in train if e["event"] == "train"]
+    assert [s for s, _ in curves["train/loss"]] == steps and "train/acc_per_position/0" in curves
+    assert len(curves["heldout/acceptance_length"]) == 2  # untrained + the one epoch
+    export_card = (drafter / "README.md").read_text()
+    assert export_card.startswith("---\n") and "library_name: sglang" in export_card and "## Training" in export_card
+    card = (published / "README.md").read_text()
+    bench = json.loads((results / "bench" / "demo.json").read_text())
+    assert "**all prompts**" in card and f"{bench['acceptance_length']:,.2f}" in card
+    assert "## Training data: where the responses came from" in card and "| humaneval |" in card
+    assert os.stat(published / "model.safetensors").st_ino == os.stat(drafter / "model.safetensors").st_ino
+    assert json.loads((published / "benchmark.json").read_text()) == bench
+    logs = results / "logs"
+    for path, pattern in [
+        (logs / "drafter" / "demo.log", r"training: 100% (\d+)/\1 \[[\d:]+<00:00, [\d.]+ ?(step/s|s/step)"),
+        (logs / "bench" / "demo.log", r"bench: 100% (\d+)/\1 \[[\d:]+<00:00, [\d.]+ ?(prompt/s|s/prompt)"),
+        (logs / "responses.log", r"responses: 100% (\d+)/\1 \[[\d:]+<00:00, .*spent=\$"),
+        (logs / "tasks" / "hidden" / "shard-00000.log", r"capture shard-00000\.safetensors: 100% [\d.]+k?/[\d.]+k?"),
+    ]:
+        text = path.read_text()
+        assert re.search(pattern, text), (path, text[-2000:])
+
+
 def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
     workdir, _ = demo_run
     bench = json.loads((workdir / "results" / "bench" / "demo.json").read_text())

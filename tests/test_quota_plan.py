@@ -188,9 +188,10 @@ def test_a_setting_that_would_change_a_written_shard_is_refused(tmp_path: Path) 
 def test_the_cost_preview_reads_the_sampled_shards(tmp_path: Path) -> None:
     """The preview prices what the planned shards still lack: their prompts in the plan's order, matched with
     their journals (source order would count none of these journaled samples as done)."""
-    from aerie.api.preview import backend_settings, cost_preview
+    from aerie.api.preview import cost_preview
+    from aerie.api.settings import backend_settings
     from aerie.config_file import ConfigSources
-    from aerie.plan import validate_config
+    from aerie.plan import api_run, validate_config
 
     config, results = quota_config(tmp_path), tmp_path / "results"
     config["responses"] |= {"price_per_million_output_usd": 1.0, "live_prices": False}
@@ -207,7 +208,7 @@ def test_the_cost_preview_reads_the_sampled_shards(tmp_path: Path) -> None:
             for p in prompts[:20]
         )
     )
-    estimate = cost_preview(config, plans, results, live=False).datasets["chat"]
+    estimate = cost_preview(api_run(config, plans), results, live=False).datasets["chat"]
     assert (estimate.shards, estimate.pending_prompts) == (3, 150 - 20)
 
 

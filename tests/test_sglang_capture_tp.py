@@ -144,16 +144,16 @@ def test_rank_digests_tell_replicated_states_from_others() -> None:
     torch.testing.assert_close(states_digest(big_aux, big_final), d0.repeat(700, 1))
 
 
-def test_the_readme_first_gpu_step_runs_kimis_path_with_valid_commands() -> None:
-    """The README's first GPU step lists the Kimi wrapper runs (one GPU, two-way TP, the refusal), and every
-    `aerie-sglang-capture` line in it parses with the tool's own argument parser."""
+def test_the_first_gpu_step_runs_kimis_path_with_valid_commands() -> None:
+    """The first GPU step (docs/sglang-capture-check.md) lists the Kimi wrapper runs (one GPU, two-way TP, the
+    refusal), and every `aerie-sglang-capture` line in it parses with the tool's own argument parser."""
     import re
     import shlex
 
     from aerie.sglang_capture.cli import build_parser
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## The first GPU step", 1)[1].split("\n## ", 1)[0]
+    page = (REPO / "docs" / "sglang-capture-check.md").read_text()
+    section = page.split("# The first GPU step", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"^```bash\n(.*?)^```", section, flags=re.M | re.S).group(1).replace("\\\n", " ")
     runs = [
         shlex.split(line.split("aerie-sglang-capture", 1)[1])

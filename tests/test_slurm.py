@@ -121,7 +121,7 @@ def compare(local: Path, slurm: Path) -> dict[str, bool]:
 
 
 # rules/prompts.smk and rules/report.smk: jobs of a second or less, never worth an sbatch round trip.
-LOCAL_RULES = ("prompts", "bench_prompts", "report_figures", "tokenizer_check")
+LOCAL_RULES = ("prompts", "bench_prompts", "report_figures", "tokenizer_check", "model_card")
 
 
 def expected_jobs(workdir: Path, configfile: Path) -> dict[str, int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -44,12 +45,12 @@ from aerie.api.client import (
     ShardWork,
     regenerate,
 )
+from aerie.api.journal import journal_path, read_journal
 from aerie.api.money import (
     ACCOUNT_LAG_S,
     JOURNALED,
     AccountMoney,
     Prices,
-    account_id,
     account_key_url,
     account_ledger_path,
     account_money,
@@ -65,10 +66,24 @@ from aerie.api.money import (
     run_spend,
     usd,
 )
-from aerie.api.preview import api_datasets, backend_settings
-from aerie.plan import responses_config
-from aerie.prompts import read_prompts
+from aerie.api.settings import ApiRun, TargetSettings
+from aerie.formats.prompts import read_prompts
+from aerie.progress import JobProgress, job_progress
 from aerie.rulelog import attempt_logs, keep_attempt_log
+
+
+class ProgressSpend(RunSpend):
+    """The run's spend, moving the job's progress too: the client calls ``add`` once per answered, journaled
+    sample, so the progress line counts samples (rate, ETA) and shows the run's dollars."""
+
+    def __init__(self, *args: Any, progress: JobProgress, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def add(self, account: str | None, cost: float) -> None:
+        super().add(account, cost)
+        self.progress.postfix(spent=usd(self.spent()))
+        self.progress.update(1)
 
 
 def client_limits(responses: dict[str, Any]) -> ClientLimits:
@@ -89,11 +104,6 @@ def settle_seconds(responses: dict[str, Any]) -> float:
     return float(responses["read_timeout_s"]) + ACCOUNT_LAG_S
 
 
-def account_datasets(config: dict[str, Any], account: str) -> list[str]:
-    """The API datasets that spend from one provider account."""
-    return [d for d in api_datasets(config) if account_id(responses_config(config, d)) == account]
-
-
 def account_headers(responses: dict[str, Any], api_key: str | None) -> dict[str, str]:
     headers = dict(responses.get("extra_headers") or {})
     if api_key:
@@ -102,7 +112,7 @@ def account_headers(responses: dict[str, Any], api_key: str | None) -> dict[str,
 
 
 def start_account(
-    config: dict[str, Any],
+    run: ApiRun,
     account: str,
     results_dir: Path,
     expected_cost: dict[str, float],
@@ -117,8 +127,8 @@ def start_account(
     (aerie.api.journal.request_tally) are priced at ``expected_cost`` of their dataset on top, until the account
     shows as much. All of it counts against the budget. Stops (RuntimeError) when the key's own limit is
     exhausted. No usage figure from the provider: (None, None)."""
-    mine = account_datasets(config, account)
-    responses = responses_config(config, mine[0])
+    mine = run.account_datasets(account)
+    responses = run.datasets[mine[0]].responses
     try:
         live = read_account_usage(responses, api_key)
     except RuntimeError as e:
@@ -133,9 +143,7 @@ def start_account(
     ledger = read_account_ledger(ledger_path, account)
     journals = sum(s["cost"] for s in run_spend(results_dir, mine).values())
     requests = {
-        d: dataset_requests(
-            results_dir / d / "responses", expected_cost[d], settle_seconds(responses_config(config, d))
-        )
+        d: dataset_requests(results_dir / d / "responses", expected_cost[d], settle_seconds(run.datasets[d].responses))
         for d in mine
     }
     money = account_money(ledger, live["usage"], journals, requests)
@@ -212,15 +220,15 @@ def open_shard_log(path: Path) -> Callable[[str], None]:
     return log
 
 
-def _sglang_ids(target: dict[str, Any]) -> tuple[Callable, Callable, list[int]]:
+def _sglang_ids(target: TargetSettings) -> tuple[Callable, Callable, list[int]]:
     """The sglang backend sends ids rendered by the target's template and splits the answer's ids at its markers."""
     from aerie.responses import split_generated
     from aerie.target_model.chat import read_chat_format
     from aerie.target_model.model import load_tokenizer, read_generation_config
     from aerie.target_model.template import render_prompt_ids
 
-    tok = load_tokenizer(target["path"], target.get("trust_remote_code", False))
-    fmt = read_chat_format(tok, read_generation_config(target["path"]))
+    tok = load_tokenizer(target.path, target.trust_remote_code)
+    fmt = read_chat_format(tok, read_generation_config(target.path))
 
     def render_ids(messages, tools=None):
         return render_prompt_ids(tok, messages, tools=tools)
@@ -231,74 +239,52 @@ def _sglang_ids(target: dict[str, Any]) -> tuple[Callable, Callable, list[int]]:
     return render_ids, split_ids, list(fmt.stop_ids)
 
 
-def _server(config: dict[str, Any], datasets: list[str], log_path: Path):
+def _server(run: ApiRun, datasets: list[str], log_path: Path):
     """One loopback server for every dataset that asks the rule to serve the target (``responses.serve``)."""
-    if not any(responses_config(config, d).get("serve") == "transformers" for d in datasets):
+    if not any(run.datasets[d].served for d in datasets):
         return contextlib.nullcontext(None)
     from aerie.api.serve import serve_on_loopback, transformers_serve_command
     from aerie.target_model.model import pick_device
 
-    target = config["target"]
-    device = str(pick_device(target.get("device", "auto")))
+    target = run.target
+    device = str(pick_device(target.device))
     return serve_on_loopback(
         lambda port: transformers_serve_command(
-            target["path"], port, device=device, trust_remote_code=target.get("trust_remote_code", False)
+            target.path, port, device=device, trust_remote_code=target.trust_remote_code
         ),
         "/health",
         log_path,
     )
 
 
-def regenerate_api_shards(
-    tasks: list[ApiShardTask],
-    config: dict[str, Any],
-    results_dir: Path | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[Path, dict[str, Any] | str]:
-    """Run every API shard of ``tasks`` in one process: per shard output, its summary (published) or why it is not
-    finished. ``results_dir``: where every dataset's journals are; by default the one the outputs lie in."""
-    if not tasks:
-        return {}
-    if results_dir is None:
-        dirs = {responses_results_dir(t.out, t.dataset) for t in tasks}
-        if len(dirs) > 1:
-            raise ValueError(f"the API shards of one job lie in several results folders: {sorted(map(str, dirs))}")
-        results_dir = dirs.pop()
-    datasets = api_datasets(config)
-    by_dataset: dict[str, list[ApiShardTask]] = {}
-    for t in tasks:
-        if t.dataset not in datasets:
-            raise ValueError(f"dataset {t.dataset!r} is not regenerated through an API (responses.backend)")
-        by_dataset.setdefault(t.dataset, []).append(t)
-    keys = {d: api_key_from_env(responses_config(config, d)) for d in datasets}
-    for d in by_dataset:
-        responses = responses_config(config, d)
-        if responses["backend"] == "openrouter" and not keys[d]:
-            raise RuntimeError(
-                f"responses.api_key_env: environment variable ${responses['api_key_env']} is not set "
-                "(the key is read from the environment only)"
-            )
-    prompts = {t.out: read_prompts(t.prompts) for t in tasks}
-    spend = run_spend(results_dir, datasets)
-
-    # Prices and the expected cost of a request, per dataset with work (one endpoints-API call per distinct routing).
+def _price_requests(
+    run: ApiRun,
+    by_dataset: dict[str, list[ApiShardTask]],
+    keys: dict[str, str | None],
+    prompts: dict[Path, list[dict[str, Any]]],
+    spend: dict[str, dict[str, float]],
+    log: Callable[[str], None],
+) -> tuple[dict[str, MoneyGuard], dict[str, float]]:
+    """Per dataset with work: its money guard (budget, quota) and the expected cost of a request; per dataset
+    without: the expected cost its requests that may still be billed are priced at."""
+    # one endpoints-API call per distinct routing
     priced: dict[str, Prices] = {}
     guards: dict[str, MoneyGuard] = {}
     expected: dict[str, float] = {}
     for d in by_dataset:
-        responses = responses_config(config, d)
+        responses = run.datasets[d].responses
         key = json.dumps([responses.get(k) for k in ("backend", "base_url", "model", "provider")], sort_keys=True)
         if key not in priced:
             priced[key] = resolve_prices(responses, keys[d], live=responses["live_prices"])
         prices = priced[key]
-        mean_tokens, basis = mean_output_tokens(responses, spend[d], (d, config["datasets"][d]))
+        mean_tokens, basis = mean_output_tokens(responses, spend[d], run.datasets[d].described)
         mine = [p for t in by_dataset[d] for p in prompts[t.out]]
         prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in mine) / len(mine) if mine else 0.0
         expected[d] = expected_sample_cost(spend[d], mean_tokens, prices, prompt_tokens)
         guards[d] = MoneyGuard(
             budget_usd=responses.get("budget_usd"),
             expected_cost=expected[d],
-            token_cap=config["datasets"][d].get("max_output_tokens"),
+            token_cap=run.datasets[d].max_output_tokens,
             tokens_before=int(spend[d]["completion_tokens"]),
             expected_tokens=mean_tokens,
         )
@@ -309,46 +295,87 @@ def regenerate_api_shards(
         )
     # A finished dataset's requests that may still be billed are priced at its journals' mean (else the most any
     # dataset of the job expects).
-    for d in datasets:
+    for d in run.datasets:
         if d not in expected:
             done = spend[d]
             expected[d] = done["cost"] / done["samples"] if done["samples"] else max(expected.values(), default=0.0)
 
+    return guards, expected
+
+
+def regenerate_api_shards(
+    tasks: list[ApiShardTask],
+    run: ApiRun,
+    results_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[Path, dict[str, Any] | str]:
+    """Run every API shard of ``tasks`` in one process: per shard output, its summary (published) or why it is not
+    finished. ``run``: the run's API settings as the planning layer resolved them (aerie.plan.api_run);
+    ``results_dir``: where every dataset's journals are; by default the one the outputs lie in."""
+    if not tasks:
+        return {}
+    if results_dir is None:
+        dirs = {responses_results_dir(t.out, t.dataset) for t in tasks}
+        if len(dirs) > 1:
+            raise ValueError(f"the API shards of one job lie in several results folders: {sorted(map(str, dirs))}")
+        results_dir = dirs.pop()
+    datasets = list(run.datasets)
+    by_dataset: dict[str, list[ApiShardTask]] = {}
+    for t in tasks:
+        run.dataset(t.dataset)  # refuses a dataset not regenerated through an API
+        by_dataset.setdefault(t.dataset, []).append(t)
+    keys = {d: api_key_from_env(run.datasets[d].responses) for d in datasets}
+    for d in by_dataset:
+        responses = run.datasets[d].responses
+        if responses["backend"] == "openrouter" and not keys[d]:
+            raise RuntimeError(
+                f"responses.api_key_env: environment variable ${responses['api_key_env']} is not set "
+                "(the key is read from the environment only)"
+            )
+    prompts = {t.out: read_prompts(t.prompts) for t in tasks}
+    spend = run_spend(results_dir, datasets)
+
+    guards, expected = _price_requests(run, by_dataset, keys, prompts, spend, log)
+
     # Every account's spend: the journals of its datasets, and what only the account saw (reconciled now, for the
     # accounts this job spends from: their keys are here).
-    accounts = {account_id(responses_config(config, d)) for d in datasets}
-    before = {
-        a: sum(spend[d]["cost"] for d in datasets if account_id(responses_config(config, d)) == a) for a in accounts
-    }
+    accounts = {run.datasets[d].account for d in datasets}
+    before = {a: sum(spend[d]["cost"] for d in run.account_datasets(a)) for a in accounts}
     watchers = {}
     job = f"responses ({len(tasks)} shards)"
-    for a in sorted({account_id(responses_config(config, d)) for d in by_dataset} - {None}):
-        key = keys[next(d for d in by_dataset if account_id(responses_config(config, d)) == a)]
-        _, watcher = start_account(config, a, results_dir, expected, key, job, log)
+    for a in sorted({run.datasets[d].account for d in by_dataset} - {None}):
+        key = keys[next(d for d in by_dataset if run.datasets[d].account == a)]
+        _, watcher = start_account(run, a, results_dir, expected, key, job, log)
         if watcher is not None:
             watchers[a] = watcher
-    run_spend_now = RunSpend(before, watchers)
+    done = sum(
+        len(read_journal(journal_path(t.out), run.datasets[t.dataset].settings.params_hash()).finished) for t in tasks
+    )
+    progress = job_progress("responses", sum(len(p) for p in prompts.values()), unit="sample", log=log, initial=done)
+    run_spend_now = ProgressSpend(before, watchers, progress=progress)
     log(f"spent so far: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
 
-    target = config["target"]
-    sglang = any(responses_config(config, d)["backend"] == "sglang" for d in by_dataset)
-    render_ids, split_ids, eos_ids = _sglang_ids(target) if sglang else (None, None, None)
-    with _server(config, list(by_dataset), results_dir / "logs" / "responses.server.log") as base:
+    sglang = any(run.datasets[d].backend == "sglang" for d in by_dataset)
+    render_ids, split_ids, eos_ids = _sglang_ids(run.target) if sglang else (None, None, None)
+    with _server(run, list(by_dataset), results_dir / "logs" / "responses.server.log") as base:
         if base:
             log(f"transformers serve ready at {base}")
         lanes = []
         for d, mine in by_dataset.items():
-            responses = responses_config(config, d)
-            served = responses.get("serve") == "transformers"
+            dataset = run.datasets[d]
+            responses = dataset.responses
+            settings = dataset.settings
+            if dataset.served:  # the rule's own server, at the address it got
+                settings = dataclasses.replace(settings, base_url=f"{base}/v1")
             lanes.append(
                 Lane(
                     dataset=d,
-                    settings=backend_settings(responses, target["path"], base_url=f"{base}/v1" if served else None),
+                    settings=settings,
                     shards=[ShardWork(prompts[t.out], t.out, open_shard_log(t.log) if t.log else None) for t in mine],
                     limits=client_limits(responses),
                     guard=guards[d],
                     api_key=keys[d],
-                    account=account_id(responses),
+                    account=dataset.account,
                     want_reasoning=responses["require_reasoning"],
                     render_ids=render_ids if responses["backend"] == "sglang" else None,
                     split_ids=split_ids if responses["backend"] == "sglang" else None,
@@ -358,12 +385,13 @@ def regenerate_api_shards(
         results = asyncio.run(
             regenerate(
                 lanes,
-                concurrency=config["responses"]["concurrency"],
+                concurrency=run.concurrency,
                 spend=run_spend_now,
-                progress_interval=config["responses"]["progress_interval_s"],
+                progress_interval=run.progress_interval_s,
                 log=log,
             )
         )
+    progress.close()
     log(f"spent: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
     return results
 
@@ -371,26 +399,26 @@ def regenerate_api_shards(
 def regenerate_api_shard(
     prompts_path: Path,
     out_path: Path,
-    config: dict[str, Any],
+    run: ApiRun,
     dataset: str,
     results_dir: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """One API shard alone through the job's path (benches, tests); raises RegenerationStopped when unfinished."""
-    result = regenerate_api_shards([ApiShardTask(dataset, prompts_path, out_path)], config, results_dir, log)[out_path]
+    result = regenerate_api_shards([ApiShardTask(dataset, prompts_path, out_path)], run, results_dir, log)[out_path]
     if isinstance(result, str):
         raise RegenerationStopped(result)
     return result
 
 
 def run_api_responses_job(
-    tasks: list[ApiShardTask], config: dict[str, Any], log: Callable[[str], None] = print
+    tasks: list[ApiShardTask], run: ApiRun, log: Callable[[str], None] = print
 ) -> dict[Path, dict[str, Any]]:
     """Rule ``responses``: ``regenerate_api_shards``; when a shard is left unfinished (budget, a fatal error,
     failed requests, the key's limit) the job ends with the reasons, logged and as its exit message, after the
     other shards were finished and written."""
     try:
-        results = regenerate_api_shards(tasks, config, log=log)
+        results = regenerate_api_shards(tasks, run, log=log)
     except (RegenerationStopped, RuntimeError) as e:
         log(f"responses: nothing finished: {e}")
         raise SystemExit(f"responses: {e}") from None

@@ -13,14 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aerie.api.backends import API_BACKENDS, BackendSettings
 from aerie.api.money import (
     ACCOUNT_LAG_S,
     JOURNALED,
     AccountMoney,
     DatasetEstimate,
     Prices,
-    account_id,
     account_ledger_path,
     account_money,
     api_key_from_env,
@@ -36,36 +34,8 @@ from aerie.api.money import (
     run_spend,
     usd,
 )
+from aerie.api.settings import ApiRun, backend_settings  # noqa: F401 (backend_settings: its old home)
 from aerie.formats.responses import read_completion
-from aerie.plan import responses_config
-from aerie.prompts import iter_planned_prompts
-
-
-def backend_settings(responses: dict[str, Any], target_path: str, base_url: str | None = None) -> BackendSettings:
-    """The request settings of a dataset's merged ``responses`` config (their hash keys the journal)."""
-    served = bool(responses.get("serve"))
-    return BackendSettings(
-        backend=responses["backend"],
-        # A server started by the rule serves the target folder under its path.
-        model=str(target_path)
-        if served
-        else responses["model"]
-        if responses["backend"] != "sglang"
-        else responses.get("model") or str(target_path),
-        base_url=base_url or responses.get("base_url") or "",
-        temperature=responses["temperature"],
-        top_p=responses["top_p"],
-        max_new_tokens=responses["max_new_tokens"],
-        seed=responses["seed"] if responses.get("send_seed") else None,
-        provider=responses.get("provider"),
-        reasoning=responses.get("reasoning"),
-        extra_headers=responses.get("extra_headers"),
-    )
-
-
-def api_datasets(config: dict[str, Any]) -> list[str]:
-    """The datasets regenerated through an API (OpenRouter or an OpenAI-compatible server)."""
-    return [name for name in config["datasets"] if responses_config(config, name)["backend"] in API_BACKENDS]
 
 
 @dataclass
@@ -82,7 +52,7 @@ class CostPreview:
 
 
 def preview_account(
-    config: dict[str, Any],
+    run: ApiRun,
     datasets: list[str],
     results_dir: Path,
     spend: dict[str, dict[str, float]],
@@ -91,14 +61,14 @@ def preview_account(
 ) -> tuple[AccountMoney | None, str]:
     """The account reconcile for the preview: live when the key is here, else the ledger's last reading; requests
     sent before an interruption and not settled yet are priced at ``expected_cost`` (what a job start counts)."""
-    accounts = {account_id(responses_config(config, d)) for d in datasets} - {None}
+    accounts = {run.datasets[d].account for d in datasets} - {None}
     if not accounts:
         return None, ""
     if len(accounts) > 1:
         return None, f"{len(accounts)} accounts: per-account reconcile is shown in the job's log"
     account = accounts.pop()
-    mine = [d for d in datasets if account_id(responses_config(config, d)) == account]
-    responses = responses_config(config, mine[0])
+    mine = [d for d in datasets if run.datasets[d].account == account]
+    responses = run.datasets[mine[0]].responses
     ledger = read_account_ledger(account_ledger_path(results_dir), account)
     usage = None
     key = api_key_from_env(responses)
@@ -114,7 +84,7 @@ def preview_account(
         d: dataset_requests(
             results_dir / d / "responses",
             expected_cost[d],
-            float(responses_config(config, d)["read_timeout_s"]) + ACCOUNT_LAG_S,
+            float(run.datasets[d].responses["read_timeout_s"]) + ACCOUNT_LAG_S,
         )
         for d in mine
     }
@@ -132,16 +102,14 @@ def _quota_raised(completion: dict[str, Any], quota: int | None) -> bool:
     return recorded is not None and (quota is None or quota > recorded)
 
 
-def cost_preview(
-    config: dict[str, Any], plans: dict[str, Any], results_dir: Path, live: bool = True
-) -> CostPreview | None:
+def cost_preview(run: ApiRun, results_dir: Path, live: bool = True) -> CostPreview | None:
     """Estimate the pending API work per dataset, cut at each dataset's output-token quota; None when no
-    dataset uses an API.
+    dataset uses an API. ``run``: resolved with the shard plan (aerie.plan.api_run(config, plans)).
 
     Pending = training shards whose declared output does not exist yet, minus the samples their
     journals already hold.
     """
-    datasets = api_datasets(config)
+    datasets = list(run.datasets)
     if not datasets:
         return None
     spend = run_spend(results_dir, datasets)
@@ -149,10 +117,11 @@ def cost_preview(
     expected: dict[str, float] = {}  # USD per request, per dataset
     notes: list[str] = []
     prices_seen: Prices | None = None
-    budget = config["responses"].get("budget_usd")
+    budget = run.budget_usd
     priced: dict[str, Prices] = {}  # one endpoints-API call per distinct model/routing, not per dataset
     for name in datasets:
-        responses = responses_config(config, name)
+        dataset = run.datasets[name]
+        responses = dataset.responses
         key = json.dumps(
             [
                 responses.get(k)
@@ -172,22 +141,21 @@ def cost_preview(
             priced[key] = resolve_prices(responses, api_key_from_env(responses), live=live and responses["live_prices"])
         prices = priced[key]
         prices_seen = prices_seen or prices
-        ds = config["datasets"][name]
-        mean_tokens, basis = mean_output_tokens(responses, spend[name], (name, ds))
-        phash = backend_settings(responses, config["target"]["path"]).params_hash()
-        plan = plans[name]
-        prompts_iter = iter_planned_prompts(plan, config["datasets"])  # shard 0 first, in the plan's order
+        mean_tokens, basis = mean_output_tokens(responses, spend[name], dataset.described)
+        phash = dataset.settings.params_hash()
+        if dataset.shards and dataset.planned_prompts is None:
+            raise ValueError(f"dataset {name!r}: the cost preview needs the plan's prompts (aerie.plan.api_run)")
+        prompts_iter = dataset.planned_prompts() if dataset.shards else iter(())  # shard 0 first, plan order
         rows, cut = [], []
-        for shard in plan.shard_names:
-            out = results_dir / name / "responses" / f"shard-{shard}.jsonl"
-            start, stop = plan.shard_range(int(shard))
-            prompts = list(itertools.islice(prompts_iter, stop - start))
+        for shard in dataset.shards:
+            out = results_dir / name / "responses" / f"shard-{shard.name}.jsonl"
+            prompts = list(itertools.islice(prompts_iter, shard.stop - shard.start))
             if out.exists():
                 done = read_completion(out)
-                if done and done["not_requested"] and _quota_raised(done, ds.get("max_output_tokens")):
+                if done and done["not_requested"] and _quota_raised(done, dataset.max_output_tokens):
                     cut.append(str(out))
                 continue
-            rows.append(estimate_shard(name, shard, prompts, out, phash, mean_tokens, prices))
+            rows.append(estimate_shard(name, shard.name, prompts, out, phash, mean_tokens, prices))
         if cut:
             # A published shard is never rerun by Snakemake on its own: say how to request the rest.
             notes.append(
@@ -196,13 +164,13 @@ def cost_preview(
                 "their remaining prompts (journaled samples are not paid again)"
             )
         estimates[name] = estimate_dataset(
-            name, rows, mean_tokens, basis, prices, ds.get("max_output_tokens"), int(spend[name]["completion_tokens"])
+            name, rows, mean_tokens, basis, prices, dataset.max_output_tokens, int(spend[name]["completion_tokens"])
         )
         pending = sum(r.pending_prompts for r in rows)
         prompt_tokens = sum(r.prompt_tokens for r in rows) / pending if pending else 0.0
         expected[name] = expected_sample_cost(spend[name], mean_tokens, prices, prompt_tokens)
     spent = sum(s["cost"] for s in spend.values())
-    account, note = preview_account(config, datasets, results_dir, spend, expected, live)
+    account, note = preview_account(run, datasets, results_dir, spend, expected, live)
     text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
     text += "".join(f"\n  NOTE {n}" for n in notes)
     words = f"{usd(spent)} {JOURNALED}"

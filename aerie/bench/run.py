@@ -32,6 +32,7 @@ from aerie.bench.speculative import (
     greedy_generate,
     speculative_generate,
 )
+from aerie.progress import job_progress
 from aerie.target_model.model import end_of_turn_ids, load_target, set_threads
 from aerie.target_model.template import render_prompt_ids
 
@@ -167,6 +168,7 @@ def run_benchmark(
     per_prompt: list[dict[str, Any]] = []
     degenerate_ids: list[str] = []
     divergences: list[dict[str, Any]] = []  # outputs that differ from greedy: the gate's lossless check
+    bar = job_progress("bench", len(prompts), unit="prompt", log=log)  # prompts done, rate, ETA (aerie.progress)
     for i, (prompt, ids) in enumerate(zip(prompts, rendered)):
         runs: dict[str, list[tuple[Any, float]]] = {m: [] for m in methods}
         for r in range(repeats):
@@ -273,6 +275,8 @@ def run_benchmark(
             + (f" [degenerate: {', '.join(flags)}]" if flags else "")
             + ("" if entry["lossless"] else ", NOT LOSSLESS")
         )
+        bar.update(1)
+    bar.close()
 
     base = totals["baseline"]
     base_tps = _ratio(base.tokens, base.seconds)

@@ -10,15 +10,17 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from aerie.drafter import distributed
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.loop import train_drafter
+from aerie.model_card import CardSettings, write_export_card
 from aerie.target_model.config import resolve_aux_layer_ids, target_architectures, target_num_hidden_layers
 
 
@@ -33,13 +35,16 @@ def run_training_job(
     configured_aux_layer_ids: Sequence[int] | None,
     log: Callable[[str], None],
     log_path: Path,
+    card: CardSettings | None = None,
+    sglang: Mapping[str, Any] | None = None,
 ) -> None:
     """The drafter rule's work: resolve the aux layers, then train in this process, or - with ``gpus`` > 1 and
     that many visible - as torchrun processes (one per GPU, DDP) whose output goes to ``log_path``.
 
     The configured aux layers (null: SGLang's default for the target's depth) are checked against what SGLang
     serves; training refuses shards captured at other layers or from a target of another depth. Either way a
-    killed job resumes where its last checkpoint left off (aerie.drafter.state)."""
+    killed job resumes where its last checkpoint left off (aerie.drafter.state). The exported folder gets its model
+    card (README.md, aerie.model_card; ``card``: config section card, ``sglang``: the serve command's flags)."""
     aux_layer_ids = resolve_aux_layer_ids(
         configured_aux_layer_ids, target_num_hidden_layers(target_path), target_architectures(target_path)
     )
@@ -47,6 +52,7 @@ def run_training_job(
     nproc = distributed.processes_for(gpus, cfg)
     if nproc <= 1:
         train_drafter(*inputs, cfg, log=log, aux_layer_ids=aux_layer_ids)
+        write_export_card(out_dir, card or CardSettings(), str(target_path), hidden_shards, sglang)
         return
     cfg = replace(cfg, threads=max(1, cfg.threads // nproc))  # the job's cores, shared by the processes
     cmd = distributed.torchrun_command(nproc, *inputs, cfg, aux_layer_ids=aux_layer_ids)
@@ -59,6 +65,7 @@ def run_training_job(
         rc = proc.wait()
     if rc != 0:
         raise SystemExit(f"torchrun exited with status {rc}; see {log_path}")
+    write_export_card(out_dir, card or CardSettings(), str(target_path), hidden_shards, sglang)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

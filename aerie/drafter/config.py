@@ -29,6 +29,8 @@ class TrainConfig:
     checkpoint_every: int = 500  # optimizer steps between resumable training states (0 = after epochs only)
     resume: bool = True  # continue from a compatible training state beside out_dir; false = start over
     device: str = "auto"  # auto (CUDA when visible), cpu or cuda
+    tensorboard: bool = True  # TensorBoard event files of the training curves (the drafter folder's tensorboard/)
+    wandb_project: str = ""  # also log the curves to this Weights & Biases project (needs the wandb package)
     # the drafter's shape (SGLang serves both kinds); 0 = derived from the target
     attention: str = "auto"  # llama or mla (SGLang serves both); auto = mla for MLA targets (Kimi K2.5), else llama
     num_attention_heads: int = 0  # 0 = the target's (llama on an MLA target: hidden_size / 128)
@@ -80,4 +82,4 @@ class TrainConfig:
 
 
 # Settings a resumed run may change: they do not alter what is computed.
-RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device")
+RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device", "tensorboard", "wandb_project")

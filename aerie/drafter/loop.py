@@ -26,6 +26,7 @@ from torch import nn
 
 from aerie.artifacts import atomic_publish
 from aerie.drafter.config import TrainConfig
+from aerie.drafter.curves import open_curves, publish_curves
 from aerie.drafter.data import Window, batches, epoch_batches, load_batch, padded_tokens, plan_windows, split_heldout
 from aerie.drafter.distributed import setup_distributed, shard_for_rank
 from aerie.drafter.evaluate import EMPTY_EVAL, evaluate
@@ -44,6 +45,7 @@ from aerie.drafter.state import (
 from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast
 from aerie.formats.hidden import check_shard_layers, open_hidden_shards
 from aerie.formats.vocab import DraftVocab, load_draft_vocab
+from aerie.progress import job_progress
 from aerie.target_model.config import read_text_config, target_num_hidden_layers
 from aerie.target_model.heads import read_target_heads
 
@@ -246,7 +248,15 @@ def train_drafter(
         )
 
     # the train log, kept beside out_dir until the end; a resumed run cuts it back to its checkpoint
-    train_log = TrainLog(log_tmp, enabled=dist.main, resume_at=progress.log_bytes if resumed else None)
+    train_log = TrainLog(
+        log_tmp,
+        enabled=dist.main,
+        resume_at=progress.log_bytes if resumed else None,
+        curves=open_curves(state_dir, cfg, enabled=dist.main, resume_step=progress.step if resumed else None),
+        progress=job_progress("training", total_steps, unit="step", log=log, initial=progress.step)
+        if dist.main
+        else None,
+    )
 
     def checkpoint() -> None:  # the one place a training state is written
         progress.seconds = elapsed_before + time.time() - t_start
@@ -403,6 +413,7 @@ def train_drafter(
             copy_atomic(state_dir / "best" / name, out_dir / name)
         check_exported_layer_ids(out_dir, aux_layer_ids)
         copy_atomic(log_tmp, out_dir / "train_log.jsonl")
+        publish_curves(state_dir, out_dir)  # tensorboard/: the curves beside the drafter
         atomic_publish(out_dir / "eval.json", lambda path: Path(path).write_text(json.dumps(result, indent=2) + "\n"))
         state_path.unlink(missing_ok=True)  # nothing left to resume; last/ and best/ stay
         log_tmp.unlink(missing_ok=True)

@@ -23,7 +23,9 @@ import torch
 
 from aerie.artifacts import atomic_publish
 from aerie.drafter.config import RESUME_MAY_CHANGE, TrainConfig
+from aerie.drafter.curves import TrainCurves
 from aerie.drafter.model import Eagle3Drafter
+from aerie.progress import JobProgress
 
 try:
     import numpy as np
@@ -165,8 +167,18 @@ class TrainLog:
     a line; a resumed run cuts it back to the length its checkpoint recorded. Only rank 0 writes (others
     get ``enabled=False`` and every call is a no-op)."""
 
-    def __init__(self, path: Path, *, enabled: bool, resume_at: int | None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        enabled: bool,
+        resume_at: int | None,
+        curves: TrainCurves | None = None,
+        progress: JobProgress | None = None,
+    ):
         self._file = None
+        # every event also goes to the run's curves (TensorBoard, W&B); train events move the job's progress
+        self._curves, self._progress = (curves, progress) if enabled else (None, None)
         if not enabled:
             return
         if resume_at is not None:
@@ -180,6 +192,11 @@ class TrainLog:
         if self._file is not None:
             self._file.write(json.dumps(event) + "\n")
             self._file.flush()
+        if self._curves is not None:
+            self._curves.add(event)
+        if self._progress is not None and event.get("event") == "train":
+            self._progress.postfix(loss=f"{event['loss']:.4f}", acc0=f"{(event.get('acc_per_step') or [0])[0]:.3f}")
+            self._progress.set(event["step"])
 
     def tell(self) -> int:
         return self._file.tell() if self._file is not None else 0
@@ -187,3 +204,7 @@ class TrainLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        for sink in (self._curves, self._progress):
+            if sink is not None:
+                sink.close()
+        self._curves = self._progress = None

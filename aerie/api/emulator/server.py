@@ -16,6 +16,7 @@ import os
 import random
 import ssl
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -42,6 +43,43 @@ def _answer(out: dict[str, Any], gen_id: str) -> web.Response:
     return web.Response(
         body=json.dumps(out).encode(), content_type="application/json", headers={"X-Generation-Id": gen_id}
     )
+
+
+@dataclass
+class _ChatRequest:
+    """A chat request as read from its body (any field may be missing or of the wrong type until checked)."""
+
+    body: Any
+    model: Any = None
+    max_tokens: Any = None
+    messages: Any = None
+    sha: str | None = None  # of the canonical messages: the request log's key
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _ChatRequest:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return cls(body)
+        messages = body.get("messages")
+        sha = None
+        if isinstance(messages, list):
+            canon = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            sha = hashlib.sha256(canon.encode()).hexdigest()
+        return cls(body, body.get("model"), body.get("max_tokens", body.get("max_completion_tokens")), messages, sha)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """The answer's token counts and finish, and the upstream target's own answer when there is one."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int
+    finish: str
+    upstream: UpstreamAnswer | None = None
 
 
 class Emulator:
@@ -140,99 +178,101 @@ class Emulator:
                 self._tasks.discard(task)
 
     async def _chat_inner(self, request: web.Request) -> web.StreamResponse:
-        s = self.settings
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        body_ok = isinstance(body, dict)
-        model = body.get("model") if body_ok else None
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens")) if body_ok else None
-        messages = body.get("messages") if body_ok else None
-        sha = None
-        if isinstance(messages, list):
-            canon = json.dumps(messages, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-            sha = hashlib.sha256(canon.encode()).hexdigest()
-
-        def record(outcome: str, status: int, cost: float = 0.0, provider: str | None = None, tokens: int = 0) -> None:
-            self.requests.add(sha, model, max_tokens, outcome, status, cost, provider, tokens)
-
-        def reject(refusal: Refusal, provider: str | None = None) -> web.Response:
-            record(refusal.outcome, refusal.status, 0.0, provider)
-            return web.Response(
-                status=refusal.status,
-                body=envelope.error_body(refusal.status, refusal.message, refusal.metadata),
-                content_type="application/json",
-                headers=refusal.headers,
-            )
-
-        def bad_request(message: str) -> web.Response:
-            return reject(Refusal("400", 400, message))
-
-        if not self._authorized(request):
-            return reject(Refusal("401", 401, UNAUTHORIZED))
-        if not body_ok:
-            return bad_request("Request body is not a JSON object")
-        if not isinstance(model, str) or not model:
-            return bad_request("'model' is required")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return bad_request("'messages' must be a non-empty list of message objects")
-        if body.get("stream"):
-            return bad_request("streaming not emulated")
-        if s.strict_models and model not in s.models:
-            return bad_request(f"{model} is not a valid model ID (emulator knows {', '.join(s.models)})")
-        if max_tokens is None:
-            max_tokens = s.default_max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            return bad_request("'max_tokens' must be a positive integer")
-
-        # Everything about the answer comes from one RNG seeded by the request itself.
-        seed_src = f"{model}\n{body.get('seed')}\n{sha}".encode()
-        rng = random.Random(int.from_bytes(hashlib.sha256(seed_src).digest()[:8], "big"))
-        provider = route(s.providers, body.get("provider"), rng)
-        if provider is None:
-            return reject(
-                Refusal(
-                    "no-endpoints",
-                    503,
-                    "No endpoints found matching the requested provider preferences (emulated routing)",
-                )
-            )
-
-        fault = self.faults.draw_fault()
-        pname = provider.name
-        refusal = refusal_before_provider(fault, s, pname)
+        chat = _ChatRequest.parse(await request.read())
+        refusal = self._check_request(request, chat)
         if refusal is not None:
-            return reject(refusal, pname)
+            return self._reject(chat, refusal)
+        # Everything about the answer comes from one RNG seeded by the request itself.
+        seed_src = f"{chat.model}\n{chat.body.get('seed')}\n{chat.sha}".encode()
+        rng = random.Random(int.from_bytes(hashlib.sha256(seed_src).digest()[:8], "big"))
+        provider = route(self.settings.providers, chat.body.get("provider"), rng)
+        if provider is None:
+            message = "No endpoints found matching the requested provider preferences (emulated routing)"
+            return self._reject(chat, Refusal("no-endpoints", 503, message))
+        fault = self.faults.draw_fault()
+        refusal = refusal_before_provider(fault, self.settings, provider.name)
+        if refusal is not None:
+            return self._reject(chat, refusal, provider.name)
         if fault == "reset":
-            record(fault, 0, 0.0, pname)
+            self._record(chat, fault, 0, 0.0, provider.name)
             reset_connection(request)
             return web.Response(status=500)  # never reaches the client: the socket is gone
 
-        answer: UpstreamAnswer | None = None
+        answer = await self._answer_tokens(chat, provider.name, rng)
+        if isinstance(answer, Refusal):
+            return self._reject(chat, answer, provider.name)
+        bill = price(provider, answer.prompt_tokens, answer.completion_tokens, chat.max_tokens)
+        refusal = self.ledger.refusal(bill)
+        if refusal is not None:
+            return self._reject(chat, refusal, provider.name)
+        charged = fault in (None, "slow")
+        await self._generate(chat, bill, charged, answer.completion_tokens, fault, provider.name)
+        return await self._deliver(request, chat, answer, rng, bill, charged, fault, provider.name)
+
+    def _record(
+        self, chat: _ChatRequest, outcome: str, status: int, cost: float = 0.0, provider: str | None = None,
+        tokens: int = 0,
+    ) -> None:  # fmt: skip
+        self.requests.add(chat.sha, chat.model, chat.max_tokens, outcome, status, cost, provider, tokens)
+
+    def _reject(self, chat: _ChatRequest, refusal: Refusal, provider: str | None = None) -> web.Response:
+        self._record(chat, refusal.outcome, refusal.status, 0.0, provider)
+        return web.Response(
+            status=refusal.status,
+            body=envelope.error_body(refusal.status, refusal.message, refusal.metadata),
+            content_type="application/json",
+            headers=refusal.headers,
+        )
+
+    def _check_request(self, request: web.Request, chat: _ChatRequest) -> Refusal | None:
+        """The checks a provider makes before any work: the key, then the body (fills in the default max_tokens)."""
+        s = self.settings
+
+        def bad(message: str) -> Refusal:
+            return Refusal("400", 400, message)
+
+        if not self._authorized(request):
+            return Refusal("401", 401, UNAUTHORIZED)
+        if not isinstance(chat.body, dict):
+            return bad("Request body is not a JSON object")
+        if not isinstance(chat.model, str) or not chat.model:
+            return bad("'model' is required")
+        messages = chat.messages
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return bad("'messages' must be a non-empty list of message objects")
+        if chat.body.get("stream"):
+            return bad("streaming not emulated")
+        if s.strict_models and chat.model not in s.models:
+            return bad(f"{chat.model} is not a valid model ID (emulator knows {', '.join(s.models)})")
+        if chat.max_tokens is None:
+            chat.max_tokens = s.default_max_tokens
+        if isinstance(chat.max_tokens, bool) or not isinstance(chat.max_tokens, int) or chat.max_tokens < 1:
+            return bad("'max_tokens' must be a positive integer")
+        return None
+
+    async def _answer_tokens(self, chat: _ChatRequest, pname: str, rng: random.Random) -> _Answer | Refusal:
+        """The answer's token counts: the upstream target's own answer, or made up from the request's RNG."""
         if self.settings.upstream_url:
-            # The target's own answer; faults that never reach a provider were drawn above (no wasted work).
+            # The target's own answer; faults that never reach a provider were drawn before (no wasted work).
             if self._upstream is None:
                 self._upstream = Upstream(self.settings)
             try:
-                answer = await self._upstream.ask(body, model, max_tokens)
+                up = await self._upstream.ask(chat.body, chat.model, chat.max_tokens)
             except UpstreamError as exc:
-                return reject(
-                    Refusal("upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname}), pname
-                )
-            prompt_tokens, completion_tokens, finish = answer.prompt_tokens, answer.completion_tokens, answer.finish
-            reasoning_tokens = answer.reasoning_tokens
-        else:
-            prompt_tokens = made_up.prompt_tokens(messages)
-            reasoning_tokens, content_tokens, finish = made_up.plan_tokens(s, body.get("reasoning"), rng, max_tokens)
-            completion_tokens = reasoning_tokens + content_tokens
-        bill = price(provider, prompt_tokens, completion_tokens, max_tokens)
-        refusal = self.ledger.refusal(bill)
-        if refusal is not None:
-            return reject(refusal, pname)
+                return Refusal("upstream-error", 502, f"Upstream server error: {exc}", {"provider_name": pname})
+            return _Answer(up.prompt_tokens, up.completion_tokens, up.reasoning_tokens, up.finish, up)
+        s = self.settings
+        reasoning_tokens, content_tokens, finish = made_up.plan_tokens(
+            s, chat.body.get("reasoning"), rng, chat.max_tokens
+        )
+        return _Answer(
+            made_up.prompt_tokens(chat.messages), reasoning_tokens + content_tokens, reasoning_tokens, finish
+        )
 
-        charged = fault in (None, "slow")
+    async def _generate(
+        self, chat: _ChatRequest, bill: Any, charged: bool, completion_tokens: int, fault: str | None, pname: str
+    ) -> None:
+        """The provider "generates": the money is held while it waits as long as the answer takes."""
         with self.ledger.hold(bill, charged):
             try:
                 delay = self.faults.delay(completion_tokens, fault)
@@ -243,42 +283,60 @@ class Emulator:
                 # provider's generation had started and is billed in full, as a real provider does.
                 if charged:
                     self.ledger.charge(bill.cost)
-                    record("client-gone", 0, bill.cost, pname, completion_tokens)
+                    self._record(chat, "client-gone", 0, bill.cost, pname, completion_tokens)
                 raise
 
+    async def _deliver(
+        self,
+        request: web.Request,
+        chat: _ChatRequest,
+        answer: _Answer,
+        rng: random.Random,
+        bill: Any,
+        charged: bool,
+        fault: str | None,
+        pname: str,
+    ) -> web.StreamResponse:
+        """The answer in OpenRouter's envelope, or the fault that breaks it (an error inside HTTP 200, a torn
+        body); billed when charged, recorded either way."""
         self._n += 1
         gen_id = f"gen-{self._boot}-{self._n:07d}"
-        if answer is not None:
-            reasoning_text, content = answer.reasoning, answer.content
-            content_tokens = completion_tokens - reasoning_tokens
+        body, up = chat.body, answer.upstream
+        content_tokens = answer.completion_tokens - answer.reasoning_tokens
+        if up is not None:
+            reasoning_text, content = up.reasoning, up.content
         else:
-            reasoning_text = made_up.filler(rng, reasoning_tokens) if reasoning_tokens else None
+            reasoning_text = made_up.filler(rng, answer.reasoning_tokens) if answer.reasoning_tokens else None
             content = made_up.filler(rng, content_tokens)
         excluded = isinstance(body.get("reasoning"), dict) and bool(body["reasoning"].get("exclude"))
         if excluded or body.get("include_reasoning") is False:
             reasoning_text = None  # still produced and billed, just not returned
+        finish = answer.finish
         native = {"length": "max_tokens"}.get(finish, finish)  # stop, tool_calls (upstream mode)
         if fault == "200-error":
             if self.faults.error200_as_envelope():  # alternate the two ways a started generation fails
-                record(fault, 200, 0.0, pname)
-                return _answer(envelope.mid_generation_error(gen_id, model, pname), gen_id)
+                self._record(chat, fault, 200, 0.0, pname)
+                return _answer(envelope.mid_generation_error(gen_id, chat.model, pname), gen_id)
             content = " ".join(content.split()[: content_tokens // 2])
             finish = native = "error"
         charged_costs = (bill.cost, bill.prompt_cost, bill.completion_cost) if charged else (0.0, 0.0, 0.0)
         usage_cost = charged_costs[0]
-        message = envelope.assistant_message(content, reasoning_text, answer.tool_calls if answer is not None else None)
-        usage = envelope.usage_and_cost(prompt_tokens, completion_tokens, reasoning_tokens, *charged_costs)
-        out = envelope.chat_completion(gen_id, model, pname, finish, native, message, usage)
+        message = envelope.assistant_message(content, reasoning_text, up.tool_calls if up is not None else None)
+        usage = envelope.usage_and_cost(
+            answer.prompt_tokens, answer.completion_tokens, answer.reasoning_tokens, *charged_costs
+        )
+        out = envelope.chat_completion(gen_id, chat.model, pname, finish, native, message, usage)
         if fault == "torn":
-            record(fault, 200, 0.0, pname)
+            self._record(chat, fault, 200, 0.0, pname)
             return await send_torn(request, json.dumps(out).encode(), gen_id)
         if charged:
             self.ledger.charge(bill.cost)
+        tokens = answer.completion_tokens if charged else 0
         if request.transport is None or request.transport.is_closing():
             # The client left while the model was generating: billed, never delivered.
-            record("client-gone", 0, usage_cost, pname, completion_tokens if charged else 0)
+            self._record(chat, "client-gone", 0, usage_cost, pname, tokens)
             return web.Response(status=499)  # nobody reads it; 499 "client closed request" as providers log it
-        record(fault or "ok", 200, usage_cost, pname, completion_tokens if charged else 0)
+        self._record(chat, fault or "ok", 200, usage_cost, pname, tokens)
         return _answer(out, gen_id)
 
     # ---- other endpoints -------------------------------------------------------------------
