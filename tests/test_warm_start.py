@@ -277,3 +277,171 @@ def test_hub_ids_resolve_in_the_cache_only(tmp_path, monkeypatch) -> None:
     assert resolve_drafter_folder("published", base=tmp_path) == tmp_path / "published"
     with pytest.raises(FileNotFoundError, match="give the folder"):
         resolve_drafter_folder("no/such/folder/here", base=tmp_path)
+
+
+# ---- training from the folder ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    """The fixture's toy target (rebuilt from its config.json), its greedy data as hidden shards, and a draft vocab
+    file that is the SpecForge folder's own (what the draft_vocab rule writes under drafter.init)."""
+    from tiny_world import greedy_sequences, write_hidden_v1_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from aerie.formats.vocab import write_draft_vocab
+    from aerie.vocab import folder_vocab_maps
+
+    root = tmp_path_factory.mktemp("warm_start")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig.from_pretrained(SPECFORGE / "target")).eval()
+    target.save_pretrained(root / "target")
+    seqs = greedy_sequences(target, SF_AUX, num_seqs=24, prompt_len=6, new_tokens=14, id_prefix="toy")
+    shards = [root / "shard-00000.safetensors"]
+    write_hidden_v1_shard(
+        shards[0], seqs, aux_layer_ids=SF_AUX, target_config=target.config, target_dir=root / "target"
+    )
+    d2t, t2d = folder_vocab_maps(SPECFORGE)
+    vocab = root / "vocab.safetensors"
+    write_draft_vocab(vocab, d2t, t2d, torch.zeros(160, dtype=torch.int64), {"source": "drafter.init"})
+    return {"root": root, "target": root / "target", "shards": shards, "vocab": vocab, "d2t": d2t, "t2d": t2d}
+
+
+TRAIN = dict(ttt_steps=2, epochs=1, batch_size=8, max_seq_len=32, eval_fraction=0.25, seed=0, threads=1, log_every=1)
+
+
+def _train(world, out: Path, **overrides) -> dict:
+    from aerie.drafter.config import TrainConfig
+    from aerie.drafter.loop import train_drafter
+
+    cfg = TrainConfig(**{**TRAIN, "init": str(SPECFORGE), **overrides})
+    return train_drafter(
+        world["shards"], world["vocab"], world["target"], out, cfg, log=lambda _: None, aux_layer_ids=SF_AUX
+    )
+
+
+def test_no_steps_export_equals_the_start_folder_tensor_for_tensor(world, tmp_path) -> None:
+    """What the loop does before its first step (start_from_folder), then its export: the SpecForge folder again."""
+    from aerie.drafter.config import TrainConfig
+    from aerie.drafter.loop import export_drafter
+    from aerie.drafter.warm_start import start_from_folder
+    from aerie.formats.vocab import load_draft_vocab
+
+    embed = torch.randn(160, 32)
+    model = start_from_folder(
+        str(SPECFORGE),
+        world["target"],
+        load_draft_vocab(world["vocab"]),
+        SF_AUX,
+        TrainConfig(init=str(SPECFORGE)),
+        embed,
+    )
+    export_drafter(model, tmp_path / "out", SF_AUX, {})
+    start, exported = load_file(SPECFORGE / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert set(exported) == set(start)
+    for name, t in start.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
+
+
+def test_training_starts_from_every_tensor_and_keeps_the_vocab(world, tmp_path) -> None:
+    start = load_file(SPECFORGE / "model.safetensors")
+    # a learning rate too small to move a bf16 weight: one epoch of real optimizer steps, the start folder exported
+    still = _train(world, tmp_path / "still", learning_rate=1e-12, warmup_ratio=0.0)
+    assert still["optimizer_steps"] > 0
+    exported = load_file(tmp_path / "still" / "model.safetensors")
+    for name, t in start.items():
+        assert torch.equal(exported[name], t), name
+    # trained for real: every float tensor moved from the start, the vocabulary kept
+    moved = _train(world, tmp_path / "moved", learning_rate=3e-3, epochs=2)
+    trained = load_file(tmp_path / "moved" / "model.safetensors")
+    assert torch.equal(trained["d2t"], start["d2t"]) and torch.equal(trained["t2d"], start["t2d"])
+    assert not torch.equal(trained["fc.weight"], start["fc.weight"])
+    # the start is the folder, not a fresh drafter: its held-out figures before training are the folder's
+    scratch = _train(world, tmp_path / "scratch", init="", learning_rate=3e-3)
+    assert moved["untrained"]["heldout_loss"] == still["untrained"]["heldout_loss"]
+    assert moved["untrained"]["heldout_loss"] != scratch["untrained"]["heldout_loss"]
+    assert json.loads((tmp_path / "moved" / "config.json").read_text())["aerie"]["train_config"]["init"] == str(
+        SPECFORGE
+    )
+
+
+def test_a_vocab_file_other_than_the_folders_is_refused(world, tmp_path) -> None:
+    from aerie.formats.vocab import write_draft_vocab
+
+    other = tmp_path / "counted.safetensors"
+    d2t = torch.zeros(64, dtype=torch.int64)
+    t2d = torch.zeros(160, dtype=torch.bool)
+    t2d[:64] = True
+    write_draft_vocab(other, d2t, t2d, torch.zeros(160, dtype=torch.int64), {})
+    with pytest.raises(ValueError, match="not drafter.init's"):
+        _train({**world, "vocab": other}, tmp_path / "out")
+    with pytest.raises(DrafterFolderError, match=r"drafter.attention is 'mla'"):  # the loop checks the folder too
+        _train(world, tmp_path / "out2", attention="mla")
+
+
+def test_the_vocab_rule_takes_the_folders_maps(world, tmp_path) -> None:
+    from aerie.artifacts import save_packed
+    from aerie.formats.tokens import TOKENS_FORMAT
+    from aerie.formats.vocab import load_draft_vocab
+    from aerie.vocab import draft_vocab_from_folder
+
+    tokens = tmp_path / "tokens.safetensors"
+    ids = torch.randint(0, 160, (120,), generator=torch.Generator().manual_seed(3))
+    meta = {"format": TOKENS_FORMAT, "sample_ids": ["a", "b"], "generation_prompt_ids": [], "stop_ids": []}
+    meta["cut_sequences"] = []
+    tensors = {"input_ids": ids.to(torch.int32), "loss_mask": torch.ones(120, dtype=torch.uint8)}
+    save_packed(tokens, {**tensors, "seq_offsets": torch.tensor([0, 60, 120])}, meta)
+    meta = draft_vocab_from_folder(
+        [tokens], tmp_path / "v.safetensors", target_path=world["target"], init=str(SPECFORGE)
+    )
+    vocab = load_draft_vocab(tmp_path / "v.safetensors")
+    assert torch.equal(vocab.d2t, world["d2t"]) and torch.equal(vocab.t2d, world["t2d"])
+    assert meta["source"] == "drafter.init" and 0 < meta["coverage"] <= meta["coverage_if_counted"] <= 1
+
+
+def test_the_pull_and_the_constant_schedule() -> None:
+    from aerie.drafter.config import TrainConfig
+    from aerie.drafter.loop import lr_at
+    from aerie.drafter.warm_start import StartPull
+
+    model = torch.nn.Linear(4, 4)
+    pull = StartPull(model, strength=10.0)
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    pull.step(0.05)  # halfway back: w -= lr * strength * (w - start)
+    assert torch.allclose(model.weight, start + 0.5)
+    assert pull.distance() == pytest.approx(0.5 * 4)
+    cfg = TrainConfig(learning_rate=1e-3, warmup_ratio=0.1, lr_schedule="constant", init="x")
+    assert [lr_at(s, 100, cfg) for s in (50, 99)] == [1e-3, 1e-3] and lr_at(0, 100, cfg) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="drafter.lr_schedule"):
+        TrainConfig(lr_schedule="linear")
+    with pytest.raises(ValueError, match="drafter.init_pull pulls toward .* not set"):
+        TrainConfig(init_pull=0.1)
+
+
+def test_parse_time_refuses_a_folder_that_does_not_fit_and_previews_one_that_does(tmp_path, monkeypatch) -> None:
+    """check_config (what the Snakefile runs in every parse) on the demo config with drafter.init set."""
+    import yaml
+
+    from aerie.config_file import ConfigError
+    from aerie.drafter.folder import init_preview_text
+    from aerie.plan import check_config
+
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["drafter"]["init"] = str(SPECFORGE)  # hidden 32: not the demo target's 256
+    with pytest.raises(ConfigError, match=r"target of hidden size 32 .*the target has 256") as e:
+        check_config(config)
+    assert e.value.path[:2] == ("drafter", "init")
+    # a folder that fits the toy target: preview wording of the dry run
+    config = {
+        "target": {"path": str(SPECFORGE / "target")},
+        "hidden": {"aux_layer_ids": SF_AUX},
+        "vocab": {"draft_vocab_size": 64},
+        "drafter": {"init": str(SPECFORGE)},
+    }
+    text = init_preview_text(config)
+    assert "training starts from every one of its tensors" in text and "taken from its d2t/t2d (64 ids)" in text
+    config["drafter"]["init"] = "someone/absent-drafter"
+    assert "is NOT here - a real run refuses to start" in init_preview_text(config)

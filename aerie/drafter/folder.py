@@ -553,3 +553,92 @@ def _folder_dim(folder: DrafterFolder, key: str) -> int:
             return int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
         return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     return int(cfg[key])
+
+
+# ---- parse time ---------------------------------------------------------------------------------------------------
+
+
+def _target_dims(target: Mapping[str, Any]) -> dict[str, int]:
+    """The target's hidden and vocab sizes where parse time can know them: its folder's config.json, the described
+    config (target.config_json), target.hidden_size, or the demo / rehearsal settings."""
+    from aerie.target_model.config import read_described_config, read_text_config, text_config
+
+    text: dict[str, Any] = {}
+    if (Path(target["path"]) / "config.json").is_file():
+        text = read_text_config(target["path"])
+    elif target.get("config_json"):
+        try:
+            text = text_config(read_described_config(target["config_json"]))
+        except (OSError, ValueError):
+            text = {}
+    elif "demo" in target or "rehearsal" in target:
+        if "demo" in target:
+            from aerie.demo_target.config import DemoTargetConfig as Built
+        else:
+            from aerie.rehearsal_target.config import RehearsalTargetConfig as Built
+        text = {"hidden_size": Built(**(target.get("demo") or target.get("rehearsal") or {})).hidden_size}
+    dims = {k: int(text[k]) for k in ("hidden_size", "vocab_size") if text.get(k)}
+    if target.get("hidden_size"):
+        dims.setdefault("hidden_size", int(target["hidden_size"]))
+    return dims
+
+
+def init_folder_of(config: Mapping[str, Any], base: Path | None = None) -> Path | None:
+    """drafter.init's folder when it is here, None when no init is set; FileNotFoundError (saying where it looked)
+    when it is set but absent."""
+    init = (config.get("drafter") or {}).get("init")
+    if not init:
+        return None
+    return resolve_drafter_folder(init, base=base)
+
+
+def check_config_init(
+    config: Mapping[str, Any], num_hidden_layers: int | None, architectures: Sequence[str]
+) -> DrafterConfig | None:
+    """Parse time: drafter.init's folder against the config (check_drafter_folder) when the folder is here; None
+    when there is no init or the folder is absent (the Snakefile refuses a real run then, the dry run says so)."""
+    try:
+        path = init_folder_of(config)
+    except FileNotFoundError:
+        return None
+    if path is None:
+        return None
+    from aerie.drafter.config import TrainConfig
+
+    folder = read_drafter_folder(path)
+    dims = _target_dims(config["target"])
+    ids = config["hidden"].get("aux_layer_ids")
+    if not ids and num_hidden_layers:
+        ids = default_aux_layer_ids(num_hidden_layers)
+    wanted = int((config.get("vocab") or {}).get("draft_vocab_size") or 32000)
+    return check_drafter_folder(
+        folder,
+        aux_layer_ids=list(ids) if ids else None,
+        num_hidden_layers=num_hidden_layers,
+        architectures=architectures,
+        target_hidden_size=dims.get("hidden_size"),
+        target_vocab_size=dims.get("vocab_size"),
+        # vocab.draft_vocab_size is capped at the target vocab (the folder's until the target is known)
+        draft_vocab_size=min(wanted, dims.get("vocab_size") or folder.vocab_size),
+        shape=TrainConfig(**(config.get("drafter") or {})).drafter_shape(),
+    )
+
+
+def init_preview_text(config: Mapping[str, Any]) -> str | None:
+    """The dry run's lines about drafter.init (None without one)."""
+    init = (config.get("drafter") or {}).get("init")
+    if not init:
+        return None
+    try:
+        path = init_folder_of(config)
+    except FileNotFoundError as e:
+        return f"aerie warm start: drafter.init {init!r} is NOT here - a real run refuses to start until it is.\n  {e}"
+    folder = read_drafter_folder(path)
+    pull = (config.get("drafter") or {}).get("init_pull") or 0
+    return (
+        f"aerie warm start: drafter.init {init!r} -> {path}\n"
+        f"  {folder.describe()}\n"
+        f"  training starts from every one of its tensors (checked against this config); draft vocab: taken from its "
+        f"d2t/t2d ({folder.draft_vocab_size} ids), not counted from the data"
+        + (f"; L2-SP pull toward its weights: init_pull {pull}" if pull else "")
+    )
