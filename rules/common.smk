@@ -99,7 +99,8 @@ def get_shards(stage, suffix):
 
 def get_drafter_init():
     """drafter.init's config.json and weights (a changed folder retrains), none without an init; a real run refuses
-    to start when the folder is absent (the dry run says where it looked), before any money is spent."""
+    to start when the folder is absent (the dry run says where it looked), before any money is spent.
+    """
     from aerie.drafter.folder import init_folder_of, weight_files
 
     try:
