@@ -341,7 +341,7 @@ def prepare_vocabs(work: Path) -> None:
 def run_all(args: argparse.Namespace) -> None:
     work = args.work.resolve()
     f = files(work)
-    if not f["scratch_vocab"].exists() or not f["warm_vocab"].exists():
+    if not getattr(args, "prepared", False) and not (f["scratch_vocab"].exists() and f["warm_vocab"].exists()):
         prepare_vocabs(work)
     for seed in args.seeds:
         path = args.out / f"seed-{seed}.json"

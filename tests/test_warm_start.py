@@ -445,3 +445,60 @@ def test_parse_time_refuses_a_folder_that_does_not_fit_and_previews_one_that_doe
     assert "training starts from every one of its tensors" in text and "taken from its d2t/t2d (64 ids)" in text
     config["drafter"]["init"] = "someone/absent-drafter"
     assert "is NOT here - a real run refuses to start" in init_preview_text(config)
+
+
+# ---- bench/warm_start.py: its table and its refusal to mix settings -------------------------------------------
+
+
+def _seed_result(ws, seed: int, warm: float, scratch: float, published: float = 2.0) -> dict:
+    method = {"tokens_per_s": 10.0, "speedup": 1.0, "lossless": True}
+    accs = {"published": published, "scratch": scratch, "warm": warm, "ngram": 1.3}
+    train = {"wall_seconds": 1.0, "optimizer_steps": 8, "best_epoch": 2, "heldout_simulated_acceptance": 2.0,
+             "untrained_simulated_acceptance": 1.0, "tokens_per_s": 100.0}  # fmt: skip
+    sets = {
+        s: {"prompts": 4, "baseline_tokens_per_s": 10.0, "methods": {m: {**method, "acceptance_length": a + d}
+            for m, a in accs.items()}} for s, d in (("general", 0.5), ("domain", 0.0))
+    }  # fmt: skip
+    meta = {"coverage": 0.99}
+    return {
+        "format": ws.FORMAT,
+        "seed": seed,
+        "recipes": {"published": ws.PUBLISH, **ws.ARMS},
+        "bench_settings": ws.BENCH,
+        "draft_vocab_size": ws.DRAFT_VOCAB,
+        "data": {
+            "general": {"sequences": 10, "generated_tokens": 500},
+            "domain": {"sequences": 3, "generated_tokens": 90},
+            "vocab": {"scratch": meta, "warm": meta},
+        },  # fmt: skip
+        "train": {"scratch": train, "warm": train},
+        "sets": sets,
+        "code": "abc1234",
+        "machine": {"loadavg": {"before": [1.0] * 3, "after_bench": [2.0] * 3}, "cpu_count": 2},
+    }
+
+
+def test_the_warm_start_table_is_the_paired_comparison_per_set(tmp_path) -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import warm_start as ws
+
+    for seed, (warm, scratch) in enumerate([(2.6, 2.1), (2.5, 2.2), (2.7, 2.0)]):
+        (tmp_path / f"seed-{seed}.json").write_text(json.dumps(_seed_result(ws, seed, warm, scratch)))
+    text = ws.warm_start_table(tmp_path)
+    assert "| `warm` | 3.100 ± 0.100 | 2.600 ± 0.100 |" in text  # general, domain
+    assert "| warm - scratch | domain | +0.500 [" in text and "| warm - published | domain | +0.600 [" in text
+    assert "every decode lossless: True" in text
+    # a seed file of another recipe is refused, never mixed in
+    other = _seed_result(ws, 9, 2.0, 2.0)
+    other["recipes"]["warm"] = {**other["recipes"]["warm"], "learning_rate": 1.0}
+    (tmp_path / "seed-9.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="other settings"):
+        ws.run_all(argparse_ns(work=tmp_path, seeds=[9], out=tmp_path, threads=1, prepared=True))
+
+
+def argparse_ns(**kw):
+    import argparse
+
+    return argparse.Namespace(**kw)
