@@ -502,3 +502,29 @@ def argparse_ns(**kw):
     import argparse
 
     return argparse.Namespace(**kw)
+
+
+def test_an_mla_folder_in_deepseek_spelling_loads_with_the_served_layers(tmp_path) -> None:
+    """A published Kimi-style MLA drafter: ids [2, 4, 5] (no +1 on DeepSeek/Kimi targets) are the outputs [1, 3, 4],
+    which is what the in-process benchmark then captures (cfg.aux_layer_ids)."""
+    from types import SimpleNamespace
+
+    tc = SimpleNamespace(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=160, rms_norm_eps=1e-6,
+        max_position_embeddings=256, rope_theta=50000.0, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(tc, 64, [1, 3, 4]))
+    drafter.save_pretrained(tmp_path / "mla")
+    edit_config(tmp_path / "mla", aerie=None, eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 5]})
+    target = tmp_path / "target"
+    target.mkdir()
+    text = {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 8, "hidden_size": 32, "vocab_size": 160}
+    (target / "config.json").write_text(
+        json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text})
+    )
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "mla", target=target)
+    assert loaded.cfg == drafter.cfg and loaded.cfg.aux_layer_ids == [1, 3, 4]
+    with pytest.raises(DrafterFolderError, match=r"outputs of layers \[2, 4, 5\]"):
+        check_drafter_folder(read_drafter_folder(tmp_path / "mla"), aux_layer_ids=[1, 3, 4], num_hidden_layers=8)
