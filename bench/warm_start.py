@@ -15,8 +15,8 @@ only as a folder; then the user's small domain set, trained from scratch and war
 ``publish`` trains the published drafter on the publisher's data (``PUBLISH``, seed 0) into ``WORK/published``; from
 then on only that folder is used, read by aerie.drafter.folder as any tool's folder would be.
 ``run`` trains, per seed, the user's drafters on the domain shard: ``scratch`` (the demo's recipe, its own counted
-draft vocab) and ``warm`` (``drafter.init`` = the published folder, its draft vocab kept, a fine-tuning schedule),
-then benchmarks ``published``, ``scratch``, ``warm`` and prompt lookup (``ngram``) on both sets' held-out prompts with
+draft vocab) and ``warm`` (``drafter.init`` = the published folder, its draft vocab kept, a fine-tuning schedule) and ``warm-pull`` (the same with the
+L2-SP pull ``init_pull``), then benchmarks ``published``, ``scratch``, ``warm``, ``warm-pull`` and prompt lookup (``ngram``) on both sets' held-out prompts with
 aerie's in-process speculative decoding (aerie.bench.speculative: greedy chain drafting, lossless verification
 against the plain target's greedy output, decoded once per prompt). One JSON per seed under ``--out``
 (bench/results/warm_start/), written when the seed finishes; a finished seed is never recomputed; a seed file of
@@ -65,6 +65,10 @@ ARMS = {
         eval_fraction=0.1,
     ),
 }
+# ... and the warm start with the L2-SP pull: w -= lr * 20 * (w - w_start) a step, ~40 % of the drift taken back over
+# this run's ~90 steps at lr 3e-4.
+ARMS["warm-pull"] = {**ARMS["warm"], "init_pull": 20.0}
+WARM_ARMS = ("warm", "warm-pull")
 BENCH = dict(max_new_tokens=96, num_draft_steps=3)
 
 
@@ -176,9 +180,9 @@ def train_arm(f: dict, arm: str, seed: int, threads: int, work: Path) -> dict:
     from aerie.drafter.config import TrainConfig
     from aerie.drafter.loop import train_drafter
 
-    extra = {"init": str(f["published"])} if arm == "warm" else {}
+    extra = {"init": str(f["published"])} if arm in WARM_ARMS else {}
     cfg = TrainConfig(**ARMS[arm], **extra, seed=seed, threads=threads, resume=False, checkpoint_every=0)
-    vocab = f["warm_vocab"] if arm == "warm" else f["scratch_vocab"]
+    vocab = f["warm_vocab"] if arm in WARM_ARMS else f["scratch_vocab"]
     out = work / "drafters" / f"{arm}-{seed}"
     t0 = time.perf_counter()
     ev = train_drafter(f["domain_hidden"], vocab, f["target"], out, cfg, log=lambda _: None)
@@ -296,10 +300,8 @@ def run_seed(work: Path, seed: int, out: Path, threads: int) -> dict:
     torch.set_num_threads(threads)
     f = files(work)
     load = {"before": os.getloadavg()}
-    arms = {
-        arm: train_arm(f, arm, seed, threads, work)
-        for arm in (("scratch", "warm") if seed % 2 == 0 else ("warm", "scratch"))
-    }
+    order = list(ARMS) if seed % 2 == 0 else list(reversed(ARMS))  # who trains first alternates
+    arms = {arm: train_arm(f, arm, seed, threads, work) for arm in order}
     load["after_training"] = os.getloadavg()
     sets = bench_sets(f, {"published": f["published"], **{a: r["folder"] for a, r in arms.items()}}, threads)
     load["after_bench"] = os.getloadavg()
@@ -367,7 +369,7 @@ def run_all(args: argparse.Namespace) -> None:
 
 
 # ---- the table (torch-free: bench/tables.py) -----------------------------------------------------------------
-METHODS = ("published", "scratch", "warm", "ngram")
+METHODS = ("published", "scratch", "warm", "warm-pull", "ngram")
 
 
 def load_results(out: Path) -> dict[int, dict]:
@@ -399,7 +401,7 @@ def warm_start_table(out: Path = OUT) -> str:
     head = ["drafter", *(f"{s} set: measured acceptance" for s in sets)]
     tests = []
     for s in sets:
-        for a, b in (("warm", "scratch"), ("warm", "published"), ("scratch", "published")):
+        for a, b in (("warm", "scratch"), ("warm", "published"), ("scratch", "published"), ("warm-pull", "warm")):
             tests.append([f"{a} - {b}", s, gap_text(paired_test(acc(s, a), acc(s, b)))])
     r0 = results[seeds[0]]
     d = r0["data"]
@@ -423,12 +425,16 @@ def warm_start_table(out: Path = OUT) -> str:
         + "/".join(str(t["best_epoch"]) for t in train["scratch"])
         + ", warm "
         + "/".join(str(t["best_epoch"]) for t in train["warm"])
+        + ", warm-pull "
+        + "/".join(str(t["best_epoch"]) for t in train["warm-pull"])
         + f" of {ARMS['warm']['epochs']}. Recipes: published "
         + ", ".join(f"{k} {v}" for k, v in r0["recipes"]["published"].items())
         + "; scratch "
         + ", ".join(f"{k} {v}" for k, v in r0["recipes"]["scratch"].items())
         + "; warm "
         + ", ".join(f"{k} {v}" for k, v in r0["recipes"]["warm"].items())
+        + "; warm-pull: warm + init_pull "
+        + str(r0["recipes"]["warm-pull"]["init_pull"])
         + "; bench "
         + ", ".join(f"{k} {v}" for k, v in r0["bench_settings"].items())
         + f". Code {', '.join(sorted({r['code'] for r in results.values()}))}; load average (1 min) "
