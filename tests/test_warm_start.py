@@ -452,7 +452,7 @@ def test_parse_time_refuses_a_folder_that_does_not_fit_and_previews_one_that_doe
 
 def _seed_result(ws, seed: int, warm: float, scratch: float, published: float = 2.0) -> dict:
     method = {"tokens_per_s": 10.0, "speedup": 1.0, "lossless": True}
-    accs = {"published": published, "scratch": scratch, "warm": warm, "warm-pull": warm - 0.1, "ngram": 1.3}
+    accs = {"published": published, "scratch": scratch, "warm": warm, "ngram": 1.3}
     train = {"wall_seconds": 1.0, "optimizer_steps": 8, "best_epoch": 2, "heldout_simulated_acceptance": 2.0,
              "untrained_simulated_acceptance": 1.0, "tokens_per_s": 100.0}  # fmt: skip
     sets = {
@@ -471,7 +471,7 @@ def _seed_result(ws, seed: int, warm: float, scratch: float, published: float = 
             "domain": {"sequences": 3, "generated_tokens": 90},
             "vocab": {"scratch": meta, "warm": meta},
         },  # fmt: skip
-        "train": {"scratch": train, "warm": train, "warm-pull": train},
+        "train": {"scratch": train, "warm": train},
         "sets": sets,
         "code": "abc1234",
         "machine": {"loadavg": {"before": [1.0] * 3, "after_bench": [2.0] * 3}, "cpu_count": 2},
