@@ -51,7 +51,7 @@ DEMO = REPO / "config" / "config.yaml"
 GENERAL, DOMAIN = "general", "domain"
 DRAFT_VOCAB = 1024  # half the demo vocabulary: a real choice of ids (the demo's 32,000 cap keeps every id)
 # The published drafter: the demo's recipe on the large set.
-PUBLISH = dict(ttt_steps=3, epochs=4, learning_rate=0.001, max_seq_len=1024, batch_size=4, eval_fraction=0.05, seed=0)
+PUBLISH = dict(ttt_steps=3, epochs=3, learning_rate=0.001, max_seq_len=1024, batch_size=4, eval_fraction=0.05, seed=0)
 # The user's two trainings on the small set: the same epochs and data; scratch at the demo's learning rate, the warm
 # start at a fine-tuning schedule (a third of it, short warmup, cosine), as config/README.md suggests.
 ARMS = {
