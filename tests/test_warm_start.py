@@ -347,7 +347,7 @@ def test_training_starts_from_every_tensor_and_keeps_the_vocab(world, tmp_path) 
     start = load_file(SPECFORGE / "model.safetensors")
     # a learning rate too small to move a bf16 weight: one epoch of real optimizer steps, the start folder exported
     still = _train(world, tmp_path / "still", learning_rate=1e-12, warmup_ratio=0.0)
-    assert still["optimizer_steps"] > 0
+    assert still["optimizer_steps"] > 0 and still["best_epoch"] in (0, 1)
     exported = load_file(tmp_path / "still" / "model.safetensors")
     for name, t in start.items():
         assert torch.equal(exported[name], t), name
@@ -363,6 +363,27 @@ def test_training_starts_from_every_tensor_and_keeps_the_vocab(world, tmp_path) 
     assert json.loads((tmp_path / "moved" / "config.json").read_text())["aerie"]["train_config"]["init"] == str(
         SPECFORGE
     )
+
+
+def test_a_warm_start_never_exports_worse_than_its_start(world, tmp_path, monkeypatch) -> None:
+    """The start folder competes for best epoch: scripted held-out acceptance 2.0 (the start), then 1.5 and 1.8 after
+    the two epochs - the export is the start folder, tensor for tensor; one that beats it (2.5) is exported."""
+    import aerie.drafter.loop as loop
+
+    def scripted(values):
+        it = iter(values)
+        return lambda *a, **k: {**loop.EMPTY_EVAL, "simulated_acceptance_length": next(it), "heldout_loss": 1.0,
+                                "heldout_start_positions": 1}  # fmt: skip
+
+    monkeypatch.setattr(loop, "evaluate", scripted([2.0, 1.5, 1.8]))
+    kept = _train(world, tmp_path / "kept", learning_rate=3e-3, epochs=2)
+    assert kept["best_epoch"] == 0 and kept["simulated_acceptance_length"] == 2.0
+    start, exported = load_file(SPECFORGE / "model.safetensors"), load_file(tmp_path / "kept" / "model.safetensors")
+    assert all(torch.equal(exported[k], t) for k, t in start.items())
+    monkeypatch.setattr(loop, "evaluate", scripted([2.0, 1.5, 2.5]))
+    beaten = _train(world, tmp_path / "beaten", learning_rate=3e-3, epochs=2)
+    assert beaten["best_epoch"] == 2
+    assert not torch.equal(load_file(tmp_path / "beaten" / "model.safetensors")["fc.weight"], start["fc.weight"])
 
 
 def test_a_vocab_file_other_than_the_folders_is_refused(world, tmp_path) -> None:

@@ -277,6 +277,10 @@ def train_drafter(
             if untrained.get("heldout_start_positions"):
                 acceptance, loss = untrained["simulated_acceptance_length"], untrained["heldout_loss"]
                 log(f"untrained: acceptance {acceptance:.3f}, loss {loss:.4f}")
+                if cfg.init:  # warm start: the start folder competes; an epoch is exported only when it beats it
+                    progress.best_epoch, progress.best_acceptance = 0, acceptance
+                    if dist.main:
+                        export_drafter(model, state_dir / "best", aux_layer_ids, {"epoch": 0, "init": cfg.init})
         else:
             train_log.write(
                 {"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step}
@@ -372,7 +376,8 @@ def train_drafter(
         train_log.close()
 
     # finished: the best epoch's drafter, the log and eval.json go into out_dir; the resumable state goes
-    best = {k: v for k, v in progress.epochs[progress.best_epoch - 1].items() if k != "epoch"}
+    chosen = progress.epochs[progress.best_epoch - 1] if progress.best_epoch else progress.untrained  # 0: the start
+    best = {k: v for k, v in chosen.items() if k != "epoch"}
     seconds = elapsed_before + time.time() - t_start
     result = {
         "format": EVAL_FORMAT,
