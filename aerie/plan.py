@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from aerie.config_file import ConfigError, ConfigSources, check_against_schema
 from aerie.demo_target.config import DemoTargetConfig
 from aerie.drafter.config import TrainConfig
+from aerie.drafter.folder import check_config_init
 from aerie.prompts import DatasetPlan, plan_dataset, prompt_cache_dir
 from aerie.rehearsal_target.config import ARCHITECTURES as REHEARSAL_ARCHITECTURES
 from aerie.rehearsal_target.config import RehearsalTargetConfig
@@ -107,6 +108,10 @@ def check_config(config: dict[str, Any]) -> None:
         except ValueError as e:
             hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
             raise ConfigError(f"{e}{hint}", ("hidden", "aux_layer_ids")) from None
+    try:  # drafter.init's folder, where it is here, against the target, the aux layers, the vocab, the shape
+        check_config_init(config, layers, architectures)
+    except ValueError as e:
+        raise ConfigError(str(e), ("drafter", "init")) from None
 
     if not any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values()):
         raise ConfigError("no dataset reserves bench_prompts, so the benchmark would have no prompts", ("datasets",))

@@ -79,3 +79,66 @@ def build_draft_vocab_for_target(
     return build_draft_vocab(
         token_shards, out_path, target_vocab_size=vocab_size, draft_vocab_size=draft_vocab_size, log=log
     )
+
+
+def folder_vocab_maps(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [Vd], t2d bool [V]) of a drafter folder (aerie.drafter.folder: any tool's), t2d rebuilt from d2t
+    when the folder has none (SGLang never reads it), identity maps for a full-vocabulary head without d2t."""
+    from safetensors import safe_open
+
+    from aerie.drafter.folder import read_drafter_folder
+
+    info = read_drafter_folder(folder)
+    maps = {}
+    for name in ("d2t", "t2d"):
+        t = info.tensors.get(name)
+        if t is not None:
+            with safe_open(str(Path(folder) / t.file), framework="pt") as f:
+                maps[name] = f.get_tensor(t.stored_name)
+    d2t = maps.get("d2t", torch.zeros(info.draft_vocab_size, dtype=torch.int64)).long()
+    t2d = maps.get("t2d")
+    if t2d is None:
+        t2d = torch.zeros(info.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(len(d2t)) + d2t] = True
+    return d2t, t2d.bool()
+
+
+def draft_vocab_from_folder(
+    token_shards: Sequence[Path],
+    out_path: Path,
+    *,
+    target_path: Path,
+    init: str,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """drafter.init's draft vocabulary (its d2t/t2d, not counted from the data: the warm start keeps every tensor,
+    lm_head's rows included), with the data's token counts and the folder vocab's coverage of them."""
+    from aerie.drafter.folder import resolve_drafter_folder
+
+    folder = resolve_drafter_folder(init, base=Path.cwd())
+    d2t, t2d = folder_vocab_maps(folder)
+    vocab_size = int(read_text_config(target_path)["vocab_size"])
+    if t2d.numel() != vocab_size:
+        raise ValueError(
+            f"drafter.init {folder}: its t2d covers {t2d.numel()} ids, the target's vocab has {vocab_size}"
+        )
+    counts = count_tokens(token_shards, vocab_size)
+    chosen = torch.arange(len(d2t)) + d2t
+    total = int(counts.sum())
+    coverage = float(counts[chosen].sum()) / total if total else 0.0
+    best = select_draft_vocab(counts, len(d2t))[0]
+    meta = {
+        "draft_vocab_size": int(len(d2t)),
+        "target_vocab_size": vocab_size,
+        "coverage": round(coverage, 6),
+        # what counting would have reached with as many ids: the cost of keeping the folder's vocabulary
+        "coverage_if_counted": round(float(counts[best].sum()) / total if total else 0.0, 6),
+        "distinct_tokens_seen": int((counts > 0).sum()),
+        "tokens_counted": total,
+        "source": "drafter.init",
+        "init": str(init),
+        "init_folder": str(folder),
+    }
+    write_draft_vocab(out_path, d2t, t2d, counts, meta)
+    log(f"{out_path.name}: taken from drafter.init {folder} (d2t/t2d), not counted: {meta}")
+    return meta

@@ -97,6 +97,21 @@ def get_shards(stage, suffix):
     ]
 
 
+def get_drafter_init():
+    """drafter.init's config.json and weights (a changed folder retrains), none without an init; a real run refuses
+    to start when the folder is absent (the dry run says where it looked), before any money is spent.
+    """
+    from aerie.drafter.folder import init_folder_of, weight_files
+
+    try:
+        folder = init_folder_of(config)
+    except FileNotFoundError:
+        return []
+    if folder is None:
+        return []
+    return [str(folder / "config.json"), *map(str, weight_files(folder))]
+
+
 def get_bench_prompts():
     return [
         f"results/{name}/prompts/bench.jsonl"
@@ -185,6 +200,20 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
         ),
         file=sys.stderr,
     )
+
+
+# drafter.init: the dry run shows where the start folder is and what is taken from it; a real run without the folder
+# stops here, before any job runs (training could not start from it after the responses were paid for).
+if workflow.is_main_process and config["drafter"].get("init"):
+    from aerie.drafter.folder import init_folder_of, init_preview_text
+
+    if getattr(workflow.output_settings, "dryrun", False):
+        print(init_preview_text(config), file=sys.stderr)
+    else:
+        try:
+            init_folder_of(config)
+        except FileNotFoundError as e:
+            raise WorkflowError(f"bad configuration: drafter.init: {e}") from None
 
 
 def refuse_over_budget():

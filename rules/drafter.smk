@@ -5,6 +5,7 @@ rule draft_vocab:
     input:
         tokens=get_shards("tokens", "safetensors"),
         target=get_target_input(),
+        init=get_drafter_init(),
     output:
         "results/vocab/draft_vocab.safetensors",
     log:
@@ -15,6 +16,7 @@ rule draft_vocab:
         "../envs/aerie.yaml"
     params:
         vocab=config["vocab"],
+        drafter={"init": config["drafter"].get("init", "")},  # warm start: the folder's vocab, not counted
         target=lambda w: TARGET,
     script:
         "../scripts/draft_vocab.py"
@@ -29,6 +31,7 @@ rule drafter:
         hidden=get_shards("hidden", "safetensors"),
         vocab="results/vocab/draft_vocab.safetensors",
         target=get_target_input(),
+        init=get_drafter_init(),
     output:
         directory("results/drafter/{run}"),
     log:

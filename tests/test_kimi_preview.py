@@ -69,6 +69,9 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "OVER BUDGET" not in out, out
+    # the warm start is shown: the published drafter is not in this machine's Hub cache, so a real run would refuse
+    assert "aerie warm start: drafter.init 'lightseekorg/kimi-k2.5-eagle3' is NOT here" in out, out
+    assert "models--lightseekorg--kimi-k2.5-eagle3" in out and "huggingface-cli download" in out
     header = next(x for x in out.splitlines() if x.startswith("aerie cost preview"))
     price_in, price_out = (float(v) / 1e6 for v in re.search(r"price ([\d.]+)/([\d.]+) USD", header).groups())
     config = yaml.safe_load(KIMI.read_text())

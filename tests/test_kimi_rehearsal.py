@@ -73,6 +73,9 @@ ALLOWED_DIFFERENCES = {
     "bench.gate.min_speedup": "(as bench.gate)",
     "vocab.draft_vocab_size": "size: the toy answers' distinct tokens",
     "drafter.epochs": "count: ~35 toy samples need 20 passes to beat prompt lookup (~1 CPU minute)",
+    "drafter.init": "path: the published drafter is a folder the test writes (Kimi's is a Hub id in the HF cache)",
+    "drafter.num_key_value_heads": "size: the published drafter's shape on the toy target (all its heads, as Kimi's)",
+    "drafter.intermediate_size": "size: the published shape on the toy target (2/3 of the target's, as Kimi's)",
     "resources.*": "count: CI has no GPU",
 }
 # The dataset whose output-token quota the rehearsal reaches. It is one shard whose quota is concurrency x
@@ -205,7 +208,9 @@ def rehearsal(tmp_path_factory):
         # prices its pending work at start, so an emulator answers then too; it has no upstream yet.
         with serve_in_thread(EmulatorSettings(faults=faults, fault_seed=11)) as emulator_url:
             config["responses"]["base_url"] = emulator_url
-            configfile.write_text(yaml.safe_dump(config, sort_keys=False))
+            # drafter.init's folder is written from the built target below; a real run refuses to start without it
+            build_config = {**config, "drafter": {k: v for k, v in config["drafter"].items() if k != "init"}}
+            configfile.write_text(yaml.safe_dump(build_config, sort_keys=False))
             # The target goes before --configfile, which takes several values. The timeouts only stop a hung run:
             # on 2 quiet cores the build takes ~5 minutes and the run ~5 more; a shared machine takes several times.
             build = snakemake(
@@ -213,6 +218,7 @@ def rehearsal(tmp_path_factory):
             )
             assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
         target = workdir / config["target"]["path"]
+        published = write_published_drafter(workdir / config["drafter"]["init"], target, config)
         with serve_on_loopback(
             lambda port: transformers_serve_command(
                 str(target), port, trust_remote_code=True, default_request_seed=SERVER_SEED
@@ -253,11 +259,49 @@ def rehearsal(tmp_path_factory):
     return {
         "workdir": workdir,
         "config": config,
+        "published": published,
         "preview": preview,
         "pending_usd": pending,
         "stats": emulator_stats,
         "asked_again": asked_again,
     }
+
+
+def write_published_drafter(folder: Path, target: Path, config: dict) -> Path:
+    """A "published" drafter for the toy target in another tool's spelling: config.json without aerie's block and
+    with DeepSeek-style aux ids ([2, 4, 5]: SGLang serves them on Kimi's wrapper as the outputs [1, 3, 4]), no t2d
+    (SGLang never reads it). Untrained but for lm_head and the final norm (the target's rows, as a publisher's start);
+    its draft vocab: the toy tokenizer's BPE ranks and the first 32 special ids (Kimi's named ones among them)."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+    from aerie.target_model.heads import read_target_heads
+
+    heads = read_target_heads(target, ["embed", "norm", "lm_head"])
+    size = config["vocab"]["draft_vocab_size"]
+    ids = torch.tensor([*range(size - 32), *range(163584, 163584 + 32)])
+    shape = {k: config["drafter"][k] for k in ("attention", "num_key_value_heads", "head_dim", "intermediate_size")}
+    cfg = DrafterConfig.from_target(SimpleNamespace(**heads.config), size, config["hidden"]["aux_layer_ids"], **shape)
+    torch.manual_seed(5)
+    drafter = Eagle3Drafter(cfg)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    drafter.set_vocab_maps(ids - torch.arange(size), t2d)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(heads.lm_head[ids])
+        drafter.norm.weight.copy_(heads.norm)
+    drafter.save_pretrained(folder)
+    written = json.loads((folder / "config.json").read_text())
+    written.pop("aerie")
+    written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (folder / "config.json").write_text(json.dumps(written, indent=2))
+    state = load_file(folder / "model.safetensors")
+    del state["t2d"]
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
 
 
 def ask_again(base: str, target: str, results: Path) -> list[tuple[dict, dict]]:
@@ -358,7 +402,8 @@ def test_kimi_paths_ran_hidden_drafter_and_benchmark(rehearsal) -> None:
         meta = f.metadata()
     assert json.loads(meta["aux_layer_ids"]) == [1, 3, 4]
     drafter = json.loads((results / "drafter" / config["run"] / "config.json").read_text())
-    assert drafter["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]  # the MLA drafter SGLang serves for Kimi
+    # the published drafter's kind (Llama), as config/kimi-k2.5.yaml warm-starts from lightseekorg/kimi-k2.5-eagle3
+    assert drafter["architectures"] == ["LlamaForCausalLMEagle3"]
     bench = json.loads((results / "bench" / f"{config['run']}.json").read_text())
     assert bench["prompts"] >= 1 and bench["lossless"] is True and bench["speedup"] > 0
     # The gate is on as for Kimi: the job passed, so the trained drafter beat prompt lookup (and the untrained one).
@@ -366,6 +411,41 @@ def test_kimi_paths_ran_hidden_drafter_and_benchmark(rehearsal) -> None:
     assert bench["beats_references"] is True, methods
     assert methods["eagle3"] > max(methods["ngram"], methods["untrained"]), methods
     assert (results / "report" / "spend.png").exists() and (workdir / "report.html").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_training_started_from_the_published_folder_and_kept_its_vocab(rehearsal) -> None:
+    """drafter.init end to end: the dry run said what is taken, the vocab rule took the folder's d2t (not counted),
+    the exported drafter keeps it and moved from the folder's weights; its aux ids are aerie's spelling of the same
+    layers SGLang serves the published folder ([2, 4, 5] on Kimi's wrapper = outputs [1, 3, 4])."""
+    from safetensors.torch import load_file
+
+    from aerie.formats.vocab import load_draft_vocab
+
+    workdir, config, published = rehearsal["workdir"], rehearsal["config"], rehearsal["published"]
+    preview = rehearsal["preview"]
+    assert f"aerie warm start: drafter.init {config['drafter']['init']!r}" in preview
+    assert "draft vocab: taken from its d2t/t2d (2048 ids), not counted" in preview
+    results = workdir / "results"
+    vocab = load_draft_vocab(results / "vocab" / "draft_vocab.safetensors")
+    assert vocab.meta["source"] == "drafter.init" and vocab.meta["coverage"] > 0.99
+    start, trained = (
+        load_file(published / "model.safetensors"),
+        load_file(results / "drafter" / config["run"] / "model.safetensors"),
+    )
+    assert torch_equal(trained["d2t"], start["d2t"]) and torch_equal(trained["d2t"], vocab.d2t)
+    assert not torch_equal(trained["fc.weight"], start["fc.weight"])
+    exported = json.loads((results / "drafter" / config["run"] / "config.json").read_text())
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert exported["aerie"]["train_config"]["init"] == config["drafter"]["init"]
+    log = (results / "logs" / "vocab" / "draft_vocab.log").read_text()
+    assert "taken from drafter.init" in log
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ATTENTION_KINDS = ("auto", "llama", "mla")
+LR_SCHEDULES = ("cosine", "constant")
 
 
 @dataclass
@@ -39,6 +40,10 @@ class TrainConfig:
     intermediate_size: int = 0  # the drafter's MLP width; 0 = the target's
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer before fc
     norm_output: bool = False  # EAGLE-3.1: the next draft step reads the post-norm hidden state
+    # warm start (aerie.drafter.warm_start): a drafter folder in SGLang's layout, local or a Hub id in the HF cache
+    init: str = ""  # "" = train from scratch; else start from every tensor of this folder and keep its draft vocab
+    init_pull: float = 0.0  # L2-SP toward the start weights, decoupled: each step w -= lr * init_pull * (w - w_start)
+    lr_schedule: str = "cosine"  # after the warmup: cosine to learning_rate * min_lr_ratio, or constant
 
     def __post_init__(self) -> None:
         for name in ("ttt_steps", "epochs", "batch_size", "max_seq_len", "log_every"):
@@ -56,6 +61,12 @@ class TrainConfig:
             raise ValueError(f"drafter.checkpoint_every must be >= 0, not {self.checkpoint_every}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"drafter.attention must be one of {', '.join(ATTENTION_KINDS)}, not {self.attention!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"drafter.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, not {self.lr_schedule!r}")
+        if self.init_pull < 0:
+            raise ValueError(f"drafter.init_pull must be >= 0 (0 = no pull), not {self.init_pull}")
+        if self.init_pull and not self.init:
+            raise ValueError("drafter.init_pull pulls toward the start weights of drafter.init, which is not set")
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) < 0:
                 raise ValueError(

@@ -43,6 +43,7 @@ from aerie.drafter.state import (
     train_state_dir,
 )
 from aerie.drafter.ttt import TargetHead, TTTUnroll, autocast
+from aerie.drafter.warm_start import StartPull, start_from_folder
 from aerie.formats.hidden import check_shard_layers, open_hidden_shards
 from aerie.formats.vocab import DraftVocab, load_draft_vocab
 from aerie.progress import job_progress
@@ -78,6 +79,9 @@ def build_drafter(
     hidden shards) - as Eagle3Drafter.from_target would build it from the loaded model, without loading it."""
     roles = ["embed", "norm"] + (["lm_head"] if need_lm_head or cfg.init_head_from_target else [])
     heads = read_target_heads(target_path, roles)
+    if cfg.init:  # warm start: every tensor from the drafter folder, checked against this run (warm_start.py)
+        model = start_from_folder(cfg.init, target_path, vocab, aux_layer_ids, cfg, heads.embed)
+        return model, model.cfg, heads.lm_head if need_lm_head else None
     # Only settings that differ from "derived from the target" are passed on.
     shape = {k: v for k, v in cfg.drafter_shape().items() if v not in (None, False, "auto")}
     dcfg = DrafterConfig.from_target(SimpleNamespace(**heads.config), len(vocab.d2t), aux_layer_ids, **shape)
@@ -96,10 +100,12 @@ def build_drafter(
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """The LR schedule (linear warmup, cosine decay): a function of the step, so the step is its whole state."""
+    """The LR schedule (linear warmup, then cosine decay or constant): a function of the step, its whole state."""
     warmup = max(1, math.ceil(cfg.warmup_ratio * total))
     if step < warmup:
         return cfg.learning_rate * (step + 1) / warmup
+    if cfg.lr_schedule == "constant":
+        return cfg.learning_rate
     progress = (step - warmup) / max(1, total - warmup)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return cfg.learning_rate * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
@@ -149,6 +155,7 @@ def train_drafter(
             f"{shards[0].vocab_size}; {target_path} has hidden {dcfg.hidden_size}, vocab {dcfg.vocab_size}"
         )
     model = model.to(device)
+    pull = StartPull(model, cfg.init_pull) if cfg.init_pull else None  # L2-SP toward the start weights
     if shards[0].layout == "full":
         head = TargetHead(
             full=lm_head.to(device).float(),
@@ -280,6 +287,10 @@ def train_drafter(
             if untrained.get("heldout_start_positions"):
                 acceptance, loss = untrained["simulated_acceptance_length"], untrained["heldout_loss"]
                 log(f"untrained: acceptance {acceptance:.3f}, loss {loss:.4f}")
+                if cfg.init:  # warm start: the start folder competes; an epoch is exported only when it beats it
+                    progress.best_epoch, progress.best_acceptance = 0, acceptance
+                    if dist.main:
+                        export_drafter(model, state_dir / "best", aux_layer_ids, {"epoch": 0, "init": cfg.init})
         else:
             train_log.write(
                 {"event": "resume", "epoch": progress.epoch, "position": progress.position, "step": progress.step}
@@ -303,6 +314,8 @@ def train_drafter(
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
                 )
                 opt.step()
+                if pull is not None:
+                    pull.step(lr)
                 # rows, supervised rows and loss of all ranks (one small all-reduce; a no-op in one process)
                 counts = dist.sum(torch.tensor([b.rows, float(stats[0][1]), float(loss.detach())], dtype=torch.float64))
                 progress.train_seconds += time.time() - t0
@@ -373,7 +386,8 @@ def train_drafter(
         train_log.close()
 
     # finished: the best epoch's drafter, the log and eval.json go into out_dir; the resumable state goes
-    best = {k: v for k, v in progress.epochs[progress.best_epoch - 1].items() if k != "epoch"}
+    chosen = progress.epochs[progress.best_epoch - 1] if progress.best_epoch else progress.untrained  # 0: the start
+    best = {k: v for k, v in chosen.items() if k != "epoch"}
     seconds = elapsed_before + time.time() - t_start
     result = {
         "format": EVAL_FORMAT,
