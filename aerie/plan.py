@@ -105,8 +105,12 @@ def check_config(config: dict[str, Any]) -> None:
             hint = "" if ids else f" (SGLang's default for {layers} layers; set hidden.aux_layer_ids)"
             raise ConfigError(f"{e}{hint}", ("hidden", "aux_layer_ids")) from None
 
-    if not any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values()):
-        raise ConfigError("no dataset reserves bench_prompts, so the benchmark would have no prompts", ("datasets",))
+    held_out = any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values())
+    if not held_out and not (config.get("bench") or {}).get("sets"):
+        raise ConfigError(
+            "no dataset reserves bench_prompts and bench.sets names no set, so the benchmark would have no prompts",
+            ("datasets",),
+        )
 
 
 def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:

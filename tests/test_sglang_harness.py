@@ -171,7 +171,7 @@ def test_generate_response_of_an_eagle3_server() -> None:
     assert rec["completion_tokens"] == 32 == len(rec["output_ids"])
     assert rec["spec_verify_ct"] == 11
     # completion_tokens / spec_verify_ct is SGLang's own per-request spec_accept_length.
-    assert rec["accept_length"] == pytest.approx(meta["spec_accept_length"])
+    assert rec["spec_accept_length"] == pytest.approx(meta["spec_accept_length"])
     assert rec["finish_reason"] == "length" and rec["e2e_latency_s"] == meta["e2e_latency"]
     assert rec["prompt_tokens"] == meta["prompt_tokens"] and rec["text"] == body["text"]
 
@@ -179,7 +179,7 @@ def test_generate_response_of_an_eagle3_server() -> None:
 def test_generate_response_of_a_baseline_server_and_failures() -> None:
     body = fixture("generate_baseline.json")
     rec = client.parse_generate_response(body)
-    assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["accept_length"] is None
+    assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["spec_accept_length"] is None
     assert rec["finish_reason"] == "stop" and rec["output_ids"][-1] == body["meta_info"]["finish_reason"]["matched"]
     aborted = json.loads(json.dumps(body))
     aborted["meta_info"]["finish_reason"] = {
@@ -221,7 +221,7 @@ def _rec(pid, ids, latency=1.0, verify=None, error=None):
         "completion_tokens": len(ids),
         "cached_tokens": 0,
         "spec_verify_ct": verify,
-        "accept_length": len(ids) / verify if verify else None,
+        "spec_accept_length": len(ids) / verify if verify else None,
         "finish_reason": "length",
         "output_ids": ids,
         "text": "".join(map(chr, ids)),
@@ -238,7 +238,7 @@ def test_mode_statistics_and_lossless_comparison() -> None:
     s = sglang_stats.mode_stats(recs, wall_s=2.0, server_avg_spec_accept_length=2.2)
     assert (s["requests"], s["ok"], s["failed"], s["output_tokens"]) == (3, 2, 1, 6)
     assert s["output_tokens_per_s"] == 3.0 and s["per_request_tokens_per_s_mean"] == pytest.approx((8 + 2) / 2)
-    assert s["accept_length_mean"] == 2.0 and s["accept_length_pooled"] == 2.0 and s["spec_verify_ct"] == 3
+    assert s["spec_accept_length_mean"] == 2.0 and s["spec_accept_length"] == 2.0 and s["spec_verify_ct"] == 3
     assert s["errors"] == ["c: HTTP 500: boom"] and s["finish_reasons"] == {"length": 2}
     assert [p["id"] for p in s["per_request"]] == ["a", "b", "c"]
     assert s["server_avg_spec_accept_length"] == 2.2 and s["cache_flushed"] is None
@@ -276,8 +276,8 @@ def test_degenerate_outputs_use_the_in_process_benchmarks_definition() -> None:
     s = sglang_stats.mode_stats(recs, wall_s=1.0, cache_flushed=True)
     assert [p["degenerate"] for p in s["per_request"]] == [["loop", "repetitive"], ["repetitive"], [], None]
     assert s["degenerate_requests"] == 2 and s["cache_flushed"] is True
-    assert s["accept_length_mean"] == pytest.approx((10 + 2 + 2 + 3) / 4)
-    assert s["accept_length_mean_excluding_degenerate"] == pytest.approx((2 + 3) / 2)
+    assert s["spec_accept_length_mean"] == pytest.approx((10 + 2 + 2 + 3) / 4)
+    assert s["spec_accept_length_mean_excluding_degenerate"] == pytest.approx((2 + 3) / 2)
 
 
 def test_report_json_keeps_id_lists_on_one_line_and_text_untouched() -> None:
@@ -567,10 +567,10 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
             assert s["per_request_tokens_per_s_mean"] > 0 and s["cache_flushed"] is True
             assert s["degenerate_requests"] == (1 if r["set"] == "chat" else 0)
             assert [p["degenerate"] != [] for p in s["per_request"]] == [p["id"] == "chat/3" for p in s["per_request"]]
-        assert b["accept_length_mean"] is None and b["server_avg_spec_accept_length"] is None
+        assert b["spec_accept_length_mean"] is None and b["server_avg_spec_accept_length"] is None
         assert all(p["spec_verify_ct"] is None for p in b["per_request"])
-        assert e["accept_length_mean"] == 3.0 and e["accept_length_pooled"] == 3.0
-        assert e["accept_length_mean_excluding_degenerate"] == 3.0
+        assert e["spec_accept_length_mean"] == 3.0 and e["spec_accept_length"] == 3.0
+        assert e["spec_accept_length_mean_excluding_degenerate"] == 3.0
         counter = server_counter(chat if r["set"] == "chat" else maths)  # this run's requests only: flushed before
         assert e["server_avg_spec_accept_length"] == pytest.approx(counter) and counter < 3.0
         assert [p["spec_verify_ct"] for p in e["per_request"]] == [
@@ -589,7 +589,7 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
 
         # SGLang's NGRAM reference: its own acceptance (2 tokens per verify step here), the same outputs.
         ng, ref = r["ngram"], r["references"]["ngram"]
-        assert ng["accept_length_mean"] == 2.0 and ng["correct_drafts_histogram"] == [
+        assert ng["spec_accept_length_mean"] == 2.0 and ng["correct_drafts_histogram"] == [
             0,
             sum(p["spec_verify_ct"] for p in ng["per_request"]),
         ]
@@ -598,11 +598,11 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
 
     s = report["summary"]
     assert s["lossless"] == {"compared": 14, "identical": 12, "differing": 2, "all_identical": False}
-    assert s["references"]["ngram"]["accept_length_mean"] == 2.0
+    assert s["references"]["ngram"]["spec_accept_length_mean"] == 2.0
     assert s["references"]["ngram"]["lossless"]["all_identical"] is True
     assert all(c["speedup_by_mode"]["ngram"] > 1.0 for c in s["by_concurrency"])
     assert s["baseline_cross_concurrency"] == {"compared": 7, "identical": 7}
-    assert s["accept_length_mean"] == 3.0 and s["accept_length_mean_excluding_degenerate"] == 3.0
+    assert s["spec_accept_length_mean"] == 3.0 and s["spec_accept_length_mean_excluding_degenerate"] == 3.0
     assert s["server_avg_spec_accept_length"] == pytest.approx(server_counter(maths))  # the last reading
     assert s["degenerate_requests"] == {"baseline": 2, "eagle3": 2, "ngram": 2}
     assert [c["concurrency"] for c in s["by_concurrency"]] == [1, 3]
