@@ -69,9 +69,9 @@ class Gate:
 
     min_speedup: float = 1.0
     must_beat_references: bool = True
-    beat_references_on: tuple[str, ...] = ("acceptance_length", "speedup")
     max_simulated_gap: float | None = None  # e.g. 0.10: measured and simulated acceptance within 10%
     lossless_max_gap: float = 0.0  # a divergence at a top-2 logit gap up to this is a numerical near-tie
+    beat_references_on: tuple[str, ...] = ("acceptance_length", "speedup")  # what must_beat_references compares
 
 
 def lossy_divergences(report: dict[str, Any], max_gap: float) -> list[dict[str, Any]]:
@@ -216,7 +216,12 @@ def apply_gate(report: dict[str, Any], gate: Gate, out_json: Path, out_png: Path
 
     failures = gate_failures(report, gate)
     serve = serve_recommendation(report, gate, failures)
-    report["gate"] = {"passed": not failures, "failures": failures, "settings": asdict(gate), **serve}
+    report["gate"] = {
+        "passed": not failures,
+        "failures": failures,
+        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(gate).items()},
+        **serve,
+    }
     atomic_write_json(out_json, report)
     if failures:
         kept = out_json.with_name(out_json.stem + ".gate-failed.json")
