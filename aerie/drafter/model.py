@@ -31,6 +31,7 @@ Token/position pairing (what the benchmark and training rely on), checked agains
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -250,27 +251,70 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, folder: str | Path, dtype: torch.dtype = torch.float32, embed_tokens: Tensor | None = None
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        embed_tokens: Tensor | None = None,
+        target: str | Path | None = None,
     ) -> Eagle3Drafter:
-        """Load a drafter folder; float weights are cast to ``dtype`` (fp32 by default, for CPU math).
+        """Load a drafter folder written by any tool in SGLang's layout (aerie's export, SpecForge, TorchSpec, a
+        published drafter: ``aerie.drafter.folder``); float weights are cast to ``dtype`` (fp32 by default).
 
         ``embed_tokens``: the target's input embeddings [V, H]. Exports do not carry them (format 1 folders
         did); without them the drafter loads but refuses to run until ``load_target_embeddings``.
+        ``target``: the target's folder. With it, the drafter's aux layers are the ones SGLang serves it on that
+        target (``served_aux_layer_ids``: SGLang's default when the folder names none, DeepSeek/Kimi's
+        "+1 only when the first id is 1" spelling undone), in aerie's convention; without it the folder's ids are
+        taken as aerie's convention (a folder that names none then needs ``target``). ``cfg.aux_layer_ids`` is
+        what the in-process benchmark captures.
         """
-        folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
-        cfg = DrafterConfig.from_hf_config(config)
-        state = load_file(folder / "model.safetensors")
+        from aerie.drafter.folder import read_drafter_folder, served_aux_layer_ids
+
+        info = read_drafter_folder(folder)
+        if target is not None:
+            from aerie.target_model.config import target_architectures, target_num_hidden_layers
+
+            ids = served_aux_layer_ids(
+                info.stated_aux_layer_ids, target_num_hidden_layers(target), target_architectures(target)
+            )
+        elif info.stated_aux_layer_ids is None:
+            raise ValueError(
+                f"{folder}: config.json names no eagle_config.eagle_aux_hidden_state_layer_ids, so the layers it reads "
+                "are SGLang's default for the target's depth: pass target= (the target's folder)"
+            )
+        else:
+            ids = info.stated_aux_layer_ids
+        return cls.from_folder(info, ids, dtype=dtype, embed_tokens=embed_tokens)
+
+    @classmethod
+    def from_folder(
+        cls, info, aux_layer_ids: Sequence[int], dtype: torch.dtype = torch.float32, embed_tokens: Tensor | None = None
+    ) -> Eagle3Drafter:
+        """The drafter of a read ``DrafterFolder`` (aerie.drafter.folder) fed ``aux_layer_ids`` (aerie's convention):
+        every stored tensor checked by name and shape, then loaded (``t2d`` rebuilt from ``d2t`` when absent)."""
+        from aerie.drafter.folder import EMBED_NAME as embed_name
+        from aerie.drafter.folder import DrafterFolderError, tensor_problems
+
+        cfg = info.drafter_config(aux_layer_ids)
+        problems = tensor_problems(info, cfg)
+        if problems:
+            raise DrafterFolderError(info.path, problems)
+        state: dict[str, Tensor] = {}
+        for file in sorted({t.file for t in info.tensors.values()}):
+            stored = load_file(Path(info.path) / file)
+            state.update({name: stored[t.stored_name] for name, t in info.tensors.items() if t.file == file})
+        if "t2d" not in state:
+            d2t = state.get("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)).long()
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(cfg.draft_vocab_size) + d2t] = True
+            state["t2d"] = t2d
+        state["d2t"] = state.get("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)).long()
+        state["t2d"] = state["t2d"].bool()
         drafter = cls(cfg)
-        wanted = set(drafter.state_dict()) - {EMBED_NAME}
-        missing = wanted - set(state)
-        unexpected = set(state) - wanted - {EMBED_NAME}
-        if missing or unexpected:
-            raise ValueError(f"{folder}: drafter tensors missing {sorted(missing)}, unexpected {sorted(unexpected)}")
         drafter.load_state_dict(state, strict=False)
         check_vocab_maps(drafter.d2t, drafter.t2d, cfg.draft_vocab_size, cfg.vocab_size)
         if embed_tokens is not None:
             drafter.load_target_embeddings(embed_tokens.float())
         else:
-            drafter.embeddings_missing = EMBED_NAME not in state
+            drafter.embeddings_missing = embed_name not in state
         return drafter.to(dtype)
