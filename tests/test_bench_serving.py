@@ -244,33 +244,27 @@ def test_kimi_config_benchmarks_under_sglang_against_ngram_and_the_published_dra
 
 
 def test_a_reference_folder_that_does_not_fit_the_target_is_refused_at_parse_time_naming_it(tmp_path: Path) -> None:
-    """A drafter folder that is here is read against the target's config (the Kimi config's described target: vocab
-    163,840, hidden 7,168): another vocabulary or hidden size is refused, naming the folder and the setting."""
+    """A drafter folder that is here is read with the drafter folder reader against the target's config (the Kimi
+    config's described target: vocab 163,840, hidden 7,168): a folder written by SpecForge for a small target is
+    refused, naming the folder and each reason; the same folder passes against its own target."""
+    import shutil
+
     from aerie.bench.settings import check_bench_config
 
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    folder = tmp_path / "other-drafter"
-    folder.mkdir()
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLMEagle3"],
-                "vocab_size": 32000,
-                "hidden_size": 4096,
-                "intermediate_size": 14336,
-                "num_attention_heads": 32,
-                "num_hidden_layers": 1,
-                "draft_vocab_size": 32000,
-            }
-        )
-    )
-    bench = {**config["bench"], "references": ["ngram", "other-drafter"]}
+    shutil.copytree(REPO / "tests" / "fixtures" / "specforge_drafter", tmp_path / "specforge")
+    bench = {**config["bench"], "references": ["ngram", "specforge"]}
     with pytest.raises(ValueError) as refused:
         check_bench_config({**config, "bench": bench}, tmp_path)
     text = str(refused.value)
-    assert text.startswith(f"bench.references: other-drafter ({folder}) does not fit the target: ")
-    assert "vocab_size 32000, but the target's vocabulary is 163840" in text
-    assert "hidden size is 7168" in text
+    assert text.startswith(f"bench.references: specforge ({tmp_path / 'specforge'}) does not fit the target: ")
+    assert "config.json vocab_size 160 != the target's vocab size 163840" in text, text
+    assert "the target has 7168" in text, text
+    own = {"path": str(tmp_path / "specforge" / "target")}  # the folder's own target: it fits
+    (refs,) = [
+        r for r in check_bench_config({**config, "target": own, "bench": bench}, tmp_path) if r.kind == "drafter"
+    ]
+    assert refs.folder == tmp_path / "specforge"
 
 
 def test_the_bench_rule_runs_the_sglang_backend_and_fails_on_the_gate(world: dict, tmp_path: Path) -> None:

@@ -125,12 +125,13 @@ def _untrained_drafter(target: torch.nn.Module, trained, seed: int = 0):
     return fresh.to(device=next(trained.parameters()).device, dtype=next(trained.parameters()).dtype).eval()
 
 
-def load_drafter_for(target: torch.nn.Module, folder: str | Path, device: torch.device):
-    """A drafter folder ready to draft for ``target``: in the target's dtype (the folder stores bf16, as SGLang serves
-    it), with the target's embeddings (an export has none: like SGLang's EAGLE worker, it takes the target's)."""
+def load_drafter_for(target: torch.nn.Module, target_path: str | Path, folder: str | Path, device: torch.device):
+    """A drafter folder (written by any tool in SGLang's layout) ready to draft for ``target``: fed the layers SGLang
+    would feed it on that target, in the target's dtype (the folder stores bf16, as SGLang serves it), with the
+    target's embeddings (an export has none: like SGLang's EAGLE worker, it takes the target's)."""
     from aerie.drafter.model import Eagle3Drafter
 
-    drafter = Eagle3Drafter.from_pretrained(folder, dtype=next(target.parameters()).dtype)
+    drafter = Eagle3Drafter.from_pretrained(folder, dtype=next(target.parameters()).dtype, target=target_path)
     vocab = target.config.get_text_config().vocab_size
     if drafter.cfg.vocab_size != vocab:
         raise ValueError(f"drafter {folder} was built for a vocab of {drafter.cfg.vocab_size}, the target has {vocab}")
@@ -138,7 +139,7 @@ def load_drafter_for(target: torch.nn.Module, folder: str | Path, device: torch.
     return drafter.to(device).eval()
 
 
-def _proposers(target, drafter, device, references: Sequence[str], folders: Mapping[str, Path]) -> dict[str, Any]:
+def _proposers(target, target_path, drafter, device, references: Sequence[str], folders: Mapping[str, Path]) -> dict:
     """Every speculative method of the run: the trained drafter first, then each reference in config order."""
     proposers: dict[str, Any] = {"eagle3": drafter}
     for name in references:
@@ -147,7 +148,7 @@ def _proposers(target, drafter, device, references: Sequence[str], folders: Mapp
         elif name == "ngram":
             proposers[name] = NgramProposer()  # drafts up to num_draft_steps, as the drafter: the same width
         else:
-            proposers[name] = load_drafter_for(target, folders[name], device)
+            proposers[name] = load_drafter_for(target, target_path, folders[name], device)
     return proposers
 
 
@@ -359,7 +360,7 @@ def run_benchmark(
     target, tok, dev = load_target(
         target_path, device=device, dtype=dtype, trust_remote_code=trust_remote_code, spread=True
     )
-    drafter = load_drafter_for(target, drafter_dir, dev)
+    drafter = load_drafter_for(target, target_path, drafter_dir, dev)
     sets = bench_prompt_sets(prompt_files, max_prompts)
     if not sets:
         raise ValueError(f"no benchmark prompts in {list(map(str, prompt_files))}")
@@ -368,7 +369,12 @@ def run_benchmark(
     rendered = [render_prompt_ids(tok, p["messages"], p.get("tools"), **kwargs) for _, p in prompts]
     eos_ids = end_of_turn_ids(tok, target.generation_config)
     dec = _Decoder(
-        target, _proposers(target, drafter, dev, references, folders), dev, max_new_tokens, eos_ids, num_draft_steps
+        target,
+        _proposers(target, target_path, drafter, dev, references, folders),
+        dev,
+        max_new_tokens,
+        eos_ids,
+        num_draft_steps,
     )
 
     for _ in range(warmup):

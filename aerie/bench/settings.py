@@ -76,10 +76,8 @@ def method_kinds(references: Sequence[str], folders: Mapping[str, Path]) -> dict
 def resolve_reference_folder(spec: str, base: Path | None) -> tuple[Path | None, str | None]:
     """(the folder a reference names, None) or (None, why it is not here): a path from ``base`` or a Hub repo id in
     the offline Hugging Face cache."""
-    try:
-        from aerie.drafter.folder import resolve_drafter_folder
-    except ImportError:  # TEMPORARY until the warmstart branch's drafter folder reader is merged
-        resolve_drafter_folder = _resolve_folder_fallback
+    from aerie.drafter.folder import resolve_drafter_folder
+
     try:
         return resolve_drafter_folder(spec, base), None
     except FileNotFoundError as e:
@@ -111,50 +109,61 @@ def resolve_references(bench: Mapping[str, Any], base: Path | None = None) -> li
     return out
 
 
-def target_dimensions(config: Mapping[str, Any]) -> dict[str, int]:
-    """What parse time knows of the target: ``vocab_size``, ``hidden_size``, ``num_hidden_layers`` (each only when
-    known: the folder's config.json, else target.config_json, else the config's own target keys)."""
-    from aerie.target_model.config import read_described_config, read_text_config, text_config
+def target_dimensions(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What parse time knows of the target: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
+    ``architectures`` (each only when known: the folder's config.json, else target.config_json, else the config's
+    own target keys)."""
+    from aerie.target_model.config import architectures, read_config, read_described_config, text_config
 
     target = config.get("target") or {}
-    known: dict[str, Any] = {}
+    full: dict[str, Any] = {}
     path = Path(str(target.get("path", "")))
     try:
         if target.get("path") and (path / "config.json").is_file():
-            known = read_text_config(path)
+            full = read_config(path)
         elif target.get("config_json"):
-            known = text_config(read_described_config(target["config_json"]))
+            full = read_described_config(target["config_json"])
     except (OSError, ValueError):
-        known = {}
-    dims = {k: known.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+        full = {}
+    known = text_config(full)
+    dims: dict[str, Any] = {k: known.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
     for k in ("hidden_size", "num_hidden_layers"):
         dims[k] = dims[k] or target.get(k)
-    return {k: int(v) for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}
+    out: dict[str, Any] = {k: int(v) for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if full:
+        out["architectures"] = architectures(full)
+    return out
 
 
-def reference_fit_problems(folder: Path, dims: Mapping[str, int]) -> list[str]:
-    """Why a reference drafter folder cannot be served on this target (empty: it fits, as far as ``dims`` go)."""
+def reference_fit_problems(folder: Path, dims: Mapping[str, Any]) -> list[str]:
+    """Why a reference drafter folder cannot be served on this target (empty: it fits, as far as ``dims`` go): read
+    with the drafter folder reader (any tool's SGLang layout), every tensor checked, its width and vocabulary
+    against the target's. Its aux layers are its own (SGLang feeds each drafter the layers its config names)."""
+    from aerie.drafter.folder import (
+        DrafterFolderError,
+        check_drafter_folder,
+        read_drafter_folder,
+        served_aux_layer_ids,
+    )
+
     try:
-        from aerie.drafter.folder import DrafterFolderError, read_drafter_folder
-    except ImportError:  # TEMPORARY until the warmstart branch's drafter folder reader is merged
-        return _fit_fallback(folder, dims)
-    try:
-        d = read_drafter_folder(folder)
+        info = read_drafter_folder(folder)
+        check_drafter_folder(
+            info,
+            aux_layer_ids=None,
+            num_hidden_layers=dims.get("num_hidden_layers"),
+            architectures=dims.get("architectures") or (),
+            target_hidden_size=dims.get("hidden_size"),
+            target_vocab_size=dims.get("vocab_size"),
+        )
     except DrafterFolderError as e:
         return e.problems
-    problems = []
-    if "vocab_size" in dims and d.vocab_size != dims["vocab_size"]:
-        problems.append(f"vocab_size {d.vocab_size}, but the target's vocabulary is {dims['vocab_size']}")
-    if "hidden_size" in dims and d.target_hidden_size != dims["hidden_size"]:
-        problems.append(
-            f"target_hidden_size {d.target_hidden_size} (fc reads {d.num_aux_layers} x that), but the target's "
-            f"hidden size is {dims['hidden_size']}"
-        )
     layers = dims.get("num_hidden_layers")
-    ids = d.stated_aux_layer_ids
-    if layers and ids and (max(ids) >= layers or min(ids) < 0):
-        problems.append(f"eagle_aux_hidden_state_layer_ids {ids} outside the target's {layers} layers")
-    return problems
+    if layers:
+        served = served_aux_layer_ids(info.stated_aux_layer_ids, layers, dims.get("architectures") or ())
+        if max(served) >= layers or min(served) < 0:
+            return [f"SGLang would feed it the outputs of layers {served}, outside the target's {layers} layers"]
+    return []
 
 
 def check_references(config: Mapping[str, Any], base: Path | None = None) -> list[Reference]:
@@ -233,28 +242,3 @@ def references_text(refs: list[Reference]) -> str:
         else:
             lines.append(f"  reference {r.name}: NOT HERE YET - the bench job will refuse to start. {r.missing}")
     return "\n".join(lines)
-
-
-# ---- TEMPORARY: until aerie.drafter.folder (branch warmstart) is merged ----------------------------------------
-
-
-def _resolve_folder_fallback(spec: str, base: Path | None = None) -> Path:
-    path = Path(spec).expanduser()
-    if not path.is_absolute() and base is not None:
-        path = Path(base) / path
-    if (path / "config.json").is_file():
-        return path
-    raise FileNotFoundError(f"drafter folder {spec!r} not found (no config.json at {path})")
-
-
-def _fit_fallback(folder: Path, dims: Mapping[str, int]) -> list[str]:
-    import json
-
-    cfg = json.loads((Path(folder) / "config.json").read_text())
-    problems = []
-    if "vocab_size" in dims and cfg.get("vocab_size") != dims["vocab_size"]:
-        problems.append(f"vocab_size {cfg.get('vocab_size')}, but the target's vocabulary is {dims['vocab_size']}")
-    hidden = cfg.get("target_hidden_size") or cfg.get("hidden_size")
-    if "hidden_size" in dims and hidden != dims["hidden_size"]:
-        problems.append(f"target_hidden_size {hidden}, but the target's hidden size is {dims['hidden_size']}")
-    return problems
