@@ -224,6 +224,16 @@ def _file_name(mode: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "--", mode)
 
 
+def _client_factory(settings: Mapping[str, Any], max_new_tokens: int, input_key: str, timeout: float):
+    """New clients for the servers, authenticated as the servers' own ``--api-key`` / ``--admin-api-key`` say."""
+    extra = settings["extra_args"]
+    api_key = flag_value(extra, "--api-key")
+    admin_key = flag_value(extra, "--admin-api-key") or api_key
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    return lambda: SGLangClient("", max_new_tokens, input_key, timeout, headers, admin_headers)
+
+
 @dataclass
 class _Servers:
     """What every server of one benchmark run shares: target, settings, where logs go, how to reach it."""
@@ -294,6 +304,42 @@ class _Servers:
         return info, result
 
 
+def _drive_every_server(
+    modes: Mapping[str, Path | None],
+    servers_run: _Servers,
+    prompt_sets: Sequence[PromptSet],
+    inputs: Mapping[str, list[tuple[str, Any]]],
+    concurrency: Sequence[int],
+    warmup: int,
+    flush_cache: bool,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], BaseException | None]:
+    """Each mode's server in turn, over every prompt set and level: (runs, server infos, the error that stopped
+    the run, if one did: the servers after it do not start)."""
+    runs: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+    servers: dict[str, dict[str, Any]] = {}
+    for mode, drafter in modes.items():
+
+        def drive(client: SGLangClient, mode: str = mode) -> Any:
+            baseline = runs.get("baseline") if mode != "baseline" else None
+            return asyncio.run(
+                drive_server(
+                    client, prompt_sets, inputs, concurrency, warmup, flush_cache, mode, log, baseline_runs=baseline
+                )
+            )
+
+        servers[mode], result = servers_run.run(mode, drafter, drive, log)
+        if isinstance(result, BaseException):
+            return runs, servers, result
+        runs[mode], server_info = result
+        if server_info is not None:
+            servers[mode]["server_info"] = {
+                **server_info["fields"],
+                "avg_spec_accept_length": server_info["avg_spec_accept_length"],
+            }
+    return runs, servers, None
+
+
 def run_sglang_benchmark(
     target_path: str | Path,
     drafter_dir: str | Path,
@@ -344,11 +390,6 @@ def run_sglang_benchmark(
         render = tokenizer_render(target_path, trust_remote_code=trust)
     inputs, input_key = render_inputs(prompt_sets, render)
 
-    extra = settings["extra_args"]
-    api_key = flag_value(extra, "--api-key")
-    admin_key = flag_value(extra, "--admin-api-key") or api_key
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     servers_run = _Servers(
         target_path=target_path,
         settings=settings,
@@ -360,40 +401,12 @@ def run_sglang_benchmark(
         health_path=health_path,
         ready_timeout=ready_timeout,
         stop_grace_s=stop_grace_s,
-        client=lambda: SGLangClient("", max_new_tokens, input_key, request_timeout, headers, admin_headers),
+        client=_client_factory(settings, max_new_tokens, input_key, request_timeout),
     )
 
-    runs: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
-    servers: dict[str, dict[str, Any]] = {}
-    error: BaseException | None = None
-    for mode, drafter in modes.items():
-
-        def drive(client: SGLangClient, mode: str = mode) -> Any:
-            return asyncio.run(
-                drive_server(
-                    client,
-                    prompt_sets,
-                    inputs,
-                    settings["concurrency"],
-                    warmup,
-                    flush_cache,
-                    mode,
-                    log,
-                    baseline_runs=runs.get("baseline") if mode != "baseline" else None,
-                )
-            )
-
-        servers[mode], result = servers_run.run(mode, drafter, drive, log)
-        if isinstance(result, BaseException):
-            error = result
-            break
-        runs[mode], server_info = result
-        if server_info is not None:
-            servers[mode]["server_info"] = {
-                **server_info["fields"],
-                "avg_spec_accept_length": server_info["avg_spec_accept_length"],
-            }
-
+    runs, servers, error = _drive_every_server(
+        modes, servers_run, prompt_sets, inputs, settings["concurrency"], warmup, flush_cache, log
+    )
     report = _serving_report(
         modes=list(modes),
         runs=runs,
