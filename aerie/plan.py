@@ -113,8 +113,12 @@ def check_config(config: dict[str, Any]) -> None:
     except ValueError as e:
         raise ConfigError(str(e), ("drafter", "init")) from None
 
-    if not any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values()):
-        raise ConfigError("no dataset reserves bench_prompts, so the benchmark would have no prompts", ("datasets",))
+    held_out = any(d.get("bench_prompts", 0) > 0 for d in config["datasets"].values())
+    if not held_out and not (config.get("bench") or {}).get("sets"):
+        raise ConfigError(
+            "no dataset reserves bench_prompts and bench.sets names no set, so the benchmark would have no prompts",
+            ("datasets",),
+        )
 
 
 def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:

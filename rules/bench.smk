@@ -5,19 +5,42 @@
 # sglang: SGLang serves the target (no drafter, the trained drafter with the sglang: EAGLE-3 flags, SGLang's
 # NGRAM reference), in SGLang's environment. Same report, plot and gate either way (aerie/bench/).
 
+from aerie.bench.sets import SETS_DIR, bench_set_files
 from aerie.bench.settings import check_bench_config
 from aerie.environments import conda_directive, rule_environment_check
 
 try:
-    check_bench_config(config)
+    # Reference drafter folders that are here are checked against the target; the others are named by the dry run.
+    BENCH_REFERENCES = check_bench_config(config, Path.cwd())
 except ValueError as e:
     raise WorkflowError(f"bad configuration: {e}") from None
+
+if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
+    from aerie.bench.settings import bench_preview_text
+
+    print(bench_preview_text(config, BENCH_REFERENCES), file=sys.stderr)
+
+
+# A benchmark set of bench.sets (the published cards' MT-Bench, GSM8K test, HumanEval): its prompts, without any the
+# training datasets hold (aerie.bench.sets).
+rule bench_set:
+    output:
+        f"{SETS_DIR}/{{set}}.jsonl",
+    log:
+        "results/logs/bench/sets/{set}.log",
+    localrule: True
+    conda:
+        "../envs/aerie.yaml"
+    params:
+        cache=PROMPT_CACHE,
+    script:
+        "../scripts/bench_set.py"
 
 
 rule bench:
     input:
         drafter="results/drafter/{run}",
-        prompts=get_bench_prompts(),
+        prompts=get_bench_prompts() + bench_set_files(config),
         target=get_target_input(),
         # No file: while the DAG is built, before any job, refuses bench.backend sglang outside SGLang's env.
         environment=rule_environment_check(workflow, config, "bench"),

@@ -120,15 +120,46 @@ def test_sglang_backend_writes_the_in_process_report_and_passes_the_gate(world: 
 
     # The in-process benchmark's schema: every key it writes (format 2), the same meaning.
     inprocess_keys = {
-        "format", "target", "drafter", "prompt_files", "prompts", "num_draft_steps", "max_new_tokens", "repeats",
-        "warmup", "timing", "baseline", "speculative", "speedup", "speedup_median_paired", "acceptance_length",
-        "acceptance_length_excluding_degenerate", "acceptance_per_position", "accepted_per_position",
-        "drafted_per_position", "lossless", "divergences", "methods", "beats_references",
-        "simulated_acceptance_length", "simulated_vs_measured", "degenerate_prompts", "eos_token_ids",
-        "aux_layer_ids", "device", "dtype", "versions", "per_prompt", "backend",
-    }  # fmt: skip
+        "format",
+        "target",
+        "drafter",
+        "prompt_files",
+        "prompts",
+        "num_draft_steps",
+        "max_new_tokens",
+        "repeats",
+        "warmup",
+        "timing",
+        "baseline",
+        "speculative",
+        "speedup",
+        "speedup_median_paired",
+        "acceptance_length",
+        "acceptance_length_excluding_degenerate",
+        "acceptance_per_position",
+        "accepted_per_position",
+        "drafted_per_position",
+        "lossless",
+        "divergences",
+        "methods",
+        "beats_references",
+        "simulated_acceptance_length",
+        "simulated_vs_measured",
+        "degenerate_prompts",
+        "eos_token_ids",
+        "aux_layer_ids",
+        "device",
+        "dtype",
+        "versions",
+        "per_prompt",
+        "backend",
+        "sets",
+        "failed_requests",
+        "spec_accept_length",
+        "gate",
+    }
     assert inprocess_keys <= set(report), inprocess_keys - set(report)
-    assert report["format"] == "aerie.bench/2" and report["backend"] == "sglang"
+    assert report["format"] == "aerie.bench/3" and report["backend"] == "sglang"
     assert report["prompts"] == 5 and report["num_draft_steps"] == 3 and set(report["methods"]) == {"eagle3", "ngram"}
     # Speed at the worst concurrency level; every level listed.
     assert report["concurrency"] in (1, 2) and [lv["concurrency"] for lv in report["by_concurrency"]] == [1, 2]
@@ -164,7 +195,15 @@ def test_sglang_backend_writes_the_in_process_report_and_passes_the_gate(world: 
     assert report["degenerate_prompts"] == ["chat/2"]
     # The harness's own report beside it, and the report figure reads the bench JSON alone.
     serving = json.loads(Path(report["serving_report"]).read_text())
-    assert serving["format"] == "aerie.sglang-bench/3" and serving["modes"] == ["baseline", "eagle3", "ngram"]
+    assert serving["format"] == "aerie.sglang-bench/4" and serving["modes"] == ["baseline", "eagle3", "ngram"]
+    # One table per set (a dataset's held-out prompts), every drafter side by side; SGLang's acceptance beside aerie's.
+    assert list(report["sets"]) == ["chat", "math"] and report["sets"]["math"]["prompts"] == 2
+    for table in report["sets"].values():
+        assert set(table["methods"]) == {"eagle3", "ngram"} and table["methods"]["eagle3"]["failed_requests"] == 0
+        assert table["methods"]["eagle3"]["spec_accept_length"] == pytest.approx(3.0)  # completion / verify
+        assert table["methods"]["ngram"]["spec_accept_length"] == pytest.approx(2.0)
+    assert report["failed_requests"] == {"baseline": 0, "eagle3": 0, "ngram": 0}
+    assert report["gate"]["passed"] is True and report["gate"]["serve"] == "eagle3"
     from aerie.report import figure_benchmark
 
     summary = figure_benchmark(out, world["out"] / "figure.png")
@@ -185,16 +224,47 @@ def test_sglang_backend_fails_the_job_on_the_shared_gate(world: dict) -> None:
     assert kept["backend"] == "sglang" and (world["out"] / "run.gate-failed.png").exists()
 
 
-def test_kimi_config_benchmarks_under_sglang_with_ngram_reference() -> None:
+def test_kimi_config_benchmarks_under_sglang_against_ngram_and_the_published_drafters(tmp_path: Path) -> None:
     from aerie.bench.settings import bench_references, check_bench_config
 
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    assert config["bench"]["backend"] == "sglang" and bench_references(config["bench"]) == ["ngram"]
-    check_bench_config(config)
+    assert config["bench"]["backend"] == "sglang" and bench_references(config["bench"]) == [
+        "ngram",
+        "ngram_default",
+        "lightseekorg/kimi-k2.5-eagle3",
+        "lightseekorg/kimi-k2.5-eagle3-mla",
+    ]
+    refs = check_bench_config(config, tmp_path)  # not in this machine's Hub cache: named, not refused
+    assert [r.missing is not None for r in refs] == [False, False, True, True]
+    assert "lightseekorg/kimi-k2.5-eagle3" in refs[2].missing and refs[2].folder is None
     with pytest.raises(ValueError, match=r"bench.references: untrained cannot run with bench.backend: sglang"):
         check_bench_config({**config, "bench": {**config["bench"], "references": ["untrained", "ngram"]}})
     with pytest.raises(ValueError, match=r"sglang.tp: 8 GPUs per server, but rule bench gets resources.bench_gpus: 4"):
         check_bench_config({**config, "resources": {**config["resources"], "bench_gpus": 4}})
+
+
+def test_a_reference_folder_that_does_not_fit_the_target_is_refused_at_parse_time_naming_it(tmp_path: Path) -> None:
+    """A drafter folder that is here is read with the drafter folder reader against the target's config (the Kimi
+    config's described target: vocab 163,840, hidden 7,168): a folder written by SpecForge for a small target is
+    refused, naming the folder and each reason; the same folder passes against its own target."""
+    import shutil
+
+    from aerie.bench.settings import check_bench_config
+
+    config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    shutil.copytree(REPO / "tests" / "fixtures" / "specforge_drafter", tmp_path / "specforge")
+    bench = {**config["bench"], "references": ["ngram", "specforge"]}
+    with pytest.raises(ValueError) as refused:
+        check_bench_config({**config, "bench": bench}, tmp_path)
+    text = str(refused.value)
+    assert text.startswith(f"bench.references: specforge ({tmp_path / 'specforge'}) does not fit the target: ")
+    assert "config.json vocab_size 160 != the target's vocab size 163840" in text, text
+    assert "the target has 7168" in text, text
+    own = {"path": str(tmp_path / "specforge" / "target")}  # the folder's own target: it fits
+    (refs,) = [
+        r for r in check_bench_config({**config, "target": own, "bench": bench}, tmp_path) if r.kind == "drafter"
+    ]
+    assert refs.folder == tmp_path / "specforge"
 
 
 def test_the_bench_rule_runs_the_sglang_backend_and_fails_on_the_gate(world: dict, tmp_path: Path) -> None:
@@ -244,3 +314,64 @@ def test_the_bench_rule_runs_the_sglang_backend_and_fails_on_the_gate(world: dic
     assert kept["speedup"] > 1.3 and kept["lossless"] is True and kept["beats_references"] is True
     assert not (work / "results" / "bench" / "run.json").exists()
     assert json.loads((work / "results" / "bench" / "run.sglang.json").read_text())["complete"] is True
+
+
+def test_a_published_drafter_folder_is_served_with_the_same_flags_and_a_loss_to_it_fails_per_set(world: dict) -> None:
+    """bench.references names a drafter folder (here a path; a Hub id resolves in the offline cache): another EAGLE-3
+    server with the trained drafter's flags, on the same prompts. It accepts more (the stand-in: 4 tokens per verify
+    step vs 3), so the gate fails on every set, naming it and the figures, and says to serve it instead."""
+    published = world["out"].parent / "published"
+    published.mkdir()
+    cfg = json.loads((world["drafter"] / "config.json").read_text())
+    (published / "config.json").write_text(json.dumps({**cfg, "fake_accept": 4}))
+    logs: list[str] = []
+    with pytest.raises(SystemExit) as failed:
+        run(world, {**bench_settings(lossless_max_gap=0.5), "references": ["ngram", str(published)]}, logs)
+    message = str(failed.value)
+    for name in ("chat", "math"):
+        assert f"set {name}: the trained drafter's acceptance length " in message
+        assert f"does not beat reference {published}'s " in message
+    assert f"serve {published} instead" in message
+    st = json.loads((world["state"] / f"{sglang_server.DRAFTER_MODE}.json").read_text())
+    from aerie.bench.sglang_harness import _file_name
+
+    ref = json.loads((world["state"] / f"{_file_name(str(published))}.json").read_text())
+    flags = [a for a in st["argv"] if a.startswith("--speculative")]
+    assert [a for a in ref["argv"] if a.startswith("--speculative")] == flags  # the same flags, its own folder
+    assert ref["argv"][ref["argv"].index("--speculative-draft-model-path") + 1] == str(published)
+    kept = json.loads((world["out"] / "run.gate-failed.json").read_text())
+    assert kept["methods"][str(published)]["kind"] == "drafter" and kept["gate"]["serve"] == str(published)
+    table = kept["sets"]["chat"]["methods"]
+    assert table[str(published)]["acceptance_length"] > table["eagle3"]["acceptance_length"]
+
+
+def test_a_server_that_dies_mid_run_fails_the_gate_with_its_failed_requests(world, monkeypatch) -> None:
+    """The NGRAM server crashes after a few answers: every later request fails fast. They are counted per arm (and
+    set), never dropped from the figures silently, and the gate fails on them."""
+    monkeypatch.setenv("FAKE_SGLANG_DIE_AFTER", "ngram:3")
+    logs: list[str] = []
+    with pytest.raises(SystemExit) as failed:
+        run(world, bench_settings(lossless_max_gap=0.5), logs)
+    kept = json.loads((world["out"] / "run.gate-failed.json").read_text())
+    failed_ngram = kept["failed_requests"]["ngram"]
+    # 5 prompts x 2 levels; 3 answers, the first the warm-up's
+    assert failed_ngram == 2 * 5 - (3 - 1) and kept["failed_requests"]["eagle3"] == 0
+    assert f"{failed_ngram} request(s) got no answer (baseline 0, eagle3 0, ngram {failed_ngram})" in str(failed.value)
+    assert sum(t["methods"]["ngram"]["failed_requests"] for t in kept["sets"].values()) == failed_ngram
+
+
+def test_a_reference_servers_divergences_are_kept_and_fail_the_gate(world, monkeypatch) -> None:
+    """Only the NGRAM server leaves the baseline's output (its DIVERGE prompt, a real loss: gap 3.0): the divergence
+    is in the bench report, named by method, and the lossless gate fails on it."""
+    monkeypatch.setenv("FAKE_SGLANG_DIVERGING", "ngram")
+    write_prompts(world["prompts"][1], ["what is 12+30?", "DIVERGE here, please"], dataset="math")
+    logs: list[str] = []
+    with pytest.raises(SystemExit) as failed:
+        run(world, bench_settings(lossless_max_gap=0.5), logs)
+    kept = json.loads((world["out"] / "run.gate-failed.json").read_text())
+    # Both levels; the TIE prompt's near-tie (0.02) is listed too, and tolerated.
+    divs = {(d["method"], d["id"], d["concurrency"]): d["logit_gap"] for d in kept["divergences"]}
+    assert set(divs) == {(m, p, c) for m, p in (("ngram", "math/1"), ("ngram", "chat/1")) for c in (1, 2)}
+    assert divs[("ngram", "math/1", 1)] == pytest.approx(3.0) and divs[("ngram", "chat/1", 1)] == pytest.approx(0.02)
+    assert kept["methods"]["ngram"]["lossless"] is False and kept["methods"]["eagle3"]["lossless"] is True
+    assert "ngram on math/1 at concurrency 1 from token" in str(failed.value)

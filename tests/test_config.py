@@ -114,18 +114,14 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
     """The Kimi K2.5 example validates and plans every shard, with its Hub sources replaced by small stand-in prompt
     files (a test cannot fill the datasets cache offline; tests/test_kimi_preview.py checks the money)."""
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    assert len(config["datasets"]) == 6
+    assert len(config["datasets"]) == 5 and list(config["bench"]["sets"]) == ["mtbench", "gsm8k", "humaneval"]
     assert config["hidden"]["aux_layer_ids"] == [1, 29, 57]
     assert config["vocab"]["draft_vocab_size"] == 32000
-    mt_bench = shared_path("datasets", "mt_bench_questions.jsonl")
     gsm8k = shared_path("datasets", "gsm8k_test.jsonl")
     for name, ds in config["datasets"].items():
         path = workdir / "prompts" / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        if name == "mtbench":
-            path.write_bytes(mt_bench.read_bytes())
-            ds["source"] = {"kind": "jsonl", "path": str(path), "text_field": "turns"}
-        elif name == "math":
+        if name == "math":
             path.write_text("".join(gsm8k.read_text().splitlines(keepends=True)[:50]))
             ds["source"] = {"kind": "jsonl", "path": str(path), "text_field": "question"}
         else:
@@ -147,10 +143,20 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
     rc, out = proc.returncode, proc.stdout + proc.stderr
     assert rc == 0, out
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M))
-    # 4 datasets x 3 shards (5 prompts) + math 25 shards (50 prompts: its quota can use them all); MT-bench is
-    # benchmark-only. (The API responses are one job: count the prompt shards.)
+    # 4 datasets x 3 shards (5 prompts) + math 25 shards (50 prompts: its quota can use them all); MT-Bench, GSM8K
+    # test and HumanEval are benchmark sets. (The API responses are one job: count the prompt shards.)
     assert int(counts["prompts"]) == 4 * 3 + 25
-    assert int(counts["bench_prompts"]) == 1
+    assert "bench_prompts" not in counts and int(counts["bench_set"]) == 3
+    # The dry run names every set, the gate and every reference; the published drafters are not in this cache.
+    line = next(x for x in out.splitlines() if x.startswith("aerie benchmark: backend sglang, one table per set: "))
+    for named in (
+        "mtbench (HuggingFaceH4/mt_bench_prompts, else prompts/mt_bench_questions.jsonl)",
+        "gsm8k (openai/gsm8k, else prompts/gsm8k_test.jsonl)",
+        "humaneval (humaneval)",
+    ):
+        assert named in line, line
+    assert "beat every reference on every set" in out and "reference ngram_default: built in (SGLang's own" in out
+    assert "reference lightseekorg/kimi-k2.5-eagle3: NOT HERE YET" in out
     assert "demo_target" not in counts
 
 
@@ -306,6 +312,7 @@ OPEN_OBJECTS = {
     "hidden.sglang": "keyword arguments of SGLang's engine, whose set depends on the installed SGLang",
     "datasets.*.responses": "overrides of the responses section, checked against it by aerie.plan.responses_config",
     "datasets.*.source": "closed per source kind by its allOf/then branches",
+    "bench.chat_template_kwargs": "the target's chat template's own keyword arguments (thinking, enable_thinking ...)",
     "responses.provider.sort": "OpenRouter's sort object (or a string)",
     "responses.provider.max_price": "OpenRouter's price caps, passed as is",
     "responses.provider.preferred_min_throughput": "OpenRouter's percentile object (or a number)",
@@ -340,7 +347,7 @@ def test_every_leaf_setting_has_a_type() -> None:
 
     def untyped(s: dict, path: str) -> list[str]:
         out = []
-        if not any(k in s for k in ("type", "oneOf", "anyOf", "const", "enum")) and path and "#" not in path:
+        if not any(k in s for k in ("type", "oneOf", "anyOf", "const", "enum", "$ref")) and path and "#" not in path:
             out.append(path)
         for key, prop in s.get("properties", {}).items():
             out += untyped(prop, f"{path}.{key}" if path else key)

@@ -218,5 +218,5 @@ def test_sglang_bench_measures_a_fake_sglang(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["complete"] and [s["name"] for s in report["prompt_sets"]] == ["mtbench", "gsm8k", "humaneval"]
     assert all(row["baseline"]["ok"] == row["eagle3"]["ok"] == 2 for row in report["rows"])
-    assert report["summary"]["accept_length_mean"] == pytest.approx(3.0)
+    assert report["summary"]["spec_accept_length_mean"] == pytest.approx(3.0)
     assert out.with_suffix(".png").stat().st_size > 5_000

@@ -1,6 +1,6 @@
 """`snakemake -n --configfile config/kimi-k2.5.yaml` with the user's prompt counts previews under its budget.
 
-The user's story: six prompt sets (5,000 / 5,000 / 3,000 / 1,319 / 1,000 / 80 prompts), a $100 OpenRouter
+The user's story: five prompt sets (5,000 / 5,000 / 3,000 / 1,319 / 1,000 prompts), a $100 OpenRouter
 budget, and a 7M output-token quota per dataset. The plan holds only the shards each quota can use; the preview
 must cut each dataset at its quota, use the per-dataset expected lengths, say how many responses it will produce,
 and stay under the budget.
@@ -20,7 +20,7 @@ from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
 from conftest import REPO
 
 KIMI = REPO / "config" / "kimi-k2.5.yaml"
-COUNTS = {"sharegpt": 5000, "ultrachat": 5000, "code": 3000, "math": 1319, "tool_use": 1000, "mtbench": 80}
+COUNTS = {"sharegpt": 5000, "ultrachat": 5000, "code": 3000, "math": 1319, "tool_use": 1000}
 
 
 def kimi_config_with_prompt_files(workdir: Path) -> Path:
@@ -80,7 +80,7 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
         parts = line.split()
         if parts and parts[0] in COUNTS and len(parts) > 6 and parts[1].isdigit():
             rows[parts[0]] = parts
-    assert "mtbench" not in rows  # benchmark-only: nothing to regenerate
+    assert "mtbench" not in rows  # a benchmark set (bench.sets), not a dataset: nothing to regenerate
     total = 0.0
     for name, parts in rows.items():
         ds = config["datasets"][name]
@@ -97,7 +97,7 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
         assert usd >= out_tokens * price_out and usd < out_tokens * price_out + samples * 100 * price_in
         assert f"datasets.{name}.expected_output_tokens" in " ".join(parts)
         total += usd
-    assert set(rows) == set(COUNTS) - {"mtbench"}
+    assert set(rows) == set(COUNTS)
     # The chat sets hit their 7M quota (2,000 of 5,000 prompts at ~3,500 tokens); the others fit.
     assert rows["sharegpt"][3] == "2000" and "quota 7,000,000 reached" in " ".join(rows["sharegpt"])
     assert rows["sharegpt"][1:3] == ["2", "4000"]  # not the 3 shards (5,000 prompts) the file holds

@@ -171,7 +171,7 @@ def test_generate_response_of_an_eagle3_server() -> None:
     assert rec["completion_tokens"] == 32 == len(rec["output_ids"])
     assert rec["spec_verify_ct"] == 11
     # completion_tokens / spec_verify_ct is SGLang's own per-request spec_accept_length.
-    assert rec["accept_length"] == pytest.approx(meta["spec_accept_length"])
+    assert rec["spec_accept_length"] == pytest.approx(meta["spec_accept_length"])
     assert rec["finish_reason"] == "length" and rec["e2e_latency_s"] == meta["e2e_latency"]
     assert rec["prompt_tokens"] == meta["prompt_tokens"] and rec["text"] == body["text"]
 
@@ -179,7 +179,7 @@ def test_generate_response_of_an_eagle3_server() -> None:
 def test_generate_response_of_a_baseline_server_and_failures() -> None:
     body = fixture("generate_baseline.json")
     rec = client.parse_generate_response(body)
-    assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["accept_length"] is None
+    assert rec["error"] is None and rec["spec_verify_ct"] is None and rec["spec_accept_length"] is None
     assert rec["finish_reason"] == "stop" and rec["output_ids"][-1] == body["meta_info"]["finish_reason"]["matched"]
     aborted = json.loads(json.dumps(body))
     aborted["meta_info"]["finish_reason"] = {
@@ -221,7 +221,7 @@ def _rec(pid, ids, latency=1.0, verify=None, error=None):
         "completion_tokens": len(ids),
         "cached_tokens": 0,
         "spec_verify_ct": verify,
-        "accept_length": len(ids) / verify if verify else None,
+        "spec_accept_length": len(ids) / verify if verify else None,
         "finish_reason": "length",
         "output_ids": ids,
         "text": "".join(map(chr, ids)),
@@ -238,7 +238,7 @@ def test_mode_statistics_and_lossless_comparison() -> None:
     s = sglang_stats.mode_stats(recs, wall_s=2.0, server_avg_spec_accept_length=2.2)
     assert (s["requests"], s["ok"], s["failed"], s["output_tokens"]) == (3, 2, 1, 6)
     assert s["output_tokens_per_s"] == 3.0 and s["per_request_tokens_per_s_mean"] == pytest.approx((8 + 2) / 2)
-    assert s["accept_length_mean"] == 2.0 and s["accept_length_pooled"] == 2.0 and s["spec_verify_ct"] == 3
+    assert s["spec_accept_length_mean"] == 2.0 and s["spec_accept_length"] == 2.0 and s["spec_verify_ct"] == 3
     assert s["errors"] == ["c: HTTP 500: boom"] and s["finish_reasons"] == {"length": 2}
     assert [p["id"] for p in s["per_request"]] == ["a", "b", "c"]
     assert s["server_avg_spec_accept_length"] == 2.2 and s["cache_flushed"] is None
@@ -276,8 +276,8 @@ def test_degenerate_outputs_use_the_in_process_benchmarks_definition() -> None:
     s = sglang_stats.mode_stats(recs, wall_s=1.0, cache_flushed=True)
     assert [p["degenerate"] for p in s["per_request"]] == [["loop", "repetitive"], ["repetitive"], [], None]
     assert s["degenerate_requests"] == 2 and s["cache_flushed"] is True
-    assert s["accept_length_mean"] == pytest.approx((10 + 2 + 2 + 3) / 4)
-    assert s["accept_length_mean_excluding_degenerate"] == pytest.approx((2 + 3) / 2)
+    assert s["spec_accept_length_mean"] == pytest.approx((10 + 2 + 2 + 3) / 4)
+    assert s["spec_accept_length_mean_excluding_degenerate"] == pytest.approx((2 + 3) / 2)
 
 
 def test_report_json_keeps_id_lists_on_one_line_and_text_untouched() -> None:
@@ -394,7 +394,10 @@ def test_cli_help_and_config_defaults(monkeypatch, capsys, tmp_path: Path) -> No
     assert kw["sglang"]["extra_args"] == ["--trust-remote-code", "--api-key", "k"]
     assert kw["max_new_tokens"] == 1024 and kw["sglang_python"] == "/envs/sglang/bin/python"
     assert kw["server_env"] == {"SGLANG_X": "1"} and kw["references"] == ["ngram"]
-    assert seen["render"] == ("/models/Kimi-K2.5", {"as_text": False, "trust_remote_code": True})
+    assert seen["render"] == (
+        "/models/Kimi-K2.5",
+        {"as_text": False, "trust_remote_code": True, "chat_template_kwargs": {"thinking": True}},
+    )
 
 
 # ---- whole runs against a fake SGLang server ---------------------------------------------------------------
@@ -473,6 +476,11 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     }
     out = tmp_path / "bench" / "run.json"
     logs: list[str] = []
+    published = tmp_path / "published"  # a reference drafter folder: another EAGLE-3 server, the same flags
+    published.mkdir()
+    (published / "config.json").write_text(
+        json.dumps({**json.loads((fake_sglang.drafter / "config.json").read_text()), "fake_accept": 4})
+    )
     report = h.run_sglang_benchmark(
         "/models/target",
         fake_sglang.drafter,
@@ -485,13 +493,16 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         warmup=1,
         stop_grace_s=0.5,
         server_env=fake_sglang.env,
-        references=["ngram"],
+        references=["ngram", "ngram_default", "org/published"],
+        reference_drafters={"org/published": published},
         log=logs.append,
     )
 
     assert json.loads(out.read_text()) == report
-    assert report["format"] == "aerie.sglang-bench/3" and report["complete"] and report["error"] is None
-    assert report["modes"] == ["baseline", "eagle3", "ngram"]
+    assert report["format"] == "aerie.sglang-bench/4" and report["complete"] and report["error"] is None
+    modes = ["baseline", "eagle3", "ngram", "ngram_default", "org/published"]
+    assert report["modes"] == modes
+    assert report["reference_drafters"]["org/published"]["folder"] == str(published)
     assert "flush_cache" in report["notes"]["acceptance"] and "prefill" in report["notes"]["acceptance"]
     assert SECRET not in out.read_text()
     assert report["input"] == "input_ids" and report["sampling"] == {
@@ -502,10 +513,18 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
     assert report["drafter_config"]["architectures"] == ["LlamaForCausalLMEagle3"]
 
     # What each server process was really started with: the harness's command line, through the sglang python.
-    for mode, drafter in (("baseline", None), ("eagle3", fake_sglang.drafter), ("ngram", None)):
-        st = json.loads((fake_sglang.state / f"{mode}.json").read_text())
+    servers = (
+        ("baseline", None, "baseline"),
+        ("eagle3", fake_sglang.drafter, "eagle3"),
+        ("ngram", None, "ngram"),
+        ("ngram_default", None, "ngram_default"),
+        ("org/published", published, "eagle3"),
+    )
+    for mode, drafter, server_mode in servers:
+        st = json.loads((fake_sglang.state / f"{h._file_name(mode)}.json").read_text())
         port = int(st["argv"][st["argv"].index("--port") + 1])
-        cmd = sglang_server.server_command("/models/target", port, sglang, drafter_dir=drafter, mode=mode)
+        cmd = sglang_server.server_command("/models/target", port, sglang, drafter_dir=drafter, mode=server_mode)
+        assert report["servers"][mode]["log"].endswith(f"run.{h._file_name(mode)}.server.log")
         assert st["argv"] == cmd[3:]
         server = report["servers"][mode]
         assert server["command"][0] == fake_sglang.python and "***" in server["command"]
@@ -518,7 +537,7 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         assert st["requests"] == 1 + 2 * (4 + 3) + probes and st["unauthorized"] == 0 and st["bad_shape"] == 0
         # The outputs that left the baseline's (chat/1 on the EAGLE3 server, at both concurrency levels) were probed,
         # untimed, at the first differing token: prompt + the baseline's 12 tokens before it.
-        want = [{"prompt_tokens": len("DIVERGE here") + 12, "position": 12}] * 2 if mode == "eagle3" else []
+        want = [{"prompt_tokens": len("DIVERGE here") + 12, "position": 12}] * 2 if server_mode == "eagle3" else []
         assert st["probes"] == want
         assert st["flushes"] == 4
         assert all(
@@ -531,10 +550,15 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
         assert not sglang_server.process_alive(st["pid"]) and not sglang_server.process_alive(st["child_pid"])
         assert server["leftover_pids_killed"] == [st["child_pid"]]
     assert report["servers"]["eagle3"]["server_info"]["speculative_num_steps"] == 3
-    # NGRAM at SGLang's own defaults (_handle_ngram): a breadth-10 tree of 12 draft tokens.
+    # NGRAM at the EAGLE-3 server's width (4 draft tokens in one chain), and at SGLang's own defaults (_handle_ngram):
+    # a breadth-10 tree of 12 draft tokens.
     ngram_info = report["servers"]["ngram"]["server_info"]
-    assert ngram_info["speculative_algorithm"] == "NGRAM" and ngram_info["speculative_num_draft_tokens"] == 12
-    assert ngram_info["speculative_eagle_topk"] == 10 and ngram_info["max_running_requests"] == 48
+    assert ngram_info["speculative_algorithm"] == "NGRAM" and ngram_info["speculative_num_draft_tokens"] == 4
+    assert ngram_info["speculative_eagle_topk"] == 1
+    wide = report["servers"]["ngram_default"]["server_info"]
+    assert wide["speculative_algorithm"] == "NGRAM" and wide["speculative_num_draft_tokens"] == 12
+    assert wide["speculative_eagle_topk"] == 10 and wide["max_running_requests"] == 48
+    assert report["servers"]["org/published"]["server_info"]["speculative_draft_model_path"] == str(published)
 
     # The fake keeps SGLang 0.5.23's counter: reset by /flush_cache, decode-step tokens only. Its value is reported
     # as read; the acceptance figure is the per-request mean of completion_tokens / spec_verify_ct.
@@ -567,10 +591,10 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
             assert s["per_request_tokens_per_s_mean"] > 0 and s["cache_flushed"] is True
             assert s["degenerate_requests"] == (1 if r["set"] == "chat" else 0)
             assert [p["degenerate"] != [] for p in s["per_request"]] == [p["id"] == "chat/3" for p in s["per_request"]]
-        assert b["accept_length_mean"] is None and b["server_avg_spec_accept_length"] is None
+        assert b["spec_accept_length_mean"] is None and b["server_avg_spec_accept_length"] is None
         assert all(p["spec_verify_ct"] is None for p in b["per_request"])
-        assert e["accept_length_mean"] == 3.0 and e["accept_length_pooled"] == 3.0
-        assert e["accept_length_mean_excluding_degenerate"] == 3.0
+        assert e["spec_accept_length_mean"] == 3.0 and e["spec_accept_length"] == 3.0
+        assert e["spec_accept_length_mean_excluding_degenerate"] == 3.0
         counter = server_counter(chat if r["set"] == "chat" else maths)  # this run's requests only: flushed before
         assert e["server_avg_spec_accept_length"] == pytest.approx(counter) and counter < 3.0
         assert [p["spec_verify_ct"] for p in e["per_request"]] == [
@@ -589,7 +613,7 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
 
         # SGLang's NGRAM reference: its own acceptance (2 tokens per verify step here), the same outputs.
         ng, ref = r["ngram"], r["references"]["ngram"]
-        assert ng["accept_length_mean"] == 2.0 and ng["correct_drafts_histogram"] == [
+        assert ng["spec_accept_length_mean"] == 2.0 and ng["correct_drafts_histogram"] == [
             0,
             sum(p["spec_verify_ct"] for p in ng["per_request"]),
         ]
@@ -598,17 +622,24 @@ def test_full_run_against_a_fake_sglang_server(fake_sglang, tmp_path: Path) -> N
 
     s = report["summary"]
     assert s["lossless"] == {"compared": 14, "identical": 12, "differing": 2, "all_identical": False}
-    assert s["references"]["ngram"]["accept_length_mean"] == 2.0
+    assert s["references"]["ngram"]["spec_accept_length_mean"] == 2.0
     assert s["references"]["ngram"]["lossless"]["all_identical"] is True
     assert all(c["speedup_by_mode"]["ngram"] > 1.0 for c in s["by_concurrency"])
     assert s["baseline_cross_concurrency"] == {"compared": 7, "identical": 7}
-    assert s["accept_length_mean"] == 3.0 and s["accept_length_mean_excluding_degenerate"] == 3.0
+    assert s["spec_accept_length_mean"] == 3.0 and s["spec_accept_length_mean_excluding_degenerate"] == 3.0
     assert s["server_avg_spec_accept_length"] == pytest.approx(server_counter(maths))  # the last reading
-    assert s["degenerate_requests"] == {"baseline": 2, "eagle3": 2, "ngram": 2}
+    assert s["degenerate_requests"] == dict.fromkeys(modes, 2)
+    pub = s["references"]["org/published"]
+    assert pub["spec_accept_length_mean"] == 4.0 and pub["lossless"]["differing"] == 2  # its DIVERGE outputs
+    # One name per acceptance definition: aerie's leaves the prefill token out, SGLang's counts it.
+    assert s["spec_accept_length"] == 3.0 and s["acceptance_length"] == pytest.approx(
+        (sum(p["completion_tokens"] - 1 for r in rows for p in r["eagle3"]["per_request"]))
+        / sum(p["spec_verify_ct"] for r in rows for p in r["eagle3"]["per_request"])
+    )
     assert [c["concurrency"] for c in s["by_concurrency"]] == [1, 3]
     assert all(c["speedup"] > 1.3 for c in s["by_concurrency"])
     assert s["speedup_min"] <= s["speedup_geomean"] <= s["speedup_max"]
-    assert s["failed_requests"] == {"baseline": 0, "eagle3": 0, "ngram": 0}
+    assert s["failed_requests"] == dict.fromkeys(modes, 0)
     assert any("killed processes left by the server" in m for m in logs)
 
 

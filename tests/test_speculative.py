@@ -374,7 +374,7 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
         "per_prompt",
     ]
     assert not [f for f in documented if f not in on_disk]
-    assert on_disk["format"] == "aerie.bench/2"
+    assert on_disk["format"] == "aerie.bench/3"
     assert on_disk["prompts"] == 3 and len(on_disk["per_prompt"]) == 3
     assert on_disk["num_draft_steps"] == 3 and on_disk["max_new_tokens"] == 12
     base, spec = on_disk["baseline"]["tokens_per_s"], on_disk["speculative"]["tokens_per_s"]
@@ -386,6 +386,11 @@ def test_run_benchmark_writes_documented_json(bench_files, tmp_path):
     steps = on_disk["speculative"]["verify_steps"]
     gen = sum(p["generated_tokens"] for p in on_disk["per_prompt"])
     assert on_disk["acceptance_length"] == pytest.approx((gen - 3) / steps)  # one prefill token per prompt
+    assert on_disk["spec_accept_length"] == pytest.approx(gen / steps)  # SGLang's: the prefill token counted
+    # One set (one prompt file): its table holds the same figures as the whole run.
+    (table,) = on_disk["sets"].values()
+    assert table["prompts"] == 3 and table["methods"]["eagle3"]["acceptance_length"] == on_disk["acceptance_length"]
+    assert on_disk["failed_requests"] == {"baseline": 0, "eagle3": 0, "untrained": 0, "ngram": 0}
     assert on_disk["baseline"]["tokens"] == on_disk["speculative"]["tokens"] == 2 * gen  # 2 repeats
     assert on_disk["threads"] == 1 and on_disk["cpu_count"] == os.cpu_count()
     for p in on_disk["per_prompt"]:
@@ -443,3 +448,55 @@ def test_run_benchmark_reports_a_divergence(bench_files, tmp_path, monkeypatch):
     # A tolerance above every measured gap accepts them as near-ties (the gate reads the same figures).
     top = max(d["logit_gap"] for d in report["divergences"])
     assert gate_failures(report, Gate(0, False, None, top)) == []
+
+
+def test_run_benchmark_serves_a_reference_drafter_folder_per_set(bench_files, tmp_path):
+    """A reference drafter folder (another drafter, loaded with the same reader) is decoded on the same prompts as
+    the trained one; two prompt files give two sets, each with a table of every drafter side by side; the trained
+    drafter's own folder as a reference ties it exactly (same greedy drafts), which the gate calls a loss per set."""
+    import shutil
+
+    from aerie.bench.gate import Gate, gate_failures
+    from aerie.bench.run import run_benchmark
+
+    other = tmp_path / "published"
+    _tiny_drafter(_tiny_llama(seed=3), seed=9).save_pretrained(other)
+    second = tmp_path / "results" / "gsm8k" / "prompts" / "bench.jsonl"
+    second.parent.mkdir(parents=True)
+    write_prompts(second, ["add 4 and 5", "sort 9 8"], dataset="gsm8k")
+    shutil.copy(bench_files / "bench.jsonl", tmp_path / "chat.jsonl")
+    same = str(bench_files / "drafter")
+    threads_before = torch.get_num_threads()
+    try:
+        report = run_benchmark(
+            bench_files / "target",
+            bench_files / "drafter",
+            [tmp_path / "chat.jsonl", second],
+            tmp_path / "out.json",
+            max_new_tokens=10,
+            num_draft_steps=3,
+            warmup=0,
+            threads=1,
+            max_prompts=2,  # per set
+            references=["ngram", "published", same],
+            reference_drafters={"published": other, same: Path(same)},
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+    assert list(report["methods"]) == ["eagle3", "ngram", "published", same]
+    assert report["methods"]["published"]["kind"] == "drafter" and report["methods"]["published"]["folder"] == str(
+        other
+    )
+    assert list(report["sets"]) == ["chat", "gsm8k"] and report["prompts"] == 4
+    for table in report["sets"].values():
+        assert table["prompts"] == 2 and set(table["methods"]) == set(report["methods"])
+        mine, twin = table["methods"]["eagle3"], table["methods"][same]
+        assert twin["acceptance_length"] == mine["acceptance_length"] and twin["verify_steps"] == mine["verify_steps"]
+    assert {p["set"] for p in report["per_prompt"]} == {"chat", "gsm8k"}
+    assert all(p["methods"]["published"]["lossless"] for p in report["per_prompt"])
+    losses = gate_failures(report, Gate(min_speedup=0.0, beat_references_on=("acceptance_length",)))
+    assert [f for f in losses if same in f] == [
+        f"set {s}: the trained drafter's acceptance length {report['sets'][s]['methods']['eagle3']['acceptance_length']:.3f}"
+        f" does not beat reference {same}'s {report['sets'][s]['methods'][same]['acceptance_length']:.3f}"
+        for s in ("chat", "gsm8k")
+    ]

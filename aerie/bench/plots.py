@@ -16,11 +16,16 @@ def _figure():
 
 
 def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
-    """Two panels from an ``aerie.bench/2`` report (either backend): acceptance per position, tokens/s per method."""
+    """Panels from an ``aerie.bench/3`` report (either backend): acceptance per position, tokens/s per method, and
+    (with ``sets``) acceptance length and speedup per set and drafter, side by side."""
     plt = _figure()
     methods = report["methods"]
     k = report["num_draft_steps"]
-    fig, (ax_acc, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sets = report.get("sets") or {}
+    fig, axes = plt.subplots(1, 3 if sets else 2, figsize=(16.5 if sets else 11, 4.2))
+    ax_acc, ax_tps = axes[0], axes[1]
+    if sets:
+        plot_sets(axes[2], sets)
 
     width = 0.8 / max(len(methods), 1)
     positions = list(range(1, k + 1))
@@ -65,21 +70,47 @@ def plot_benchmark(report: dict[str, Any], out_png: Path) -> None:
     plt.close(fig)
 
 
+def plot_sets(ax, sets: dict[str, Any]) -> None:
+    """Grouped bars: acceptance length per set (groups) and drafter (bars), each bar labelled with its speedup."""
+    names = list(sets)
+    methods = list(next(iter(sets.values()))["methods"])
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(names))]
+        vals = [(sets[n]["methods"].get(m) or {}).get("acceptance_length") or 0.0 for n in names]
+        bars = ax.bar(xs, vals, width=width, label=m, color=f"C{j}")
+        for bar, n in zip(bars, names):
+            sp = (sets[n]["methods"].get(m) or {}).get("speedup")
+            ax.annotate(
+                f"{sp or 0:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([f"{n}\n({sets[n]['prompts']} prompts)" for n in names], fontsize=8)
+    ax.set_ylabel("acceptance length (tokens per verify step)")
+    ax.set_title("Per set: acceptance length (bars) and speedup (labels)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def plot_sglang_benchmark(report: dict[str, Any], out_png: Path) -> None:
-    """From an ``aerie.sglang-bench/3`` report: output tok/s per concurrency, baseline vs EAGLE3, per set."""
+    """From an ``aerie.sglang-bench/4`` report: output tok/s per concurrency of every server, per set."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     sets = sorted({r["set"] for r in report["rows"]})
     for j, name in enumerate(sets):
         rows = sorted((r for r in report["rows"] if r["set"] == name), key=lambda r: r["concurrency"])
         conc = [r["concurrency"] for r in rows]
-        for mode, style in (("baseline", "--"), ("eagle3", "-")):
+        for k, mode in enumerate(report.get("modes") or ("baseline", "eagle3")):
             ys = [(r.get(mode) or {}).get("output_tokens_per_s") for r in rows]
-            ax.plot(conc, [y or 0.0 for y in ys], style, marker="o", color=f"C{j}", label=f"{name} {mode}")
+            style = "--" if mode == "baseline" else ["-", ":", "-.", (0, (1, 1))][k % 4]
+            ax.plot(conc, [y or 0.0 for y in ys], linestyle=style, marker="o", color=f"C{j}", label=f"{name} {mode}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("SGLang: tokens/s per concurrency, without and with the drafter", fontsize=10)
+    ax.set_title("SGLang: tokens/s per concurrency, without and with each drafter", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     out_png.parent.mkdir(parents=True, exist_ok=True)

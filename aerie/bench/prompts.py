@@ -1,4 +1,5 @@
-"""The benchmark's prompts: every dataset's held-out ``prompts/bench.jsonl``, read in one order for both backends.
+"""The benchmark's prompts: every dataset's held-out ``prompts/bench.jsonl`` and every ``bench.sets`` file, one set
+per file, read in one order for both backends.
 
 Torch-free (the SGLang backend runs in SGLang's environment).
 """
@@ -13,33 +14,42 @@ from aerie.prompts import PromptSet, read_prompts
 
 
 def load_bench_prompts(prompt_files: Sequence[Path], max_prompts: int | None = None) -> list[dict[str, Any]]:
-    """The ``aerie.prompts/1`` records of ``prompt_files`` in file order, the first ``max_prompts`` of them."""
+    """The ``aerie.prompts/1`` records of ``prompt_files`` in file order, the first ``max_prompts`` of each file."""
     prompts: list[dict[str, Any]] = []
     for path in prompt_files:
-        prompts.extend(read_prompts(Path(path)))
+        records = read_prompts(Path(path))
+        prompts.extend(records[:max_prompts] if max_prompts is not None else records)
     seen: set[str] = set()
     for p in prompts:
         if p["id"] in seen:
             raise ValueError(f"duplicate prompt id {p['id']!r} across {list(map(str, prompt_files))}")
         seen.add(p["id"])
-    return prompts[:max_prompts] if max_prompts is not None else prompts
+    return prompts
+
+
+def set_name(path: Path) -> str:
+    """A prompt file's set: its dataset for ``results/{dataset}/prompts/bench.jsonl``, else the file's stem
+    (``results/bench/sets/{set}.jsonl``)."""
+    path = Path(path)
+    return path.parent.parent.name if path.parent.name == "prompts" else path.stem
 
 
 def bench_prompt_sets(prompt_files: Sequence[Path], max_prompts: int | None = None) -> list[PromptSet]:
-    """The same prompts as :func:`load_bench_prompts`, one set per file, named after its dataset
-    (``results/{dataset}/prompts/bench.jsonl``); a file the cap leaves empty gives no set."""
-    prompts = load_bench_prompts(prompt_files, max_prompts)
-    sets, start = [], 0
+    """The same prompts as :func:`load_bench_prompts`, one set per file (:func:`set_name`); an empty file gives no
+    set."""
+    load_bench_prompts(prompt_files, max_prompts)  # the checks across files
+    sets = []
     for path in prompt_files:
-        n = len(read_prompts(Path(path)))
-        chunk = prompts[start : start + n]
-        start += n
+        records = read_prompts(Path(path))
+        chunk = records[:max_prompts] if max_prompts is not None else records
         if chunk:
-            name = Path(path).parent.parent.name if Path(path).parent.name == "prompts" else Path(path).stem
             sets.append(
                 PromptSet(
-                    name=name,
-                    prompts=[{"id": p["id"], "messages": p["messages"]} for p in chunk],
+                    name=set_name(path),
+                    prompts=[
+                        {"id": p["id"], "messages": p["messages"], **({"tools": p["tools"]} if p.get("tools") else {})}
+                        for p in chunk
+                    ],
                     kind="aerie",
                     source=str(path),
                 )

@@ -1,20 +1,24 @@
 """The bench rule's SGLang backend (``bench.backend: sglang``): the gated benchmark at the target's real size.
 
 The serving harness (:mod:`aerie.bench.sglang_harness`) starts SGLang in turn without speculation (``baseline``), with
-the trained drafter and the config's EAGLE-3 flags (``eagle3``), and with each reference SGLang serves without
-training (``ngram``: its NGRAM speculative algorithm), each over every benchmark prompt at every ``sglang.concurrency``
-level after a cache flush, greedy (temperature 0); it keeps its full report beside the bench report
-(``{run}.sglang.json``, ``aerie.sglang-bench/3``). :func:`bench_report_from_serving` turns it into the in-process
-benchmark's report (``aerie.bench/2``), which the same plot and gate (:mod:`aerie.bench.gate`) read:
+the trained drafter and the config's EAGLE-3 flags (``eagle3``), and with each reference (``ngram``: SGLang's NGRAM at
+the EAGLE-3 width; ``ngram_default``: NGRAM at SGLang's own; a drafter folder: the same EAGLE-3 flags), each over every
+benchmark prompt at every ``sglang.concurrency`` level after a cache flush, greedy (temperature 0); it keeps its full
+report beside the bench report (``{run}.sglang.json``, ``aerie.sglang-bench/4``). :func:`bench_report_from_serving`
+turns it into the in-process benchmark's report (``aerie.bench/3``), which the same plot and gate
+(:mod:`aerie.bench.gate`) read:
 
 - speed: per concurrency level, output tokens/s pooled over the prompt sets and the median over prompts of the paired
   per-request ratio; the report's top-level figures (``baseline``, ``speculative``, ``speedup``,
-  ``speedup_median_paired``, each method's tokens/s) are those of the level where the drafter does worst (the lower
-  of the two ratios), named in ``concurrency``: the drafter must pay off at every level the config serves at;
-  ``by_concurrency`` lists every level.
-- acceptance: tokens committed per verify step, pooled over every request of the method, the prefill token left out
-  (``sum(completion_tokens - 1) / sum(spec_verify_ct)``: the in-process definition); per draft position from
-  SGLang's ``spec_correct_drafts_histogram``.
+  ``speedup_median_paired``, each method's tokens/s, each set's table) are those of the level where the drafter does
+  worst (the lower of the two ratios), named in ``concurrency``: the drafter must pay off at every level the config
+  serves at; ``by_concurrency`` lists every level.
+- acceptance, over every request of the method at every level: ``acceptance_length`` (aerie's, the gate's: tokens
+  committed per verify step, the prefill token left out: ``sum(completion_tokens - 1) / sum(spec_verify_ct)``, the
+  in-process definition) and ``spec_accept_length`` (SGLang's: ``sum(completion_tokens) / sum(spec_verify_ct)``, as
+  the published cards report it); per draft position from SGLang's ``spec_correct_drafts_histogram``.
+- failed requests, per method and set: a request without an answer (a server that died mid-run answers every later
+  request with an error) is counted, never dropped silently; the gate fails on any.
 - lossless (temperature 0): every speculative output must equal the baseline server's output for the same prompt at
   the same concurrency level; each that differs is a divergence, with the target's top-2 logit gap at the first
   differing token, read from the speculative server (``probe_divergences``): a near-tie within
@@ -35,6 +39,7 @@ from typing import Any
 from aerie.artifacts import atomic_write_json
 from aerie.bench.gate import BENCH_FORMAT, beats_references, simulated_acceptance
 from aerie.bench.prompts import bench_prompt_sets
+from aerie.bench.settings import method_kinds
 from aerie.bench.sglang_server import sglang_settings
 from aerie.bench.sglang_stats import correct_drafts_histogram
 
@@ -87,12 +92,14 @@ def _acceptance(reqs: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
     spec = [p for p in reqs if p.get("spec_verify_ct")]
     verify = sum(int(p["spec_verify_ct"]) for p in spec)
     committed = sum(int(p["completion_tokens"]) - 1 for p in spec)  # the first token comes from prefill
+    served = sum(int(p["completion_tokens"]) for p in spec)  # SGLang's spec_accept_length counts it
     clean = [p for p in spec if not p.get("degenerate")]
     histogram = correct_drafts_histogram(spec)
     accepted = [sum(histogram[i:]) for i in range(1, steps + 1)]  # steps whose i-th draft was accepted
     return {
         "verify_steps": verify,
         "acceptance_length": _ratio(committed, verify),
+        "spec_accept_length": _ratio(served, verify),
         "acceptance_length_excluding_degenerate": _ratio(
             sum(int(p["completion_tokens"]) - 1 for p in clean), sum(int(p["spec_verify_ct"]) for p in clean)
         ),
@@ -102,80 +109,100 @@ def _acceptance(reqs: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
     }
 
 
-def bench_report_from_serving(
-    serving: Mapping[str, Any],
-    *,
-    prompt_files: Sequence[Path],
-    serving_report: Path,
-    max_new_tokens: int,
-) -> dict[str, Any]:
-    """The ``aerie.bench/2`` report (the in-process benchmark's schema) of a harness report (module docstring)."""
-    modes = list(serving["modes"])
-    methods = modes[1:]
-    rows = serving["rows"]
-    steps = int(serving["sglang"]["speculative_num_steps"])
-    drafter_dir = Path(serving["drafter"])
-
-    levels = []
-    for entry in serving["summary"]["by_concurrency"]:
-        c = entry["concurrency"]
-        level: dict[str, Any] = {
-            "concurrency": c,
-            "baseline_tokens_per_s": entry["baseline_output_tokens_per_s"],
-            "methods": {},
-        }
-        for m in methods:
-            level["methods"][m] = {
+def _level(entry: Mapping[str, Any], rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+    """One concurrency level's throughput figures, from the harness summary's ``by_concurrency`` entry."""
+    c = entry["concurrency"]
+    base = entry["baseline_output_tokens_per_s"]
+    return {
+        "concurrency": c,
+        "baseline_tokens_per_s": base,
+        "methods": {
+            m: {
                 "tokens_per_s": entry[f"{m}_output_tokens_per_s"],
-                "speedup": _ratio(entry[f"{m}_output_tokens_per_s"], entry["baseline_output_tokens_per_s"]),
+                "speedup": _ratio(entry[f"{m}_output_tokens_per_s"], base),
                 "speedup_median_paired": _median_paired(rows, m, c),
             }
-        levels.append(level)
+            for m in methods
+        },
+    }
 
-    def gate_figure(level: dict[str, Any]) -> float:
-        """What the gate takes at this level: the lower of the pooled and the median paired speedup."""
-        e = level["methods"]["eagle3"]
-        figures = [x for x in (e["speedup"], e["speedup_median_paired"]) if x is not None]
-        return min(figures) if figures else 0.0
 
-    at = min(levels, key=gate_figure)
-    c = at["concurrency"]
+def _gate_figure(level: Mapping[str, Any]) -> float:
+    """What the gate takes at a level: the lower of the trained drafter's pooled and median paired speedup."""
+    e = level["methods"]["eagle3"]
+    figures = [x for x in (e["speedup"], e["speedup_median_paired"]) if x is not None]
+    return min(figures) if figures else 0.0
 
-    def totals(mode: str) -> dict[str, Any]:
-        stats = [r[mode] for r in rows if r["concurrency"] == c and r.get(mode)]
-        tokens, seconds = sum(s["output_tokens"] for s in stats), sum(s["wall_s"] for s in stats)
-        return {"tokens_per_s": _ratio(tokens, seconds), "tokens": tokens, "seconds": seconds}
 
-    divergences = []
-    for r in rows:
-        for m in methods:
-            check = r["lossless"] if m == "eagle3" else (r["references"].get(m) or {}).get("lossless")
-            for d in (check or {}).get("divergences") or []:
-                divergences.append({"method": m, "id": d["id"], "concurrency": r["concurrency"], **d})
-    summary: dict[str, dict[str, Any]] = {}
-    for m in methods:
-        lossless_checks = [r["lossless"] if m == "eagle3" else r["references"][m]["lossless"] for r in rows]
-        summary[m] = {
-            **totals(m),
-            "speedup": at["methods"][m]["speedup"],
-            "speedup_median_paired": at["methods"][m]["speedup_median_paired"],
-            **_acceptance(_requests(rows, m), steps),
-            "lossless": all(x is not None and x["differing"] == 0 for x in lossless_checks),
+def _totals(rows: Sequence[dict[str, Any]], mode: str, c: int) -> dict[str, Any]:
+    stats = [r[mode] for r in rows if r["concurrency"] == c and r.get(mode)]
+    tokens, seconds = sum(s["output_tokens"] for s in stats), sum(s["wall_s"] for s in stats)
+    return {"tokens_per_s": _ratio(tokens, seconds), "tokens": tokens, "seconds": seconds}
+
+
+def _failed(rows: Sequence[dict[str, Any]], mode: str) -> int:
+    """Requests of ``mode`` that got no answer, over every row; a row its server never ran counts all its prompts."""
+    return sum(r[mode]["failed"] if r.get(mode) else r["prompts"] for r in rows)
+
+
+def _lossless_check(row: Mapping[str, Any], mode: str) -> dict[str, Any] | None:
+    return row["lossless"] if mode == "eagle3" else (row["references"].get(mode) or {}).get("lossless")
+
+
+def _divergences(rows: Sequence[dict[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
+    """Every speculative output that left the baseline's, of every method (references included), every level."""
+    return [
+        {"method": m, "id": d["id"], "concurrency": r["concurrency"], "set": r["set"], **d}
+        for r in rows
+        for m in methods
+        for d in (_lossless_check(r, m) or {}).get("divergences") or []
+    ]
+
+
+def _method_table(rows: Sequence[dict[str, Any]], m: str, c: int, steps: int) -> dict[str, Any]:
+    """One method's figures over ``rows`` (a set's, or all): speed at level ``c`` against the baseline at ``c``,
+    acceptance over every level, lossless and failed requests over every level."""
+    tot, base = _totals(rows, m, c), _totals(rows, "baseline", c)
+    checks = [_lossless_check(r, m) for r in rows]
+    return {
+        **tot,
+        "speedup": _ratio(tot["tokens_per_s"], base["tokens_per_s"]),
+        "speedup_median_paired": _median_paired(rows, m, c),
+        **_acceptance(_requests(rows, m), steps),
+        "lossless": all(x is not None and x["differing"] == 0 for x in checks),
+        "failed_requests": _failed(rows, m),
+    }
+
+
+def _set_tables(rows: Sequence[dict[str, Any]], methods: Sequence[str], c: int, steps: int) -> dict[str, Any]:
+    """``{set: {prompts, baseline, methods}}``: one table per prompt set."""
+    tables = {}
+    for name in dict.fromkeys(r["set"] for r in rows):
+        mine = [r for r in rows if r["set"] == name]
+        tables[name] = {
+            "prompts": mine[0]["prompts"],
+            "baseline": {**_totals(mine, "baseline", c), "failed_requests": _failed(mine, "baseline")},
+            "methods": {m: _method_table(mine, m, c, steps) for m in methods},
         }
-    eagle = summary["eagle3"]
-    measured = eagle["acceptance_length"]
-    refs = {m: summary[m]["acceptance_length"] for m in methods if m != "eagle3"}
-    simulated = simulated_acceptance(drafter_dir, steps)
+    return tables
 
+
+def _per_prompt(rows, methods, c: int, divergences) -> list[dict[str, Any]]:
+    """Per prompt at level ``c``: the baseline's figures and each method's, the trained drafter's also at the top."""
     base_by_id: dict[str, dict[str, Any]] = {}
-    for p in _requests(rows, "baseline", c):
-        base_by_id.setdefault(p["id"], p)
-    degenerate = sorted({p["id"] for p in _requests(rows, "baseline") if p.get("degenerate")})
-    per_prompt = []
+    set_of: dict[str, str] = {}
+    for r in rows:
+        if r["concurrency"] == c and r.get("baseline"):
+            for p in r["baseline"]["per_request"]:
+                if not p.get("error"):
+                    base_by_id.setdefault(p["id"], p)
+                    set_of.setdefault(p["id"], r["set"])
+    out = []
     for pid, b in base_by_id.items():
         b_tps = _ratio(b["completion_tokens"], b["latency_s"])
         entry: dict[str, Any] = {
             "id": pid,
+            "set": set_of[pid],
             "prompt_tokens": b.get("prompt_tokens"),
             "generated_tokens": b["completion_tokens"],
             "degenerate": b.get("degenerate") or [],
@@ -195,6 +222,7 @@ def bench_report_from_serving(
                 "speedup": _ratio(tps, b_tps),
                 "verify_steps": p.get("spec_verify_ct"),
                 "acceptance_length": _ratio(p["completion_tokens"] - 1, p.get("spec_verify_ct")),
+                "spec_accept_length": p.get("spec_accept_length"),
                 "finish_reason": p.get("finish_reason"),
                 "lossless": div is None,
                 "first_mismatch": div["first_diff"] if div else None,
@@ -207,8 +235,33 @@ def bench_report_from_serving(
                 for k in ("speedup", "verify_steps", "acceptance_length", "lossless", "first_mismatch")
             }
         )
-        per_prompt.append(entry)
+        out.append(entry)
+    return out
 
+
+def bench_report_from_serving(
+    serving: Mapping[str, Any],
+    *,
+    prompt_files: Sequence[Path],
+    serving_report: Path,
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """The ``aerie.bench/3`` report (the in-process benchmark's schema) of a harness report (module docstring)."""
+    methods = list(serving["modes"])[1:]
+    rows = serving["rows"]
+    steps = int(serving["sglang"]["speculative_num_steps"])
+    drafter_dir = Path(serving["drafter"])
+
+    levels = [_level(entry, rows, methods) for entry in serving["summary"]["by_concurrency"]]
+    c = min(levels, key=_gate_figure)["concurrency"]  # the level where the drafter does worst
+    divergences = _divergences(rows, methods)
+    folders = {m: Path(s["drafter"]) for m, s in serving["servers"].items() if m != "eagle3" and s.get("drafter")}
+    summary = {
+        m: {**_method_table(rows, m, c, steps), **info} for m, info in method_kinds(methods[1:], folders).items()
+    }
+    eagle = summary["eagle3"]
+    measured = eagle["acceptance_length"]
+    simulated = simulated_acceptance(drafter_dir, steps)
     servers = serving["servers"]
     return {
         "format": BENCH_FORMAT,
@@ -223,23 +276,26 @@ def bench_report_from_serving(
         "warmup": serving["warmup"],
         "timing": TIMING,
         "concurrency": c,
-        "baseline": totals("baseline"),
+        "baseline": _totals(rows, "baseline", c),
         "speculative": {k: eagle[k] for k in ("tokens_per_s", "tokens", "seconds", "verify_steps")},
         "speedup": eagle["speedup"],
         "speedup_median_paired": eagle["speedup_median_paired"],
         "acceptance_length": measured,
+        "spec_accept_length": eagle["spec_accept_length"],
         "acceptance_length_excluding_degenerate": eagle["acceptance_length_excluding_degenerate"],
         "acceptance_per_position": eagle["acceptance_per_position"],
         "accepted_per_position": eagle["accepted_per_position"],
         "drafted_per_position": None,
         "lossless": all(summary[m]["lossless"] for m in methods),
         "divergences": divergences,
+        "failed_requests": {m: _failed(rows, m) for m in serving["modes"]},
         "methods": summary,
+        "sets": _set_tables(rows, methods, c, steps),
         "by_concurrency": levels,
-        "beats_references": beats_references(measured, refs),
+        "beats_references": beats_references(measured, {m: summary[m]["acceptance_length"] for m in methods[1:]}),
         "simulated_acceptance_length": simulated,
         "simulated_vs_measured": (abs(simulated - measured) / measured) if simulated and measured else None,
-        "degenerate_prompts": degenerate,
+        "degenerate_prompts": sorted({p["id"] for p in _requests(rows, "baseline") if p.get("degenerate")}),
         "eos_token_ids": None,  # the server ends a turn by the target folder's own settings
         "aux_layer_ids": serving["drafter_config"].get("eagle_aux_hidden_state_layer_ids"),
         "device": f"SGLang, tp {serving['sglang']['tp']}",
@@ -249,7 +305,7 @@ def bench_report_from_serving(
         "serving_report": str(serving_report),
         "serving_summary": serving["summary"],
         "servers": {m: {k: s.get(k) for k in ("command_line", "ready_s", "log", "error")} for m, s in servers.items()},
-        "per_prompt": per_prompt,
+        "per_prompt": _per_prompt(rows, methods, c, divergences),
     }
 
 
@@ -264,15 +320,18 @@ def run_serving_benchmark(
     max_prompts: int | None = None,
     warmup: int = 1,
     references: Sequence[str] = ("ngram",),
-    render: Callable[[list[dict[str, Any]]], list[int] | str] | None = None,
+    reference_drafters: Mapping[str, Path] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    render: Callable[..., list[int] | str] | None = None,
     sglang_python: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the harness over the benchmark prompts and write ``out_json`` (``aerie.bench/2``); return the report.
+    """Run the harness over the benchmark prompts and write ``out_json`` (``aerie.bench/3``); return the report.
 
     The harness's own report goes beside it as ``{run}.sglang.json``, the servers' logs as
     ``{run}.sglang.{mode}.server.log``. Servers run with this interpreter unless ``sglang_python`` is given
-    (in the bench job: SGLang's environment) and inherit its environment (the job's CUDA_VISIBLE_DEVICES)."""
+    (in the bench job: SGLang's environment) and inherit its environment (the job's CUDA_VISIBLE_DEVICES).
+    ``reference_drafters``: ``{name: folder}`` of the references that are drafter folders."""
     from aerie.bench.sglang_harness import run_sglang_benchmark, tokenizer_render
 
     settings = sglang_settings(sglang)
@@ -280,7 +339,11 @@ def run_serving_benchmark(
     if not sets:
         raise ValueError(f"no benchmark prompts in {list(map(str, prompt_files))}")
     if render is None:
-        render = tokenizer_render(target["path"], trust_remote_code=bool(target.get("trust_remote_code")))
+        render = tokenizer_render(
+            target["path"],
+            trust_remote_code=bool(target.get("trust_remote_code")),
+            chat_template_kwargs=chat_template_kwargs,
+        )
     out_json = Path(out_json)
     serving_json = out_json.with_name(out_json.stem + ".sglang.json")
     serving = run_sglang_benchmark(
@@ -294,16 +357,20 @@ def run_serving_benchmark(
         sglang_python=sglang_python,
         warmup=warmup,
         references=references,
+        reference_drafters=reference_drafters,
         log=log,
     )
     report = bench_report_from_serving(
         serving, prompt_files=prompt_files, serving_report=serving_json, max_new_tokens=max_new_tokens
     )
+    report["chat_template_kwargs"] = dict(chat_template_kwargs or {})
     atomic_write_json(out_json, report)
     for m, sm in report["methods"].items():
         log(
             f"{m}: speedup {sm['speedup'] or float('nan'):.3f}x (median paired "
-            f"{sm['speedup_median_paired'] or float('nan'):.3f}x) at concurrency {report['concurrency']}, acceptance "
-            f"length {sm['acceptance_length'] or float('nan'):.2f}, lossless={sm['lossless']}"
+            f"{sm['speedup_median_paired'] or float('nan'):.3f}x) at concurrency {report['concurrency']}, "
+            f"acceptance_length {sm['acceptance_length'] or float('nan'):.2f} (aerie's), spec_accept_length "
+            f"{sm['spec_accept_length'] or float('nan'):.2f} (SGLang's), lossless={sm['lossless']}, failed requests "
+            f"{sm['failed_requests']}"
         )
     return report

@@ -74,7 +74,7 @@ def parse_generate_response(body: Any) -> dict[str, Any]:
         "cached_tokens": meta.get("cached_tokens"),
         "e2e_latency_s": meta.get("e2e_latency"),
         "spec_verify_ct": verify,
-        "accept_length": completion / verify if completion is not None and verify else None,
+        "spec_accept_length": completion / verify if completion is not None and verify else None,
         # [j]: verify steps that accepted j drafts (bonus token not counted); acceptance per draft position
         "spec_correct_drafts_histogram": meta.get("spec_correct_drafts_histogram"),
         "finish_reason": kind,
@@ -296,12 +296,18 @@ async def drive_server(
                     "server_avg_spec_accept_length": avg,
                 }
                 stats = mode_stats(records, wall, avg, cache_flushed=flushed)
-                al = stats["accept_length_mean"]
+                al, sal = stats["acceptance_length"], stats["spec_accept_length"]
                 server = f"{avg:.2f}" if avg is not None else "n/a"
                 log(
-                    f"{mode} {ps.name} @ concurrency {c}: {stats['ok']}/{stats['requests']} ok, "
-                    f"{stats['output_tokens_per_s'] or 0:.1f} tok/s"
-                    + (f", acceptance {al:.2f} per request (server counter {server})" if al else "")
+                    f"{mode} {ps.name} @ concurrency {c}: {stats['ok']}/{stats['requests']} ok"
+                    + (f" ({stats['failed']} FAILED)" if stats["failed"] else "")
+                    + f", {stats['output_tokens_per_s'] or 0:.1f} tok/s"
+                    + (
+                        f", acceptance_length {al:.2f} (aerie's), spec_accept_length {sal:.2f} (SGLang's), server "
+                        f"counter {server}"
+                        if al is not None
+                        else ""
+                    )
                 )
         for key, run in runs.items():
             base = (baseline_runs or {}).get(key)

@@ -31,7 +31,7 @@ runs the same)::
         --prompt-set mtbench:prompts/mt_bench_questions.jsonl --prompt-set gsm8k:prompts/gsm8k_test.jsonl \\
         --prompt-set humaneval --out results/bench/kimi-k2.5-eagle3.sglang.json
 
-Output: one JSON file, format ``aerie.sglang-bench/3``, documented in docs/formats.md.
+Output: one JSON file, format ``aerie.sglang-bench/4``, documented in docs/formats.md.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -68,9 +69,10 @@ from aerie.bench.sglang_stats import SERVER_COUNTER_NOTE, build_rows, summarize
 from aerie.prompts import BENCHMARK_KINDS, PromptSet, parse_prompt_set
 
 # /2: degenerate outputs as in the in-process benchmark, notes; /3: reference servers (SGLang's NGRAM), the target's
-# logit gap at each divergence, acceptance histograms
-SGLANG_BENCH_FORMAT = "aerie.sglang-bench/3"
-REFERENCE_MODES = ("ngram",)  # servers without a trained drafter the harness can run beside baseline and eagle3
+# logit gap at each divergence, acceptance histograms; /4: one name per acceptance definition (acceptance_length,
+# spec_accept_length), reference drafter folders and NGRAM at the EAGLE-3 width (ngram) or SGLang's (ngram_default)
+SGLANG_BENCH_FORMAT = "aerie.sglang-bench/4"
+REFERENCE_MODES = ("ngram", "ngram_default")  # servers without a drafter the harness can run beside baseline, eagle3
 
 
 def _drafter_config(drafter_dir: Path) -> dict[str, Any]:
@@ -121,67 +123,60 @@ def _versions(sglang_version: str | None) -> dict[str, Any]:
 
 
 def tokenizer_render(
-    tokenizer_path: str | Path, *, as_text: bool = False, trust_remote_code: bool = False
-) -> Callable[[list[dict[str, Any]]], list[int] | str]:
-    """A render callable from the target's tokenizer: chat template + generation prompt, as ids or text."""
+    tokenizer_path: str | Path,
+    *,
+    as_text: bool = False,
+    trust_remote_code: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> Callable[..., list[int] | str]:
+    """A render callable from the target's tokenizer: chat template + generation prompt, as ids or text, with the
+    prompt's tools and ``chat_template_kwargs`` (e.g. ``{thinking: true}``) as a server renders a request."""
     from aerie.target_model.model import load_tokenizer
     from aerie.target_model.template import render_prompt_ids
 
     tok = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
+    kwargs = dict(chat_template_kwargs or {})
     if as_text:
-        return lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return lambda messages: render_prompt_ids(tok, messages)
+        return lambda messages, tools=None: tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {}), **kwargs
+        )
+    return lambda messages, tools=None: render_prompt_ids(tok, messages, tools, **kwargs)
 
 
-def run_sglang_benchmark(
-    target_path: str | Path,
-    drafter_dir: str | Path,
-    prompt_sets: Sequence[PromptSet],
-    out_json: str | Path,
-    *,
-    sglang: Mapping[str, Any] | None = None,
-    max_new_tokens: int = 128,
-    render: Callable[[list[dict[str, Any]]], list[int] | str] | None = None,
-    sglang_python: str | None = None,
-    warmup: int = 2,
-    flush_cache: bool = True,
-    health_path: str = "/health",
-    ready_timeout: float = 3600.0,
-    request_timeout: float = 3600.0,
-    stop_grace_s: float = 30.0,
-    server_env: Mapping[str, str] | None = None,
-    log_dir: str | Path | None = None,
-    record_outputs: bool = True,
-    references: Sequence[str] = (),
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Benchmark the target served by SGLang without and with the drafter; write and return the report.
+def _server_modes(references: Sequence[str], reference_drafters: Mapping[str, Path]) -> dict[str, Path | None]:
+    """``{mode: drafter folder or None}`` in the order the servers run: baseline, eagle3, then each reference."""
+    modes: dict[str, Path | None] = {"baseline": None, "eagle3": None}
+    for name in dict.fromkeys(references):
+        if name in REFERENCE_MODES:
+            modes[name] = None
+        elif name in reference_drafters:
+            modes[name] = Path(reference_drafters[name])
+        else:
+            raise ValueError(
+                f"unknown reference server {name!r} (built in: {', '.join(REFERENCE_MODES)}; a drafter folder needs "
+                "its path in reference_drafters)"
+            )
+    for name in reference_drafters:
+        if name not in modes:
+            raise ValueError(f"reference drafter {name!r} is not in references")
+        if name in ("baseline", "eagle3"):
+            raise ValueError(f"a reference drafter cannot be named {name!r}")
+    return modes
 
-    ``references``: further servers run after those two, each over the same prompts (``ngram``: SGLang's NGRAM
-    speculative algorithm, ``sglang.ngram_extra_args``). Every speculative server's outputs are compared with
-    the baseline's, and each divergence is probed for the target's top-2 logit gap there, on that server.
 
-    ``render(messages)`` returns the prompt as token ids (sent as ``input_ids``) or as a string (sent as
-    ``text``); None renders ids with the tokenizer at ``target_path``. ``sglang`` is the config's
-    ``sglang:`` section. ``stop_grace_s``: how long a stopped server's processes may take to exit before
-    they are killed (GPU memory must be free before the next server starts). Server logs go to
-    ``log_dir`` (default: beside ``out_json``). ``record_outputs=False`` keeps output ids and text out of
-    the report (the lossless check still compares them).
-    """
-    settings = sglang_settings(sglang)
-    unknown = [m for m in references if m not in REFERENCE_MODES]
-    if unknown:
-        raise ValueError(f"unknown reference servers {unknown} (known: {', '.join(REFERENCE_MODES)})")
-    modes = ("baseline", "eagle3", *dict.fromkeys(references))
+def _check_run(settings: Mapping[str, Any], drafters: Mapping[str, Path], prompt_sets, max_new_tokens, log) -> dict:
+    """Each drafter folder's config (a warning for an architecture SGLang's EAGLE3 does not load); ValueError on
+    empty or ambiguous prompt sets."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    target_path, drafter_dir, out_json = str(target_path), Path(drafter_dir), Path(out_json)
-    drafter_cfg = _drafter_config(drafter_dir)
-    if not any("Eagle3" in str(a) for a in drafter_cfg["architectures"] or []):
-        log(
-            f"WARNING {drafter_dir}: architectures {drafter_cfg['architectures']} (SGLang's EAGLE3 loads "
-            f"LlamaForCausalLMEagle3)"
-        )
+    configs = {}
+    for mode, folder in drafters.items():
+        configs[mode] = _drafter_config(folder)
+        if not any("Eagle3" in str(a) for a in configs[mode]["architectures"] or []):
+            log(
+                f"WARNING {folder}: architectures {configs[mode]['architectures']} (SGLang's EAGLE3 loads "
+                f"LlamaForCausalLMEagle3 or Eagle3DeepseekV2ForCausalLM)"
+            )
     if (
         settings["speculative_eagle_topk"] == 1
         and settings["speculative_num_draft_tokens"] != settings["speculative_num_steps"] + 1
@@ -201,16 +196,17 @@ def run_sglang_benchmark(
         ids = [p["id"] for p in ps.prompts]
         if len(set(ids)) != len(ids):
             raise ValueError(f"prompt set {ps.name!r} has duplicate prompt ids")
+    return configs
 
-    if render is None:
-        trust = "--trust-remote-code" in settings["extra_args"]
-        render = tokenizer_render(target_path, trust_remote_code=trust)
+
+def render_inputs(prompt_sets: Sequence[PromptSet], render: Callable[..., list[int] | str]):
+    """``({set: [(prompt id, ids or text)]}, "input_ids" | "text")``: every prompt rendered once, before any server."""
     inputs: dict[str, list[tuple[str, Any]]] = {}
     kinds = set()
     for ps in prompt_sets:
         rendered = []
         for p in ps.prompts:
-            x = render(p["messages"])
+            x = render(p["messages"], p.get("tools")) if p.get("tools") else render(p["messages"])
             if isinstance(x, str):
                 kinds.add("text")
             else:
@@ -220,38 +216,61 @@ def run_sglang_benchmark(
         inputs[ps.name] = rendered
     if len(kinds) != 1:
         raise ValueError("render must return token ids for every prompt or text for every prompt, not a mix")
-    input_key = kinds.pop()
+    return inputs, kinds.pop()
 
+
+def _file_name(mode: str) -> str:
+    """A mode's name in file names (a Hub repo id has a slash)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", mode)
+
+
+def _client_factory(settings: Mapping[str, Any], max_new_tokens: int, input_key: str, timeout: float):
+    """New clients for the servers, authenticated as the servers' own ``--api-key`` / ``--admin-api-key`` say."""
     extra = settings["extra_args"]
     api_key = flag_value(extra, "--api-key")
     admin_key = flag_value(extra, "--admin-api-key") or api_key
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-    log_dir = Path(log_dir) if log_dir is not None else out_json.parent
-    stem = out_json.name.removesuffix(".json")
-    run_id = uuid.uuid4().hex[:12]
+    return lambda: SGLangClient("", max_new_tokens, input_key, timeout, headers, admin_headers)
 
-    runs: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
-    servers: dict[str, dict[str, Any]] = {}
-    error: BaseException | None = None
-    error_text: str | None = None
-    for mode in modes:
-        drafter = drafter_dir if mode == "eagle3" else None
-        marker = f"{run_id}-{mode}"
-        log_path = log_dir / f"{stem}.{mode}.server.log"
+
+@dataclass
+class _Servers:
+    """What every server of one benchmark run shares: target, settings, where logs go, how to reach it."""
+
+    target_path: str
+    settings: Mapping[str, Any]
+    sglang_python: str | None
+    log_dir: Path
+    stem: str
+    run_id: str
+    server_env: Mapping[str, str]
+    health_path: str
+    ready_timeout: float
+    stop_grace_s: float
+    client: Callable[[], SGLangClient]
+
+    def run(self, mode: str, drafter: Path | None, drive: Callable[[SGLangClient], Any], log) -> tuple[dict, Any]:
+        """Start ``mode``'s server, ``drive`` it, stop it and every process it left: (server info, drive's result or
+        the exception it raised)."""
+        server_mode = "eagle3" if drafter is not None else mode
+        marker = f"{self.run_id}-{_file_name(mode)}"
+        log_path = self.log_dir / f"{self.stem}.{_file_name(mode)}.server.log"
         launched: dict[str, list[str]] = {}
 
-        def command_for_port(port: int, drafter=drafter, launched=launched, mode=mode) -> list[str]:
+        def command_for_port(port: int) -> list[str]:
             launched["cmd"] = server_command(
-                target_path, port, settings, drafter_dir=drafter, python=sglang_python, mode=mode
+                self.target_path, port, self.settings, drafter_dir=drafter, python=self.sglang_python, mode=server_mode
             )
             return launched["cmd"]
 
         info: dict[str, Any] = {
+            "server_mode": server_mode,
+            "drafter": str(drafter) if drafter is not None else None,
             "command": None,
             "command_line": None,
             "log": str(log_path),
-            "env_keys": sorted(server_env or {}),
+            "env_keys": sorted(self.server_env),
             "ready_s": None,
             "server_info_endpoint": None,
             "server_info": None,
@@ -259,49 +278,183 @@ def run_sglang_benchmark(
             "leftover_pids_killed": [],
             "error": None,
         }
-        servers[mode] = info
-        client = SGLangClient("", max_new_tokens, input_key, request_timeout, headers, admin_headers)
+        client = self.client()
         log(f"{mode}: starting SGLang (log {log_path})")
         t0 = time.monotonic()
+        result: Any = None
         try:
-            env = {**(server_env or {}), MARKER_ENV: marker}
-            with serve_on_loopback(command_for_port, health_path, log_path, ready_timeout, env=env) as base:
+            env = {**self.server_env, MARKER_ENV: marker}
+            with serve_on_loopback(command_for_port, self.health_path, log_path, self.ready_timeout, env=env) as base:
                 info["ready_s"] = time.monotonic() - t0
                 info["pids"] = sorted(marked_pids(marker))
                 log(f"{mode}: ready at {base} after {info['ready_s']:.0f}s")
                 client.base = base
-                runs[mode], server_info = asyncio.run(
-                    drive_server(
-                        client,
-                        prompt_sets,
-                        inputs,
-                        settings["concurrency"],
-                        warmup,
-                        flush_cache,
-                        mode,
-                        log,
-                        baseline_runs=runs.get("baseline") if mode != "baseline" else None,
-                    )
-                )
-                if server_info is not None:
-                    info["server_info"] = {
-                        **server_info["fields"],
-                        "avg_spec_accept_length": server_info["avg_spec_accept_length"],
-                    }
+                result = drive(client)
                 info["server_info_endpoint"] = client.info_endpoint
-        except BaseException as e:  # noqa: BLE001 - recorded in the report, then raised
-            error = e
-            error_text = info["error"] = f"{mode}: {type(e).__name__}: {e}"
+        except BaseException as e:  # noqa: BLE001 - recorded in the report, then raised by the caller
+            info["error"] = f"{mode}: {type(e).__name__}: {e}"
+            result = e
         finally:
             if "cmd" in launched:
                 info["command"] = redact_command(launched["cmd"])
                 info["command_line"] = shlex.join(info["command"])
-            info["leftover_pids_killed"] = kill_leftovers(marker, stop_grace_s)
+            info["leftover_pids_killed"] = kill_leftovers(marker, self.stop_grace_s)
             if info["leftover_pids_killed"]:
                 log(f"{mode}: killed processes left by the server: {info['leftover_pids_killed']}")
-        if error is not None:
-            break
+        return info, result
 
+
+def _drive_every_server(
+    modes: Mapping[str, Path | None],
+    servers_run: _Servers,
+    prompt_sets: Sequence[PromptSet],
+    inputs: Mapping[str, list[tuple[str, Any]]],
+    concurrency: Sequence[int],
+    warmup: int,
+    flush_cache: bool,
+    log: Callable[[str], None],
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], BaseException | None]:
+    """Each mode's server in turn, over every prompt set and level: (runs, server infos, the error that stopped
+    the run, if one did: the servers after it do not start)."""
+    runs: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+    servers: dict[str, dict[str, Any]] = {}
+    for mode, drafter in modes.items():
+
+        def drive(client: SGLangClient, mode: str = mode) -> Any:
+            baseline = runs.get("baseline") if mode != "baseline" else None
+            return asyncio.run(
+                drive_server(
+                    client, prompt_sets, inputs, concurrency, warmup, flush_cache, mode, log, baseline_runs=baseline
+                )
+            )
+
+        servers[mode], result = servers_run.run(mode, drafter, drive, log)
+        if isinstance(result, BaseException):
+            return runs, servers, result
+        runs[mode], server_info = result
+        if server_info is not None:
+            servers[mode]["server_info"] = {
+                **server_info["fields"],
+                "avg_spec_accept_length": server_info["avg_spec_accept_length"],
+            }
+    return runs, servers, None
+
+
+def run_sglang_benchmark(
+    target_path: str | Path,
+    drafter_dir: str | Path,
+    prompt_sets: Sequence[PromptSet],
+    out_json: str | Path,
+    *,
+    sglang: Mapping[str, Any] | None = None,
+    max_new_tokens: int = 128,
+    render: Callable[..., list[int] | str] | None = None,
+    sglang_python: str | None = None,
+    warmup: int = 2,
+    flush_cache: bool = True,
+    health_path: str = "/health",
+    ready_timeout: float = 3600.0,
+    request_timeout: float = 3600.0,
+    stop_grace_s: float = 30.0,
+    server_env: Mapping[str, str] | None = None,
+    log_dir: str | Path | None = None,
+    record_outputs: bool = True,
+    references: Sequence[str] = (),
+    reference_drafters: Mapping[str, str | Path] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Benchmark the target served by SGLang without and with the drafter; write and return the report.
+
+    ``references``: further servers run after those two, each over the same prompts: ``ngram`` (SGLang's NGRAM at the
+    EAGLE-3 server's width), ``ngram_default`` (NGRAM at SGLang's defaults), or the name of a drafter folder in
+    ``reference_drafters`` (``{name: folder}``), served with the same EAGLE-3 flags as the trained drafter. Every
+    speculative server's outputs are compared with the baseline's, and each divergence is probed for the target's
+    top-2 logit gap there, on that server.
+
+    ``render(messages[, tools])`` returns the prompt as token ids (sent as ``input_ids``) or as a string (sent as
+    ``text``); None renders ids with the tokenizer at ``target_path``. ``sglang`` is the config's ``sglang:``
+    section. ``stop_grace_s``: how long a stopped server's processes may take to exit before they are killed (GPU
+    memory must be free before the next server starts). Server logs go to ``log_dir`` (default: beside
+    ``out_json``). ``record_outputs=False`` keeps output ids and text out of the report (the lossless check still
+    compares them).
+    """
+    settings = sglang_settings(sglang)
+    modes = _server_modes(references, {k: Path(v) for k, v in (reference_drafters or {}).items()})
+    target_path, drafter_dir, out_json = str(target_path), Path(drafter_dir), Path(out_json)
+    modes["eagle3"] = drafter_dir
+    drafter_cfgs = _check_run(
+        settings, {m: f for m, f in modes.items() if f is not None}, prompt_sets, max_new_tokens, log
+    )
+    if render is None:
+        trust = "--trust-remote-code" in settings["extra_args"]
+        render = tokenizer_render(target_path, trust_remote_code=trust)
+    inputs, input_key = render_inputs(prompt_sets, render)
+
+    servers_run = _Servers(
+        target_path=target_path,
+        settings=settings,
+        sglang_python=sglang_python,
+        log_dir=Path(log_dir) if log_dir is not None else out_json.parent,
+        stem=out_json.name.removesuffix(".json"),
+        run_id=uuid.uuid4().hex[:12],
+        server_env=dict(server_env or {}),
+        health_path=health_path,
+        ready_timeout=ready_timeout,
+        stop_grace_s=stop_grace_s,
+        client=_client_factory(settings, max_new_tokens, input_key, request_timeout),
+    )
+
+    runs, servers, error = _drive_every_server(
+        modes, servers_run, prompt_sets, inputs, settings["concurrency"], warmup, flush_cache, log
+    )
+    report = _serving_report(
+        modes=list(modes),
+        runs=runs,
+        servers=servers,
+        error=error,
+        prompt_sets=prompt_sets,
+        settings=settings,
+        target_path=target_path,
+        drafter_dir=drafter_dir,
+        drafter_cfgs=drafter_cfgs,
+        input_key=input_key,
+        max_new_tokens=max_new_tokens,
+        warmup=warmup,
+        flush_cache=flush_cache,
+        record_outputs=record_outputs,
+    )
+    atomic_write_text(out_json, _dumps(report))
+    if error is not None:
+        log(f"{out_json}: partial report written; {report['error']}")
+        raise error
+    s = report["summary"]
+    log(
+        f"{out_json}: speedup {s['speedup_min'] or float('nan'):.2f}x..{s['speedup_max'] or float('nan'):.2f}x, "
+        f"acceptance_length {s['acceptance_length'] or float('nan'):.2f} (aerie's), spec_accept_length "
+        f"{s['spec_accept_length'] or float('nan'):.2f} (SGLang's), lossless "
+        f"{s['lossless']['identical']}/{s['lossless']['compared']}, failed requests {s['failed_requests']}"
+    )
+    return report
+
+
+def _serving_report(
+    *,
+    modes: list[str],
+    runs: Mapping[str, Any],
+    servers: dict[str, dict[str, Any]],
+    error: BaseException | None,
+    prompt_sets: Sequence[PromptSet],
+    settings: Mapping[str, Any],
+    target_path: str,
+    drafter_dir: Path,
+    drafter_cfgs: Mapping[str, dict[str, Any]],
+    input_key: str,
+    max_new_tokens: int,
+    warmup: int,
+    flush_cache: bool,
+    record_outputs: bool,
+) -> dict[str, Any]:
+    """The harness's report (``aerie.sglang-bench/4``, docs/formats.md) of the runs so far."""
     rows = build_rows(prompt_sets, settings["concurrency"], runs, record_outputs, modes)
     sglang_version = next(
         (
@@ -311,15 +464,20 @@ def run_sglang_benchmark(
         ),
         None,
     )
-    report: dict[str, Any] = {
+    return {
         "format": SGLANG_BENCH_FORMAT,
         "created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "complete": error is None and all(r[m] for r in rows for m in modes),
-        "modes": list(modes),
-        "error": error_text,
+        "modes": modes,
+        "error": next((s["error"] for s in servers.values() if s.get("error")), None),
         "target": target_path,
         "drafter": str(drafter_dir),
-        "drafter_config": drafter_cfg,
+        "drafter_config": drafter_cfgs["eagle3"],
+        "reference_drafters": {
+            m: {"folder": str(servers.get(m, {}).get("drafter")), "config": c}
+            for m, c in drafter_cfgs.items()
+            if m != "eagle3"
+        },
         "sglang": {**settings, "extra_args": redact_command(settings["extra_args"])},
         "sampling": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "skip_special_tokens": False},
         "input": input_key,
@@ -341,17 +499,6 @@ def run_sglang_benchmark(
             "definition; such outputs inflate acceptance",
         },
     }
-    atomic_write_text(out_json, _dumps(report))
-    if error is not None:
-        log(f"{out_json}: partial report written; {report['error']}")
-        raise error
-    s = report["summary"]
-    log(
-        f"{out_json}: speedup {s['speedup_min'] or float('nan'):.2f}x..{s['speedup_max'] or float('nan'):.2f}x, "
-        f"acceptance {s['accept_length_mean'] or float('nan'):.2f} (mean per request), lossless "
-        f"{s['lossless']['identical']}/{s['lossless']['compared']}"
-    )
-    return report
 
 
 def _dumps(report: dict[str, Any]) -> str:
@@ -385,7 +532,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="aerie-sglang-bench",
         description="Benchmark the target under SGLang without and with the EAGLE-3 drafter "
@@ -442,8 +589,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--reference",
         action="append",
         default=[],
-        choices=list(REFERENCE_MODES),
-        help="also run this reference server (ngram: SGLang's NGRAM speculative algorithm; repeatable)",
+        metavar="ngram|ngram_default|FOLDER",
+        help="also run this reference server (repeatable): ngram (SGLang's NGRAM at the EAGLE-3 width), ngram_default "
+        "(NGRAM at SGLang's defaults), or a drafter folder - a path or a Hub repo id in the offline HF cache - served "
+        "with the same EAGLE-3 flags",
     )
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests per server (default 2)")
     ap.add_argument("--no-flush-cache", action="store_true", help="do not flush the radix cache between runs")
@@ -469,37 +618,75 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="leave output ids and text out of the report (the lossless check still runs)",
     )
-    a = ap.parse_args(argv)
+    return ap
 
-    cfg = _read_config(a.config) if a.config else {}
-    target_cfg = cfg.get("target") or {}
-    target = a.target or target_cfg.get("path")
-    if not target:
-        ap.error("--target is required (or a --config with target.path)")
+
+_SGLANG_OVERRIDES = (
+    "tp",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "mem_fraction_static",
+    "concurrency",
+)
+
+
+def _sglang_section(a: argparse.Namespace, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's ``sglang:`` section with the command line's overrides."""
     sglang = dict(cfg.get("sglang") or {})
-    for key in (
-        "tp",
-        "speculative_num_steps",
-        "speculative_eagle_topk",
-        "speculative_num_draft_tokens",
-        "mem_fraction_static",
-        "concurrency",
-    ):
+    for key in _SGLANG_OVERRIDES:
         if getattr(a, key) is not None:
             sglang[key] = getattr(a, key)
     if a.extra_args is not None:
         sglang["extra_args"] = shlex.split(a.extra_args)
-    max_new_tokens = a.max_new_tokens or (cfg.get("bench") or {}).get("max_new_tokens") or 128
-    trust = a.trust_remote_code if a.trust_remote_code is not None else bool(target_cfg.get("trust_remote_code"))
+    return sglang
+
+
+def _server_env(items: Sequence[str], ap: argparse.ArgumentParser) -> dict[str, str]:
     env = {}
-    for item in a.server_env:
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             ap.error(f"--server-env expects KEY=VALUE, got {item!r}")
         env[key] = value
+    return env
+
+
+def _cli_references(specs: Sequence[str], ap: argparse.ArgumentParser) -> tuple[list[str], dict[str, Path]]:
+    """(reference names, {name: folder}) of the --reference values; a folder must be here."""
+    from aerie.bench.settings import resolve_reference_folder
+
+    drafters = {}
+    for spec in specs:
+        if spec in REFERENCE_MODES:
+            continue
+        folder, missing = resolve_reference_folder(spec, None)
+        if folder is None:
+            ap.error(f"--reference {spec}: {missing}")
+        drafters[spec] = folder
+    return list(specs), drafters
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    cfg = _read_config(a.config) if a.config else {}
+    target_cfg = cfg.get("target") or {}
+    bench_cfg = cfg.get("bench") or {}
+    target = a.target or target_cfg.get("path")
+    if not target:
+        ap.error("--target is required (or a --config with target.path)")
+    max_new_tokens = a.max_new_tokens or bench_cfg.get("max_new_tokens") or 128
+    trust = a.trust_remote_code if a.trust_remote_code is not None else bool(target_cfg.get("trust_remote_code"))
+    references, reference_drafters = _cli_references(a.reference, ap)
     try:
         sets = [parse_prompt_set(spec, a.max_prompts) for spec in a.prompt_set]
-        render = tokenizer_render(a.tokenizer or target, as_text=a.input == "text", trust_remote_code=trust)
+        render = tokenizer_render(
+            a.tokenizer or target,
+            as_text=a.input == "text",
+            trust_remote_code=trust,
+            chat_template_kwargs=bench_cfg.get("chat_template_kwargs"),
+        )
     except (ValueError, OSError) as e:
         ap.error(str(e))
     report = run_sglang_benchmark(
@@ -507,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         a.drafter,
         sets,
         a.out,
-        sglang=sglang,
+        sglang=_sglang_section(a, cfg),
         max_new_tokens=max_new_tokens,
         render=render,
         sglang_python=a.sglang_python,
@@ -517,10 +704,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ready_timeout=a.ready_timeout,
         request_timeout=a.request_timeout,
         stop_grace_s=a.stop_grace,
-        server_env=env,
+        server_env=_server_env(a.server_env, ap),
         log_dir=a.log_dir,
         record_outputs=not a.no_outputs,
-        references=a.reference,
+        references=references,
+        reference_drafters=reference_drafters,
     )
     try:  # the figure is a convenience: SGLang's env may lack matplotlib
         from aerie.bench.plots import plot_sglang_benchmark

@@ -31,11 +31,14 @@ SGLANG_DEFAULTS: dict[str, Any] = {
     "concurrency": [1],
 }
 
-# The servers a benchmark can start: no speculation, the trained EAGLE-3 drafter, SGLang's own n-gram speculation
-# (0.5.23: ``--speculative-algorithm NGRAM``, no draft model; python/sglang/srt/arg_groups/fields/spec.py lists it
-# among the builtins, arg_groups/speculative_hook.py ``_handle_ngram`` fills its defaults: speculative_eagle_topk =
-# speculative_ngram_max_bfs_breadth (10), speculative_num_draft_tokens 12, speculative_num_steps = 12 // 10).
-SERVER_MODES = ("baseline", "eagle3", "ngram")
+# The servers a benchmark can start: no speculation, an EAGLE-3 drafter (the trained one, or a reference folder: the
+# same flags), SGLang's own n-gram speculation (0.5.23: ``--speculative-algorithm NGRAM``, no draft model;
+# python/sglang/srt/arg_groups/fields/spec.py lists it among the builtins, arg_groups/speculative_hook.py
+# ``_handle_ngram`` fills its defaults: speculative_eagle_topk = speculative_ngram_max_bfs_breadth (10),
+# speculative_num_draft_tokens 12, speculative_num_steps = 12 // 10). ``ngram`` runs it at the EAGLE-3 server's width
+# (speculative_num_draft_tokens, breadth 1: a chain, as EAGLE-3 at topk 1), ``ngram_default`` at SGLang's defaults.
+SERVER_MODES = ("baseline", "eagle3", "ngram", "ngram_default")
+DRAFTER_MODE = "eagle3"  # a reference drafter folder's server: the EAGLE-3 flags, another draft model path
 
 # Flags the harness sets itself; extra_args must not override them (argparse keeps the last value).
 MANAGED_FLAGS = frozenset(
@@ -57,12 +60,9 @@ MANAGED_FLAGS = frozenset(
     }
 )
 
-# The NGRAM server takes its own speculative settings from ngram_extra_args (SGLang's defaults otherwise).
-NGRAM_MANAGED_FLAGS = MANAGED_FLAGS - {
-    "--speculative-num-steps",
-    "--speculative-eagle-topk",
-    "--speculative-num-draft-tokens",
-}
+# The NGRAM servers' width is the harness's (ngram: the EAGLE-3 server's; ngram_default: SGLang's own), so
+# ngram_extra_args may tune the n-gram matcher but not set the width.
+NGRAM_MANAGED_FLAGS = MANAGED_FLAGS | {"--speculative-ngram-max-bfs-breadth"}
 
 _SECRET_FLAG = re.compile(r"api[-_]?key|secret|passw|auth|(?:hf|access|bearer)[-_]?token", re.IGNORECASE)
 
@@ -113,8 +113,9 @@ def server_command(
     mode: str | None = None,
 ) -> list[str]:
     """The ``launch_server`` argv of one of :data:`SERVER_MODES`: ``baseline`` (no speculation), ``eagle3`` (the
-    drafter at ``drafter_dir`` with the configured EAGLE-3 flags), ``ngram`` (SGLang's NGRAM algorithm with
-    ``ngram_extra_args``). ``mode`` defaults to eagle3 with a ``drafter_dir``, else baseline.
+    drafter at ``drafter_dir`` with the configured EAGLE-3 flags: the trained one or a reference folder), ``ngram``
+    (SGLang's NGRAM algorithm at the EAGLE-3 width), ``ngram_default`` (NGRAM at SGLang's defaults), both NGRAM
+    servers with ``ngram_extra_args``. ``mode`` defaults to eagle3 with a ``drafter_dir``, else baseline.
 
     Flag spellings are SGLang 0.5.23's (``--tp-size`` is the field's own flag, ``--tp`` only works as
     an argparse abbreviation). ``extra_args`` come last, verbatim.
@@ -123,7 +124,7 @@ def server_command(
     if mode not in SERVER_MODES:
         raise ValueError(f"unknown server mode {mode!r} (known: {', '.join(SERVER_MODES)})")
     if (mode == "eagle3") != (drafter_dir is not None):
-        raise ValueError("the eagle3 server needs drafter_dir, and only it takes one")
+        raise ValueError("an eagle3 server (the trained drafter or a reference folder) needs drafter_dir, and only it")
     s = sglang_settings(sglang)
     cmd = [
         python or sys.executable,
@@ -140,7 +141,11 @@ def server_command(
     ]
     if s["mem_fraction_static"] is not None:
         cmd += ["--mem-fraction-static", str(s["mem_fraction_static"])]
-    if mode == "ngram":
+    if mode == "ngram":  # at the EAGLE-3 server's width: the same number of draft tokens, one chain
+        cmd += ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens"]
+        cmd += [str(s["speculative_num_draft_tokens"]), "--speculative-ngram-max-bfs-breadth", "1"]
+        cmd += s["ngram_extra_args"]
+    if mode == "ngram_default":
         cmd += ["--speculative-algorithm", "NGRAM", *s["ngram_extra_args"]]
     if mode == "eagle3":
         cmd += [

@@ -1,12 +1,18 @@
 """Statistics of the serving benchmark: per run, per (set, concurrency) row, and the summary.
 
-Acceptance length is SGLang's own per-request figure, ``completion_tokens / spec_verify_ct`` from each
-``/generate`` response's ``meta_info``: tokens per target verify step, the bonus token included and the first
-token (it comes from prefill, not from a verify step) counted too. ``accept_length_mean`` is its mean over
-requests and is THE acceptance figure of a report. The server's ``avg_spec_accept_length`` is kept beside it
-only as a cross-check, because in SGLang 0.5.23 that counter is reset by ``/flush_cache`` (which the harness
-calls before every run), is folded in only every ``decode_log_interval`` (default 40) decode steps, so the
-last steps of a run may be missing, and leaves the prefill token out: :data:`SERVER_COUNTER_NOTE`.
+One name per acceptance definition (docs/formats.md, "Acceptance figures"):
+
+- ``acceptance_length``: aerie's, the gate's: tokens committed per verify step, pooled over the requests, the first
+  token left out (it comes from prefill, not from a verify step): ``sum(completion_tokens - 1) / sum(spec_verify_ct)``,
+  the in-process benchmark's definition.
+- ``spec_accept_length``: SGLang's: ``completion_tokens / spec_verify_ct`` (each ``/generate`` response's
+  ``meta_info.spec_accept_length``, the prefill token counted), pooled over the requests as the published cards'
+  benchmarks (SpecForge's ``bench_eagle3.py``) pool it: ``sum(completion_tokens) / sum(spec_verify_ct)``;
+  ``spec_accept_length_mean`` is its plain mean over requests.
+- ``server_avg_spec_accept_length``: SGLang's server counter, kept only as a cross-check: in SGLang 0.5.23 it is
+  reset by ``/flush_cache`` (which the harness calls before every run), folded in only every ``decode_log_interval``
+  (default 40) decode steps, so the last steps of a run may be missing, and leaves the prefill token out:
+  :data:`SERVER_COUNTER_NOTE`.
 
 Outputs that loop or repeat (:mod:`aerie.bench.degenerate`, the same definition as the in-process benchmark)
 are counted, and acceptance is also given without them: a loop is trivially predictable.
@@ -30,8 +36,8 @@ SERVER_COUNTER_NOTE = (
     "server_avg_spec_accept_length is SGLang's own avg_spec_accept_length read from /server_info right after the "
     "run: accepted tokens per verify step over the decode steps since the last /flush_cache (the harness flushes "
     "before every run unless told not to), folded in only every decode_log_interval (default 40) decode steps, "
-    "and without the first (prefill) token; accept_length_mean, the mean over requests of completion_tokens / "
-    "spec_verify_ct, is the acceptance figure"
+    "and without the first (prefill) token; acceptance_length (aerie's, the gate's: prefill token left out) and "
+    "spec_accept_length (SGLang's per-request completion_tokens / spec_verify_ct, pooled) are the figures"
 )
 
 
@@ -76,7 +82,7 @@ def mode_stats(
         "completion_tokens",
         "cached_tokens",
         "spec_verify_ct",
-        "accept_length",
+        "spec_accept_length",
         "spec_correct_drafts_histogram",
         "degenerate",
         "finish_reason",
@@ -117,10 +123,11 @@ def mode_stats(
         "latency_s_max": lat[-1] if lat else None,
         "e2e_latency_s_mean": statistics.fmean(e2e) if e2e else None,
         "spec_verify_ct": verify if spec else None,
-        "accept_length_mean": statistics.fmean(r["accept_length"] for r in spec) if spec else None,
-        "accept_length_pooled": _ratio(sum(int(r["completion_tokens"]) for r in spec), verify) if spec else None,
-        "accept_length_mean_excluding_degenerate": (
-            statistics.fmean(r["accept_length"] for r in spec_clean) if spec_clean else None
+        "acceptance_length": _ratio(sum(int(r["completion_tokens"]) - 1 for r in spec), verify) if spec else None,
+        "spec_accept_length": _ratio(sum(int(r["completion_tokens"]) for r in spec), verify) if spec else None,
+        "spec_accept_length_mean": statistics.fmean(r["spec_accept_length"] for r in spec) if spec else None,
+        "spec_accept_length_mean_excluding_degenerate": (
+            statistics.fmean(r["spec_accept_length"] for r in spec_clean) if spec_clean else None
         ),
         "correct_drafts_histogram": histogram if spec else None,
         "server_avg_spec_accept_length": server_avg_spec_accept_length,
@@ -238,10 +245,11 @@ def _acceptance(rows: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]:
     clean = [p for p in reqs if not p["degenerate"]]
     verify = sum(p["spec_verify_ct"] for p in reqs)
     return {
-        "accept_length_mean": statistics.fmean(p["accept_length"] for p in reqs) if reqs else None,
-        "accept_length_pooled": _ratio(sum(p["completion_tokens"] for p in reqs), verify) if reqs else None,
-        "accept_length_mean_excluding_degenerate": (
-            statistics.fmean(p["accept_length"] for p in clean) if clean else None
+        "acceptance_length": _ratio(sum(p["completion_tokens"] - 1 for p in reqs), verify) if reqs else None,
+        "spec_accept_length": _ratio(sum(p["completion_tokens"] for p in reqs), verify) if reqs else None,
+        "spec_accept_length_mean": statistics.fmean(p["spec_accept_length"] for p in reqs) if reqs else None,
+        "spec_accept_length_mean_excluding_degenerate": (
+            statistics.fmean(p["spec_accept_length"] for p in clean) if clean else None
         ),
     }
 
