@@ -74,7 +74,7 @@ ALLOWED_DIFFERENCES = {
     "bench.gate.beat_references_on": "(as bench.gate: the trained drafter must beat every reference's acceptance on "
     "every set; speed on a CPU toy says little)",
     "bench.sets.*.source.*": "path: a Hub (or packaged) benchmark set becomes a local file of the same shape",
-    "bench.references": "the published drafters become the warm start's folder, which the test writes (Kimi names two Hub ids); "
+    "bench.references": "the published drafters become the warm start's folder the test writes (Kimi: two Hub ids); "
     "in-process there is no SGLang NGRAM at its own width, and the untrained drafter is in-process only",
     "vocab.draft_vocab_size": "size: the toy answers' distinct tokens",
     "drafter.epochs": "count: ~35 toy samples need 20 passes to beat prompt lookup (~1 CPU minute)",
