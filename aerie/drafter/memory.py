@@ -94,6 +94,14 @@ def trainable_parameters(d: DrafterConfig) -> int:
     return fc + norms + mlp + head + attn
 
 
+def attention_cost_rows(d: DrafterConfig) -> float:
+    """The window length at which a row's causal attention costs as much compute as the rest of its TTT step:
+    a token's matmuls do ~2 FLOPs per trainable parameter, its attention 2 * heads * (qk + v head size) per key it
+    reads (half the window on average). aerie.drafter.data.batch_cost weighs batches with it (rank balance)."""
+    h, _, dq, dv = _attention_dims(d)
+    return trainable_parameters(d) / (h * (dq + dv))
+
+
 def _attention_dims(d: DrafterConfig) -> tuple[int, int, int, int]:
     """(query heads, key/value heads as cached, query/key head size, value head size) of the TTT cache."""
     if d.attention == "mla":  # keys and values expanded per head from the latent (mla_layer.py)

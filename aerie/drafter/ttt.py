@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Batch
-from aerie.drafter.layers import TTTCache
+from aerie.drafter.layers import TTTCache, TTTLayout
 from aerie.drafter.model import Eagle3Drafter
 
 # Rows of logits the vocabulary loss builds at a time (per batch: LOSS_CHUNK_ROWS // B rows of each window).
@@ -147,6 +147,9 @@ def step_weights(batch: Batch, k: int, target_ok: Tensor | None) -> Tensor:
     target: in-vocab greedy token with mask_out_of_vocab_targets, an in-vocab top-k entry for compact shards)."""
     T = batch.row_valid.shape[1]
     w = batch.row_valid & batch.gen[:, 2 + k : 2 + k + T]
+    own = batch.readable(2 + k)  # packed rows: the predicted token must be of the row's own sequence
+    if own is not None:
+        w = w & own
     if target_ok is not None:
         w = w & target_ok[:, 1 + k : 1 + k + T]
     return w.float()
@@ -209,20 +212,27 @@ class SoftCrossEntropy(torch.autograd.Function):
         return dx, dw.to(weight.dtype), None, None, None, None
 
 
-def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values):
+def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values, layout: TTTLayout):
     """One TTT step up to lm_head: (normed, next hidden, this step's key, value). A pure function of its arguments
     (a fresh cache over the earlier steps' keys), so checkpointing can re-run it. The loss stays outside: its
     forward would be re-run for nothing (SoftCrossEntropy keeps only its input and recomputes logits anyway)."""
-    cache = TTTCache(keys, values)
+    cache = TTTCache(keys, values, layout=layout)
     normed, hidden = model.step(hidden, tokens, positions, cache)
     return normed, hidden, cache.keys[-1], cache.values[-1]
 
 
 def ttt_forward(
-    model: Eagle3Drafter, b: Batch, targets: Targets, steps: int, decay: float, checkpointing: bool = True
+    model: Eagle3Drafter,
+    b: Batch,
+    targets: Targets,
+    steps: int,
+    decay: float,
+    checkpointing: bool = True,
+    kernel: str = "chunked",
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]], list[Tensor]]:
     """The TTT unroll and its loss: (weighted loss, per-step (ce_sum, weight_sum, correct), per-step draft ids
-    [B,T] in the draft vocab). With ``checkpointing`` (and gradients on) every step is re-run in backward."""
+    [B,T] in the draft vocab). With ``checkpointing`` (and gradients on) every step is re-run in backward.
+    ``kernel``: the attention kernel (layers.attention_kernel); packed rows attend within their sequences."""
     T = b.row_valid.shape[1]
     B = b.row_valid.shape[0]
     device = b.aux.device
@@ -234,6 +244,7 @@ def ttt_forward(
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    layout = TTTLayout(kernel=kernel, seq_start=b.seq_start)  # one per batch: flex's block mask is built once
     hidden = run(model.project_aux, b.aux)  # [B,T,H] step 0: target features
     keys: list[Tensor] = []
     values: list[Tensor] = []
@@ -247,7 +258,7 @@ def ttt_forward(
 
         tokens = b.ids[:, 1 + k : 1 + k + T]  # token t+1+k at row t, at position t+k
         normed, hidden, key, value = run(
-            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values)
+            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values), layout
         )
         ce_sum, correct, draft = SoftCrossEntropy.apply(normed, model.lm_head.weight, q_rows, w, dtype, chunk_rows)
         keys.append(key)
@@ -262,12 +273,12 @@ def ttt_forward(
 class TTTUnroll(nn.Module):
     """ttt_forward as a module: what DDP wraps (it averages the gradients of what runs inside its forward)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, kernel: str = "chunked"):
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.drafter, self.steps, self.decay, self.kernel = drafter, steps, decay, kernel
 
     def forward(self, b: Batch, targets: Targets):
-        return ttt_forward(self.drafter, b, targets, self.steps, self.decay)
+        return ttt_forward(self.drafter, b, targets, self.steps, self.decay, kernel=self.kernel)
 
 
 def autocast(device: torch.device):
