@@ -278,6 +278,7 @@ def load_batch(
     (``pack_rows``: a sequence's rows, then its look-ahead, then the next sequence). The rows are read in their
     stored dtypes (compact aux: float8 and per-layer scales) into host buffers, pinned when ``device`` is a GPU,
     copied without blocking and dequantised on ``device``: the host moves a quarter of fp32's bytes."""
+    device = torch.device(device)
     return host_batch(windows, shards, ttt_steps, capacity, pin=device.type == "cuda").to_device(device, dtype)
 
 
