@@ -55,7 +55,9 @@ def kimi_lengths(seed: int = 0) -> tuple[list[int], dict]:
         mean = float(ds["expected_output_tokens"])
         count = int(ds["max_output_tokens"] // mean)
         mu = math.log(mean) - LENGTH_SIGMA**2 / 2
-        mine = [min(cap, PROMPT_TOKENS[name] + max(1, round(rng.lognormvariate(mu, LENGTH_SIGMA)))) for _ in range(count)]
+        mine = [
+            min(cap, PROMPT_TOKENS[name] + max(1, round(rng.lognormvariate(mu, LENGTH_SIGMA)))) for _ in range(count)
+        ]
         per_dataset[name] = {"samples": count, "mean_tokens": statistics.fmean(mine)}
         lengths += mine
     return lengths, {"datasets": per_dataset, "max_seq_len": cap, "prompt_tokens_assumed": PROMPT_TOKENS,
@@ -127,8 +129,8 @@ def table(data: dict | None = None) -> str:
         "## Drafter batches on the Kimi config's lengths (issue 29 item 2): padding and stragglers, before and after",
         "",
         "`.venv/bin/python bench/batch_packing.py run`, raw rows `bench/results/batch_packing.json`: one epoch of "
-        f"{data['samples']:,} samples ({data['tokens'] / 1e6:.1f}M tokens; per-dataset counts from the config's quotas, "
-        "lengths log-normal around each `expected_output_tokens` plus an assumed prompt length: no Kimi shards exist "
+        f"{data['samples']:,} samples ({data['tokens'] / 1e6:.1f}M tokens; per-dataset counts from the config's "
+        "quotas, lengths log-normal around each `expected_output_tokens` plus an assumed prompt length: no Kimi shards exist "
         f"yet) grouped by aerie.drafter.data and dealt to {data['world']} ranks. Goal: <= 1.1x for both ratios. "
         "Cost: computed rows plus the causal attention (memory.attention_cost_rows); the epoch column is the sum "
         "over steps of the slowest rank's cost, relative to the padded batch_size 4 row.",
