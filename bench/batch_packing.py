@@ -130,7 +130,8 @@ def table(data: dict | None = None) -> str:
         "",
         "`.venv/bin/python bench/batch_packing.py run`, raw rows `bench/results/batch_packing.json`: one epoch of "
         f"{data['samples']:,} samples ({data['tokens'] / 1e6:.1f}M tokens; per-dataset counts from the config's "
-        "quotas, lengths log-normal around each `expected_output_tokens` plus an assumed prompt length: no Kimi shards exist "
+        "quotas, lengths log-normal around each `expected_output_tokens` plus an assumed prompt length: no Kimi "
+        "shards exist "
         f"yet) grouped by aerie.drafter.data and dealt to {data['world']} ranks. Goal: <= 1.1x for both ratios. "
         "Cost: computed rows plus the causal attention (memory.attention_cost_rows); the epoch column is the sum "
         "over steps of the slowest rank's cost, relative to the padded batch_size 4 row.",
