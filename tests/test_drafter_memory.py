@@ -140,3 +140,35 @@ def test_estimate_follows_the_batch_size() -> None:
                                    hidden_layout="compact")  # fmt: skip
     assert est.parts["batch"] == 3 * one.parts["batch"]
     assert est.parts["activations"] >= 1.5 * one.parts["activations"] and est.batch_tokens == B * T
+
+
+@pytest.mark.parametrize("layout", ["compact", "full"])
+def test_host_batch_estimate_is_what_the_loader_reads(tmp_path, layout: str) -> None:
+    """memory.host_batch_bytes (the fit plan's host RAM per batch) equals HostBatch.nbytes of a full batch read
+    from a shard of that layout; Kimi's host RAM per the shipped settings is stated."""
+    from aerie.drafter.data import host_batch, plan_windows
+    from aerie.formats.hidden import HiddenShard, quantize_aux, write_hidden_shard
+
+    H, A, k, T, K = 16, 3, 4, 40, 3
+    n = 2 * T
+    g = torch.Generator().manual_seed(0)
+    tensors = {"input_ids": torch.randint(0, 50, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.bool),
+               "seq_offsets": torch.tensor([0, T, n])}  # fmt: skip
+    aux = torch.randn(n, A * H, generator=g).bfloat16()
+    if layout == "compact":
+        tensors["aux_hidden_states"], tensors["aux_scales"] = quantize_aux(aux, A)
+        tensors["target_topk_ids"] = torch.randint(0, 50, (n, k), generator=g, dtype=torch.int32)
+        tensors["target_topk_logprobs"] = torch.randn(n, k, generator=g).half()
+    else:
+        tensors["aux_hidden_states"], tensors["final_hidden_states"] = aux, torch.randn(n, H).bfloat16()
+    meta = {"layout": layout, "aux_layer_ids": [1, 2, 3], "hidden_size": H, "vocab_size": 50, "target_topk": k}
+    write_hidden_shard(tmp_path / "s.safetensors", tensors, meta)
+    shard = HiddenShard(tmp_path / "s.safetensors")
+    cfg = TrainConfig(max_seq_len=T, batch_size=2, ttt_steps=K)
+    windows = plan_windows([shard], set(), T, K).train
+    assert len(windows) == 2
+    read = host_batch(windows, [shard], K, None)
+    assert memory.host_batch_bytes(cfg, H, A, layout, k) == read.nbytes()
+    kimi = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    host = memory.estimate_host_memory(TrainConfig(**kimi["drafter"]), KIMI_TEXT, 32000, 8, hidden_layout="compact")
+    assert 60 * GIB < host.total < 160 * GIB, host.describe()  # 8 drafters built on the host at the start

@@ -231,3 +231,63 @@ def estimate_training_memory(
     if optimizer_step > parts["activations"]:  # short windows: the AdamW step is the peak
         parts["AdamW step temporaries beyond the activations"] = optimizer_step - parts["activations"]
     return TrainingMemory(parts=parts, batch_tokens=N, window=T, activation_bytes=a)
+
+
+def host_batch_bytes(train: TrainConfig, hidden: int, num_aux_layers: int, hidden_layout: str, topk: int) -> int:
+    """Host bytes of the largest batch as data.host_batch reads it (stored dtypes: compact aux in float8 with fp32
+    scales per layer, top-k ids as int64 and log-probs fp32; full aux and final states bf16), pinned on a GPU host."""
+    N = train.largest_batch_tokens
+    B = max(1, N // train.max_seq_len)
+    W = N + B * (train.ttt_steps + 2)
+    A = num_aux_layers
+    if hidden_layout == "compact":
+        per_row, per_pos = A * hidden + FP32 * A, 8 * topk + FP32 * topk
+    else:
+        per_row, per_pos = 2 * A * hidden, 2 * hidden
+    # rows: aux, positions, valid, sequence start, row limit; positions of the window: ids, have, gen, targets
+    return N * (per_row + 8 + 1 + 8 + 8) + W * (8 + 1 + 1 + per_pos)
+
+
+@dataclass
+class HostMemory:
+    """Host RAM the drafter job needs at its peak, all ranks together (bytes)."""
+
+    parts: dict[str, int]
+    ranks: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in self.parts.items())
+        return (
+            f"host RAM ~{self.total / GIB:,.1f} GiB for {self.ranks} rank{'s' if self.ranks != 1 else ''} ({parts} GiB)"
+        )
+
+
+def estimate_host_memory(
+    train: TrainConfig,
+    text_config: dict,
+    draft_vocab_size: int,
+    ranks: int,
+    *,
+    num_aux_layers: int = 3,
+    hidden_layout: str = "full",
+    target_topk: int = 32,
+    head_dtype_bytes: int = 2,
+) -> HostMemory:
+    """The drafter job's host RAM: every rank first builds its drafter on the host (fp32 parameters and frozen
+    embeddings) from the target's heads read in their stored dtype (``head_dtype_bytes``; embed, plus lm_head when
+    the shards are ``full`` or the head starts from the target's), then moves it to its GPU; while training each rank
+    holds two batches on the host (the one being copied and the one the loader thread reads: data.prefetched).
+    The larger of the two moments counts, times the ranks."""
+    tc = text_config.get("text_config") or text_config
+    d = drafter_shape(train, text_config, draft_vocab_size, num_aux_layers)
+    V, H = int(tc["vocab_size"]), d.hidden_size
+    heads = 1 + (1 if hidden_layout == "full" or train.init_head_from_target else 0)
+    start = FP32 * (trainable_parameters(d) + V * H) + head_dtype_bytes * heads * V * H
+    batches = 2 * host_batch_bytes(train, H, num_aux_layers, hidden_layout, target_topk)
+    if start >= batches:
+        return HostMemory({"drafters built on the host (start)": ranks * start}, ranks)
+    return HostMemory({"batches in flight (2 per rank)": ranks * batches}, ranks)
