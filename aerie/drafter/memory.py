@@ -150,7 +150,8 @@ def attention_block_bytes(batch: int, heads: int, keys: int, a: int) -> int:
 
 def loss_chunk_bytes(rows: int, vocab: int, hidden: int, a: int) -> int:
     """SoftCrossEntropy backward's working set: one chunk's logits (activation dtype), their fp32 softmax, the
-    soft targets and two fp32 temporaries, the logits' gradient, and the fp32 sum of lm_head's gradient."""
+    soft targets and two fp32 temporaries, the logits' gradient, and the fp32 sum of lm_head's gradient (the
+    buffer of a gradient block's logit gradients is added by ``activation_bytes``)."""
     return rows * vocab * (2 * a + 4 * FP32) + FP32 * vocab * hidden
 
 
@@ -172,7 +173,10 @@ def activation_bytes(d: DrafterConfig, K: int, a: int, batch: int, window: int) 
     pending = max(K - 1, 0) * a * kv
     before, after = step_saved_bytes_per_token(d, a)
     grad_in = FP32 * H + a * H  # gradients arriving at the step: its loss input's (fp32) and its hidden's
-    loss = loss_chunk_bytes(batch * max(1, LOSS_CHUNK_ROWS // batch), d.draft_vocab_size, H, a)
+    loss_rows = batch * max(1, LOSS_CHUNK_ROWS // batch)
+    loss = loss_chunk_bytes(loss_rows, d.draft_vocab_size, H, a)
+    # the logit gradients of one lm_head-gradient block (ttt.grad_block_rows: ~4H / a rows in all)
+    loss += a * d.draft_vocab_size * min(N, batch * min(window, max(loss_rows // batch, (FP32 * H // a) // batch)))
     attention_grads = a * h * dq + a * h * dv + max(K - 2, 0) * a * kv + FP32 * kv  # dq, d(out), diagonal, step 0
     at_attention = N * attention_grads + attention_block_bytes(batch, h, window + K, a)
     return N * (persistent + pending + before + grad_in) + max(loss, N * after, at_attention)

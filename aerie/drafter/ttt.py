@@ -196,20 +196,45 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce: Tensor, _grad_correct, _grad_draft):
         xd, weight, w = ctx.saved_tensors
-        dtype, T = ctx.dtype, xd.shape[1]
+        dtype, (B, T, H) = ctx.dtype, xd.shape
         dx = torch.empty(xd.shape, dtype=ctx.x_dtype, device=xd.device)
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        dw = None
+        # lm_head's gradient is one matmul per block of grad_block_rows(...) rows (every row of a window up to
+        # ~4H / itemsize rows: one per step at Kimi's 32k-row batches is 3), not one fp32 read-add-write of the
+        # [Vd, H] sum per loss chunk; the block's logit gradients wait in a buffer about that sum's size.
+        block = grad_block_rows(B, T, H, dtype, ctx.chunk_rows)
         with _fp32(xd.device):
             wc = weight.to(dtype)
-            for r0 in range(0, T, ctx.chunk_rows):
-                r1 = min(T, r0 + ctx.chunk_rows)
-                xc = xd[:, r0:r1]
-                p = torch.softmax(F.linear(xc, wc).float(), dim=-1)
-                q = ctx.q_rows(r0, r1)
-                dlogits = ((p * q.sum(-1, keepdim=True) - q) * (w[:, r0:r1] * grad_ce)[..., None]).to(dtype)
-                dx[:, r0:r1] = dlogits @ wc
-                dw += (dlogits.flatten(0, 1).T @ xc.flatten(0, 1)).float()
+            buf = torch.empty(B, min(T, block), wc.shape[0], dtype=dtype, device=xd.device)
+            for b0 in range(0, T, block):
+                b1 = min(T, b0 + block)
+                for r0 in range(b0, b1, ctx.chunk_rows):
+                    r1 = min(b1, r0 + ctx.chunk_rows)
+                    p = torch.softmax(F.linear(xd[:, r0:r1], wc).float(), dim=-1)
+                    q = ctx.q_rows(r0, r1)
+                    dlogits = ((p * q.sum(-1, keepdim=True) - q) * (w[:, r0:r1] * grad_ce)[..., None]).to(dtype)
+                    dx[:, r0:r1] = dlogits @ wc
+                    buf[:, r0 - b0 : r1 - b0] = dlogits
+                part = _mm_fp32(buf[:, : b1 - b0].flatten(0, 1).T, xd[:, b0:b1].flatten(0, 1))
+                dw = part if dw is None else dw.add_(part)
         return dx, dw.to(weight.dtype), None, None, None, None
+
+
+def grad_block_rows(B: int, T: int, hidden: int, dtype: torch.dtype, chunk_rows: int) -> int:
+    """Rows of each window per lm_head-gradient matmul in SoftCrossEntropy's backward: the block's [B, rows, Vd]
+    logit gradients take about as many bytes as the fp32 [Vd, H] gradient (4 * H / itemsize rows in all), at least
+    one loss chunk. aerie.drafter.memory counts the buffer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return min(T, max(chunk_rows, (4 * hidden // itemsize) // max(1, B)))
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b summed and returned in fp32 (bf16 inputs on CUDA: cuBLAS writes fp32 directly)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values, layout: TTTLayout):
