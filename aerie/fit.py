@@ -412,7 +412,7 @@ def _sglang_capture_fit(
 
 
 def drafter_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None) -> JobFit:
-    from aerie.drafter.memory import estimate_training_memory
+    from aerie.drafter.memory import estimate_host_memory, estimate_training_memory
     from aerie.plan import train_config
 
     gpus = config["resources"]["drafter_gpus"]
@@ -437,6 +437,16 @@ def drafter_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | Non
         f"the largest batch: {memory.batch_tokens:,} tokens in windows of {memory.window:,} "
         "(drafter.max_batch_tokens, else batch_size x max_seq_len)"
     )
+    host = estimate_host_memory(
+        train,
+        facts.text,
+        draft_vocab_size(config, facts.text),
+        max(1, gpus) if on_gpu else 1,
+        num_aux_layers=len(ids),
+        hidden_layout=config["hidden"].get("layout", "compact"),
+        target_topk=config["hidden"].get("target_topk", 32),
+    )
+    fit.notes.append(host.describe() + " (aerie.drafter.memory.estimate_host_memory)")
     fit.setting = "set drafter.max_batch_tokens (a token budget per batch), or lower drafter.max_seq_len / batch_size"
     return fit
 

@@ -14,7 +14,8 @@ the block's data lives:
   transport, in-flight count and client the median over interleaved repeats, ratios taken within each repeat,
   and the client goals restated on each run;
 - ``drafter_memory``, ``drafter_kinds``, ``dry_run``: bench/results/drafter_memory.json, drafter_kinds/*.json and
-  dry_run.json, rendered by those benches' own table functions;
+  dry_run.json, rendered by those benches' own table functions; likewise ``batch_packing``, ``packing_seeds``
+  and ``gpu_check`` (bench/results/batch_packing.json, packing_seeds.json, gpu_check.json);
 - ``warm_start``: bench/results/warm_start/seed-N.json (bench/warm_start.py run), its own table function.
 A block in RESULTS.md whose data is gone is an error; data with no block is listed (place its marker by hand
 where the prose about it is). Torch-free, so the test that checks the committed tables is fast.
@@ -400,6 +401,12 @@ def generators() -> dict[str, Callable[[], str]]:
         gens["drafter_kinds"] = lambda: _bench_module("drafter_kinds").kinds_table(RESULTS_DIR / "drafter_kinds")
     if any((RESULTS_DIR / "warm_start").glob("seed-*.json")):
         gens["warm_start"] = lambda: _bench_module("warm_start").warm_start_table(RESULTS_DIR / "warm_start")
+    if (RESULTS_DIR / "batch_packing.json").exists():
+        gens["batch_packing"] = lambda: _bench_module("batch_packing").table()
+    if (RESULTS_DIR / "packing_seeds.json").exists():
+        gens["packing_seeds"] = lambda: _bench_module("packing_seeds").table()
+    if (RESULTS_DIR / "gpu_check.json").exists():
+        gens["gpu_check"] = lambda: _bench_module("gpu_check").table(RESULTS_DIR / "gpu_check.json")
     if (RESULTS_DIR / "dry_run.json").exists():
         gens["dry_run"] = lambda: _bench_module("dry_run").markdown(
             json.loads((RESULTS_DIR / "dry_run.json").read_text())

@@ -225,6 +225,50 @@ def test_long_sequences_are_cut_into_windows_with_lookahead(world, tmp_path):
     assert torch.equal(b.gen[0, :68], mask[:68]) and not b.have[2, 22:].any()
 
 
+def test_packed_batch_trains_and_evaluates_as_the_padded_one(world, tmp_path):
+    """The same windows (three whole sequences and a long one cut into windows with look-ahead) packed into rows
+    of 96 or one per row: the same loss, per-step statistics, every parameter's gradient, and the same held-out
+    figures - packing changes the layout, not what is computed (each sequence attends to itself, and a row's
+    steps read no later sequence's tokens)."""
+    from aerie.drafter.evaluate import evaluate
+    from aerie.drafter.ttt import TargetHead, ttt_forward
+
+    n = 150
+    g = torch.Generator().manual_seed(4)
+    long = {"id": "long/0", "ids": torch.randint(0, 300, (n,), generator=g), "mask": torch.rand(n, generator=g) < 0.8,
+            "aux": torch.randn(n, 3 * 64, generator=g), "final": torch.randn(n, 64, generator=g)}  # fmt: skip
+    path = tmp_path / "mixed.safetensors"
+    seqs = [*world["seqs"][:3], long]
+    write_hidden_v1_shard(path, seqs, aux_layer_ids=AUX_LAYER_IDS, target_config=world["target"].config,
+                          target_dir=world["target_dir"])  # fmt: skip
+    shard = HiddenShard(path)
+    windows = [w for q in range(4) for w in make_windows(0, shard, q, max_len=64, ttt_steps=3)]
+    model = world_drafter(world).train()
+    lm_head = world["target"].lm_head.weight.detach()
+    head = TargetHead(full=lm_head, draft=lm_head[model.t2d], t2d=model.t2d)
+    cfg = TrainConfig(ttt_steps=3, max_seq_len=96)
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for capacity in (None, 96):
+        b = load_batch(windows, [shard], 3, torch.device("cpu"), torch.float32, capacity)
+        loss, stats, _ = ttt_forward(model, b, head.prepare(b, cfg), 3, cfg.step_loss_decay)
+        results.append((b, loss, stats, torch.autograd.grad(loss, params)))
+    (padded, l0, s0, g0), (packed, l1, s1, g1) = results
+    assert padded.seq_start is None and packed.seq_start is not None
+    assert packed.ids.numel() < padded.ids.numel() and packed.rows == padded.rows
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for (c0, w0, r0), (c1, w1, r1) in zip(s0, s1):
+        assert float(w1) == float(w0) and float(r1) == float(r0)
+        torch.testing.assert_close(c1, c0, rtol=1e-5, atol=1e-5)
+    for a, b_ in zip(g0, g1):
+        torch.testing.assert_close(b_, a, rtol=1e-4, atol=1e-5 * float(a.abs().max()))
+    figures = [evaluate(model, [windows], [shard], head, TrainConfig(ttt_steps=3, max_seq_len=96, packing=p),
+                        torch.device("cpu"), torch.float32) for p in (False, True)]  # fmt: skip
+    assert figures[0]["heldout_start_positions"] == figures[1]["heldout_start_positions"] > 0
+    assert figures[1]["simulated_acceptance_length"] == pytest.approx(figures[0]["simulated_acceptance_length"])
+    assert figures[1]["heldout_loss"] == pytest.approx(figures[0]["heldout_loss"], rel=1e-5)
+
+
 TRAIN = dict(TINY_TRAIN, epochs=10)
 
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.curves import read_curves
-from aerie.drafter.data import Window, batches, epoch_batches, padded_tokens, plan_windows
+from aerie.drafter.data import Window, batches, epoch_batches, pack_rows, padded_tokens, plan_windows
 from aerie.drafter.distributed import processes_for, shard_for_rank, torchrun_command
 from aerie.drafter.loop import build_drafter, train_drafter
 from aerie.drafter.model import DrafterConfig, Eagle3Drafter
@@ -493,13 +493,32 @@ def test_batches_keep_to_the_token_budget():
     the longest) stays within max_batch_tokens."""
     lengths = [10, 3, 7, 10, 2, 2, 2, 2, 9, 4]
     windows = [Window(0, 100 * i, 100 * i + n, 100 * i + n, 0) for i, n in enumerate(lengths)]
-    cfg = TrainConfig(batch_size=3, max_seq_len=10, max_batch_tokens=20)
+    cfg = TrainConfig(batch_size=3, max_seq_len=10, max_batch_tokens=20, packing=False)
     groups = batches(windows, cfg, None)
     assert [w for g in groups for w in g] == windows
     assert all(len(g) <= 3 and padded_tokens(g) <= 20 for g in groups)
     assert [len(g) for g in groups] == [2, 2, 3, 2, 1]  # closed by the budget, the budget, batch_size, ...
-    assert max(padded_tokens(g) for g in batches(windows, TrainConfig(batch_size=3, max_seq_len=10), None)) == 30
-    assert cfg.largest_batch_tokens == 20 and TrainConfig(batch_size=3, max_seq_len=10).largest_batch_tokens == 30
+    unbudgeted = TrainConfig(batch_size=3, max_seq_len=10, packing=False)
+    assert max(padded_tokens(g) for g in batches(windows, unbudgeted, None)) == 30
+    assert cfg.largest_batch_tokens == 20 and unbudgeted.largest_batch_tokens == 30
+
+
+def test_packed_batches_fill_rows_within_the_budget():
+    """Packed: windows share rows of max_seq_len (a later window of the order fills a gap), at most batch_size
+    windows and max_batch_tokens // max_seq_len rows per batch; every window once; far less padding."""
+    lengths = [10, 3, 7, 10, 2, 2, 2, 2, 9, 4, 6, 1]
+    windows = [Window(0, 100 * i, 100 * i + n, 100 * i + n, 0) for i, n in enumerate(lengths)]
+    cfg = TrainConfig(batch_size=4, max_seq_len=10, max_batch_tokens=20)
+    groups = batches(windows, cfg, None)
+    assert sorted(w.start for g in groups for w in g) == [w.start for w in windows]
+    assert all(len(g) <= 4 and padded_tokens(g, 10) <= 20 for g in groups)
+    assert [[w.end - w.start for w in g] for g in groups] == [[10, 3, 7], [10, 2, 2, 2], [2, 9, 4, 1], [6]]
+    padded = batches(windows, TrainConfig(batch_size=4, max_seq_len=10, max_batch_tokens=20, packing=False), None)
+    real = sum(lengths)
+    assert sum(padded_tokens(g, 10) for g in groups) / real < sum(padded_tokens(g) for g in padded) / real
+    # a cut window's look-ahead rows stay reserved: the next window starts after them
+    cut = [Window(0, 0, 6, 9, 0), Window(0, 50, 53, 53, 0)]
+    assert pack_rows(cut, 10) == [[0], [1]] and pack_rows(cut, 12) == [[0, 1]]
 
 
 def test_a_budget_below_one_window_is_refused():

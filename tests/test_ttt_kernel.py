@@ -170,6 +170,7 @@ def run_both(model, b, head, cfg, steps, *, checkpointing=True, autocast_bf16=Fa
     ("full", 9, 7, 2, 6),
     ("compact", 1, 2, 1, 1),
     ("full", 24, 1, 24, 4096),
+    ("compact", 37, 2, 8, 6),  # 3 loss rows a chunk, 16 a gradient block (H = 32, fp32, 2 windows): 3 blocks
 ])  # fmt: skip
 def test_training_forward_equals_naive(kind, layout, T, steps, attn_chunk, loss_chunk, monkeypatch) -> None:
     monkeypatch.setattr(layers, "ATTENTION_CHUNK_ROWS", attn_chunk)
@@ -203,6 +204,21 @@ def test_training_forward_bf16_autocast_within_tolerance(kind, monkeypatch) -> N
     torch.testing.assert_close(nl, rl, rtol=2e-2, atol=1e-3)
     for name, r, n in zip(names, rg, ng):
         assert (n - r).norm() <= 0.02 * r.norm() + 1e-4, name
+
+
+def test_lm_head_gradient_is_one_matmul_per_block_not_per_chunk(monkeypatch) -> None:
+    """The loss's backward sums lm_head's gradient once per block of ~4H / itemsize rows (issue 29 item 4), not
+    once per chunk of logits: 13 rows in chunks of 2 are 7 chunks but one block per TTT step."""
+    monkeypatch.setattr(ttt, "LOSS_CHUNK_ROWS", 4)  # 2 rows per window per chunk
+    calls = []
+    real = ttt._mm_fp32
+    monkeypatch.setattr(ttt, "_mm_fp32", lambda a, b: calls.append(a.shape) or real(a, b))
+    model = drafter("llama")
+    b, head_full = batch("full", 13, 3)
+    cfg = TrainConfig(ttt_steps=3)
+    loss, _, _ = ttt_forward(model, b, target_head(model, "full", head_full).prepare(b, cfg), 3, cfg.step_loss_decay)
+    loss.backward()
+    assert len(calls) == 3 and all(shape == (VD, 2 * 13) for shape in calls), calls  # one per step, all rows
 
 
 def test_padding_rows_and_unusable_targets_carry_no_gradient(monkeypatch) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ATTENTION_KINDS = ("auto", "llama", "mla")
 LR_SCHEDULES = ("cosine", "constant")
+ATTENTION_KERNELS = ("auto", "chunked", "flex")  # aerie.drafter.layers.attention_kernel resolves auto
 
 
 @dataclass
@@ -20,7 +21,9 @@ class TrainConfig:
     grad_clip: float = 0.5  # gradient norm clip (0 = none)
     max_seq_len: int = 2048  # longer sequences are cut into windows of this many rows
     batch_size: int = 4  # windows per optimizer step (per process under torchrun)
-    max_batch_tokens: int = 0  # cap on a batch's padded tokens (windows x longest); 0 = batch_size * max_seq_len
+    max_batch_tokens: int = 0  # cap on a batch's padded tokens (rows x longest); 0 = batch_size * max_seq_len
+    packing: bool = True  # several windows share a batch row of max_seq_len (false: one window per row, padded)
+    attention_kernel: str = "auto"  # TTT attention: auto (flex on CUDA, chunked elsewhere), chunked or flex
     eval_fraction: float = 0.05  # held-out share of sequences, chosen by hashing sample ids
     mask_out_of_vocab_targets: bool = True  # skip positions whose target argmax is outside the draft vocab
     init_head_from_target: bool = True  # start lm_head and norm from the target's (its draft-vocab rows)
@@ -59,6 +62,10 @@ class TrainConfig:
             )
         if self.checkpoint_every < 0:
             raise ValueError(f"drafter.checkpoint_every must be >= 0, not {self.checkpoint_every}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"drafter.attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, not {self.attention_kernel!r}"
+            )
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"drafter.attention must be one of {', '.join(ATTENTION_KINDS)}, not {self.attention!r}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -93,4 +100,4 @@ class TrainConfig:
 
 
 # Settings a resumed run may change: they do not alter what is computed.
-RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device", "tensorboard", "wandb_project")
+RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device", "tensorboard", "wandb_project", "attention_kernel")

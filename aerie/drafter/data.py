@@ -9,13 +9,15 @@ was generated (loss mask). Step k, row t: input token ``ids[t+1+k]``, target ``q
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from aerie.drafter.config import TrainConfig
-from aerie.formats.hidden import HiddenShard
+from aerie.formats.hidden import HiddenShard, dequantize_aux
 
 
 @dataclass
@@ -83,9 +85,41 @@ def plan_windows(shards: list[HiddenShard], held: set[tuple[int, int]], max_len:
     return WindowPlan(train, heldout, stats)
 
 
-def padded_tokens(group: list[Window]) -> int:
-    """Rows a batch of these windows occupies: windows x the longest (what memory grows with)."""
-    return len(group) * max(w.end - w.start for w in group)
+def pack_rows(windows: list[Window], capacity: int | None) -> list[list[int]]:
+    """Indices of ``windows`` per batch row. ``capacity`` None: one window per row (padded batches). Else each
+    window goes into the first row it fits (packed batches: several sequences per row, up to ``capacity`` rows):
+    a window of n rows needs n free rows and then reserves its look-ahead (look_end - end rows, the tokens its
+    last rows' later TTT steps read; 0 for a sequence's last window) before the next one starts."""
+    if capacity is None:
+        return [[i] for i in range(len(windows))]
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i, w in enumerate(windows):
+        n = w.end - w.start
+        r = next((r for r, f in enumerate(fill) if f + n <= capacity), None)
+        if r is None:
+            rows.append([])
+            fill.append(0)
+            r = len(rows) - 1
+        rows[r].append(i)
+        fill[r] += w.look_end - w.start
+    return rows
+
+
+def row_extent(windows: list[Window], row: list[int]) -> int:
+    """Window rows a packed row's sequences occupy: up to the last one's last real row."""
+    return sum(windows[i].look_end - windows[i].start for i in row[:-1]) + windows[row[-1]].end - windows[row[-1]].start
+
+
+def padded_tokens(group: list[Window], capacity: int | None = None) -> int:
+    """Rows a batch of these windows occupies (what memory grows with): batch rows x the longest row, with one
+    window per row (``capacity`` None) or packed into rows of ``capacity`` (``pack_rows``)."""
+    rows = pack_rows(group, capacity)
+    return len(rows) * max(row_extent(group, r) for r in rows)
+
+
+def real_tokens(group: list[Window]) -> int:
+    return sum(w.end - w.start for w in group)
 
 
 def split_heldout(shards: list[HiddenShard], fraction: float, seed: int) -> set[tuple[int, int]]:
@@ -108,9 +142,14 @@ def split_heldout(shards: list[HiddenShard], fraction: float, seed: int) -> set[
 
 def batches(windows: list[Window], cfg: TrainConfig, generator: torch.Generator | None) -> list[list[Window]]:
     """Shuffle (when a generator is given) and group windows, in that order, into batches of at most batch_size
-    windows whose padded size (windows x the longest) stays within max_batch_tokens when it is set. A window
-    never exceeds the budget alone: TrainConfig refuses max_batch_tokens below max_seq_len."""
+    windows whose padded size stays within max_batch_tokens when it is set. Padded batches (``packing: false``):
+    one window per row, size windows x the longest. Packed batches (``packing``, the default): windows share rows
+    of max_seq_len (``pack_rows``), at most max_batch_tokens // max_seq_len rows; when the next window does not fit,
+    the next ``PACK_LOOKAHEAD`` windows of the order are tried before the batch closes, so little of a row is left
+    empty. A window never exceeds the budget alone: TrainConfig refuses max_batch_tokens below max_seq_len."""
     order = torch.randperm(len(windows), generator=generator).tolist() if generator is not None else range(len(windows))
+    if cfg.packing:
+        return _packed_batches([windows[i] for i in order], cfg)
     out, cur, cur_len = [], [], 0
     for i in order:
         w = windows[i]
@@ -125,6 +164,71 @@ def batches(windows: list[Window], cfg: TrainConfig, generator: torch.Generator 
     if cur:
         out.append(cur)
     return out
+
+
+# Windows of the shuffled order a packed batch looks ahead for one that fills its last free rows.
+PACK_LOOKAHEAD = 64
+
+
+def _packed_batches(order: list[Window], cfg: TrainConfig) -> list[list[Window]]:
+    """Packed batches in the given order (``batches``): rows of max_seq_len, at most max_batch_tokens //
+    max_seq_len of them (batch_size when no budget), at most batch_size windows."""
+    capacity = cfg.max_seq_len
+    max_rows = max(1, cfg.largest_batch_tokens // capacity)
+    pending = list(order)
+    out = []
+    while pending:
+        fill: list[int] = []  # per row: window rows used (with look-ahead)
+        cur: list[Window] = []
+        j = 0
+        while j < len(pending) and j < PACK_LOOKAHEAD and len(cur) < cfg.batch_size:
+            w = pending[j]
+            n = w.end - w.start
+            r = next((r for r, f in enumerate(fill) if f + n <= capacity), None)
+            if r is None and len(fill) < max_rows:
+                fill.append(0)
+                r = len(fill) - 1
+            if r is None:
+                if not cur:  # cannot happen (a window fits an empty row); guards the loop
+                    raise AssertionError("a window longer than a row")
+                j += 1  # does not fit: look further ahead in the order
+                continue
+            fill[r] += w.look_end - w.start
+            cur.append(pending.pop(j))
+        out.append(cur)
+    return out
+
+
+def balance_ranks(
+    groups: list[list[Window]], world: int, cost, generator: torch.Generator | None
+) -> list[list[Window]]:
+    """A batch order in which every run of ``world`` consecutive batches (one optimizer step of all ranks under
+    ``shard_for_rank``) has batches of similar ``cost(batch)``: batches sorted by cost, cut into steps of
+    ``world``, the steps shuffled (by ``generator``). DDP waits for the slowest rank at every step, so this bounds
+    the slowest rank over the mean by the cost spread within a step. One process: the order as it is."""
+    if world <= 1 or len(groups) <= world:
+        return list(groups)
+    ranked = sorted(groups, key=cost, reverse=True)
+    steps = [ranked[i : i + world] for i in range(0, len(ranked), world)]
+    last = steps.pop() if len(steps[-1]) < world else None  # a short last step stays last (shard_for_rank pads it)
+    perm = torch.randperm(len(steps), generator=generator).tolist() if generator is not None else range(len(steps))
+    return [g for i in perm for g in steps[i]] + (last or [])
+
+
+def batch_cost(group: list[Window], capacity: int | None, attention_rows: float) -> float:
+    """Relative compute of a batch: every computed row (padding included) costs 1, and the attention adds
+    n^2 / (2 * attention_rows) per block of n rows attending causally to each other - a whole padded row
+    (chunked kernel, padded batches), each packed sequence on its own (packed batches: both kernels skip keys
+    before a row's sequence). ``attention_rows``: the window length at which the attention costs as much as
+    the rest of a row (``attention_cost_rows``)."""
+    rows = pack_rows(group, capacity)
+    T = max(row_extent(group, r) for r in rows)
+    linear = len(rows) * T
+    if capacity is None:
+        quadratic = len(rows) * T * T
+    else:
+        quadratic = sum((group[i].end - group[i].start) ** 2 for r in rows for i in r)
+    return linear + quadratic / (2 * attention_rows)
 
 
 def derived_seed(seed: int, *parts) -> int:
@@ -149,50 +253,128 @@ class Batch:
     rows: int  # number of real rows
     topk_ids: Tensor | None = None  # compact layout: [B, W, k] target's top-k next-token ids
     topk_logprobs: Tensor | None = None  # compact layout: [B, W, k] their log-probabilities
+    # packed rows (several sequences per batch row); None when every row holds one window from row 0
+    seq_start: Tensor | None = None  # [B, T] long: the batch row where row t's sequence starts
+    row_limit: Tensor | None = None  # [B, T] long: positions row t may read lie before this (its own sequence's)
+
+    def readable(self, offset: int) -> Tensor | None:
+        """[B, T] bool: whether position t + offset still belongs to row t's own sequence (None: always, the
+        padding is zeros there). Step k's weight reads gen at t+2+k, evaluation's chain have at t+2+k."""
+        if self.row_limit is None:
+            return None
+        T = self.row_limit.shape[1]
+        return torch.arange(offset, offset + T, device=self.row_limit.device)[None] < self.row_limit
 
 
 def load_batch(
-    windows: list[Window], shards: list[HiddenShard], ttt_steps: int, device: torch.device, dtype: torch.dtype
+    windows: list[Window],
+    shards: list[HiddenShard],
+    ttt_steps: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    capacity: int | None = None,
 ) -> Batch:
-    B = len(windows)
-    T = max(w.end - w.start for w in windows)
+    """The batch's tensors on ``device``: one window per batch row, or packed into rows of ``capacity``
+    (``pack_rows``: a sequence's rows, then its look-ahead, then the next sequence). The rows are read in their
+    stored dtypes (compact aux: float8 and per-layer scales) into host buffers, pinned when ``device`` is a GPU,
+    copied without blocking and dequantised on ``device``: the host moves a quarter of fp32's bytes."""
+    device = torch.device(device)
+    return host_batch(windows, shards, ttt_steps, capacity, pin=device.type == "cuda").to_device(device, dtype)
+
+
+@dataclass
+class HostBatch:
+    """A batch as read from the shards, in the stored dtypes, on the host (``host_batch``)."""
+
+    aux: Tensor  # [B, T, A*H] stored dtype (float8 for compact shards)
+    aux_scales: Tensor | None  # [B, T, A] fp32 (compact)
+    tensors: dict[str, Tensor | None]  # everything else, in Batch's field names
+    packed: bool
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        to = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
+        B, T, _ = self.aux.shape
+        if self.aux_scales is not None:  # dequantised where the batch will live
+            aux = dequantize_aux(to(self.aux).view(B * T, -1), to(self.aux_scales).view(B * T, -1), dtype)
+            aux = aux.view(B, T, -1)
+        else:
+            aux = to(self.aux).to(dtype)
+        t = {k: to(v) for k, v in self.tensors.items()}
+        if t["final"] is not None:
+            t["final"] = t["final"].to(dtype)
+        if not self.packed:
+            t["seq_start"] = t["row_limit"] = None
+        return Batch(aux=aux, rows=int(self.tensors["row_valid"].sum()), **t)
+
+    def nbytes(self) -> int:
+        parts = [self.aux, self.aux_scales, *self.tensors.values()]
+        return sum(x.numel() * x.element_size() for x in parts if x is not None)
+
+
+def host_batch(
+    windows: list[Window], shards: list[HiddenShard], ttt_steps: int, capacity: int | None, pin: bool = False
+) -> HostBatch:
+    """Read a batch's rows from the shards into host buffers (``load_batch``'s first half; a loader thread runs
+    it while the previous step computes: ``prefetched``)."""
+    layout = pack_rows(windows, capacity)
+    B = len(layout)
+    T = max(row_extent(windows, r) for r in layout)
     W = T + ttt_steps + 2
     first = shards[windows[0].shard]
-    A_H, H, k = len(first.aux_layer_ids) * first.hidden_size, first.hidden_size, first.topk
+    A, H, k = len(first.aux_layer_ids), first.hidden_size, first.topk
     compact = first.layout == "compact"
-    aux = torch.zeros(B, T, A_H, dtype=dtype)
-    final = None if compact else torch.zeros(B, W, H, dtype=dtype)
-    topk_ids = torch.zeros(B, W, k, dtype=torch.long) if compact else None
-    topk_lp = torch.zeros(B, W, k, dtype=torch.float32) if compact else None
-    ids = torch.zeros(B, W, dtype=torch.long)
-    have = torch.zeros(B, W, dtype=torch.bool)
-    gen = torch.zeros(B, W, dtype=torch.bool)
-    row_valid = torch.zeros(B, T, dtype=torch.bool)
-    position_ids = torch.zeros(B, T, dtype=torch.long)
-    for i, w in enumerate(windows):
-        sh = shards[w.shard]
-        n, m = w.end - w.start, w.look_end - w.start
-        aux[i, :n] = sh.aux_rows(w.start, w.end, dtype)
-        if compact:
-            topk_ids[i, :m] = sh.rows("target_topk_ids", w.start, w.look_end).long()
-            topk_lp[i, :m] = sh.rows("target_topk_logprobs", w.start, w.look_end).float()
-        else:
-            final[i, :m] = sh.rows("final_hidden_states", w.start, w.look_end).to(dtype)
-        ids[i, :m] = sh.input_ids[w.start : w.look_end]
-        gen[i, :m] = sh.loss_mask[w.start : w.look_end]
-        have[i, :m] = True
-        row_valid[i, :n] = True
-        position_ids[i] = w.pos0 + torch.arange(T)
-    to = lambda t: t.to(device, non_blocking=True) if t is not None else None  # noqa: E731
-    return Batch(
-        to(aux),
-        to(position_ids),
-        to(row_valid),
-        to(ids),
-        to(have),
-        to(gen),
-        to(final),
-        int(row_valid.sum()),
-        to(topk_ids),
-        to(topk_lp),
-    )
+    zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, pin_memory=pin)  # noqa: E731
+    aux_dtype = first.rows("aux_hidden_states", 0, 0).dtype
+    aux = zeros(B, T, A * H, dtype=aux_dtype)
+    scales = zeros(B, T, A, dtype=torch.float32) if compact else None
+    final_dtype = None if compact else first.rows("final_hidden_states", 0, 0).dtype
+    t = {
+        "position_ids": zeros(B, T, dtype=torch.long),
+        "row_valid": zeros(B, T, dtype=torch.bool),
+        "ids": zeros(B, W, dtype=torch.long),
+        "have": zeros(B, W, dtype=torch.bool),
+        "gen": zeros(B, W, dtype=torch.bool),
+        "final": None if compact else zeros(B, W, H, dtype=final_dtype),
+        "topk_ids": zeros(B, W, k, dtype=torch.long) if compact else None,
+        "topk_logprobs": zeros(B, W, k, dtype=torch.float32) if compact else None,
+        "seq_start": zeros(B, T, dtype=torch.long),
+        "row_limit": zeros(B, T, dtype=torch.long),
+    }
+    for i, row in enumerate(layout):
+        o = 0
+        for j, wi in enumerate(row):
+            w = windows[wi]
+            sh = shards[w.shard]
+            n, m = w.end - w.start, w.look_end - w.start
+            aux[i, o : o + n] = sh.rows("aux_hidden_states", w.start, w.end)
+            if compact:
+                scales[i, o : o + n] = sh.rows("aux_scales", w.start, w.end)
+                t["topk_ids"][i, o : o + m] = sh.rows("target_topk_ids", w.start, w.look_end).long()
+                t["topk_logprobs"][i, o : o + m] = sh.rows("target_topk_logprobs", w.start, w.look_end).float()
+            else:
+                t["final"][i, o : o + m] = sh.rows("final_hidden_states", w.start, w.look_end)
+            t["ids"][i, o : o + m] = sh.input_ids[w.start : w.look_end]
+            t["gen"][i, o : o + m] = sh.loss_mask[w.start : w.look_end]
+            t["have"][i, o : o + m] = True
+            t["row_valid"][i, o : o + n] = True
+            # the sequence's rows, its look-ahead and (last in the row) the padding: its positions, its start
+            span = (o + m if j + 1 < len(row) else T) - o
+            t["position_ids"][i, o : o + span] = w.pos0 + torch.arange(span)
+            t["seq_start"][i, o : o + span] = o
+            t["row_limit"][i, o : o + span] = o + m
+            o += m
+    return HostBatch(aux, scales, t, packed=any(len(r) > 1 for r in layout))
+
+
+def prefetched(groups: list[list[Window]], load) -> Iterator[Batch]:
+    """``load(group)`` for each group in order, the next one running on a background thread while the caller
+    works on the current one (one batch ahead: the host holds two batches at a time)."""
+    if not groups:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="aerie-batch-loader") as pool:
+        pending = pool.submit(load, groups[0])
+        for i in range(len(groups)):
+            batch = pending.result()
+            if i + 1 < len(groups):
+                pending = pool.submit(load, groups[i + 1])
+            yield batch

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Window, load_batch
+from aerie.drafter.layers import attention_kernel
 from aerie.drafter.model import Eagle3Drafter
 from aerie.drafter.ttt import TargetHead, autocast, ttt_forward
 
@@ -44,27 +45,33 @@ def evaluate(
     """
     model.eval()
     K = cfg.ttt_steps
+    kernel = attention_kernel(cfg.attention_kernel, torch.device(device))
+    capacity = cfg.max_seq_len if cfg.packing else None
     ce = torch.zeros(K, dtype=torch.float64)
     wsum = torch.zeros(K, dtype=torch.float64)
     correct = torch.zeros(K, dtype=torch.float64)
     accepted_at = torch.zeros(K, dtype=torch.float64)  # starts whose chain reached step k accepted
     starts = 0
     for group in groups:
-        b = load_batch(group, shards, K, device, dtype)
+        b = load_batch(group, shards, K, device, dtype, capacity)
         T = b.row_valid.shape[1]
         targets = head.prepare(b, cfg)
         greedy = targets.greedy  # [B,W]: the token the target verifies against
         with autocast(device):
-            _, stats, drafts = ttt_forward(model, b, targets, K, cfg.step_loss_decay)
+            _, stats, drafts = ttt_forward(model, b, targets, K, cfg.step_loss_decay, kernel=kernel)
         for k, (c, w, r) in enumerate(stats):
             ce[k] += float(c)
             wsum[k] += float(w)
             correct[k] += float(r)
         start = b.row_valid & b.gen[:, 2 : 2 + T]  # [B,T]
+        if b.readable(2) is not None:  # packed rows: the first drafted token is of the row's own sequence
+            start = start & b.readable(2)
         chain = start.clone()
         for k, draft_ids in enumerate(drafts):
             draft = model.draft_to_target(draft_ids)  # [B,T] target ids
             ok = (draft == greedy[:, 1 + k : 1 + k + T]) & b.have[:, 2 + k : 2 + k + T]
+            if b.readable(2 + k) is not None:
+                ok = ok & b.readable(2 + k)
             chain = chain & ok
             accepted_at[k] += float(chain.sum())
         starts += int(start.sum())

@@ -4,6 +4,7 @@ caches (``DrafterKVCache`` for decoding, ``TTTCache`` for the training-time-test
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,7 +88,8 @@ class TTTAttention(torch.autograd.Function):
 
     Inputs: q [B, h, T, d]; the step-0 keys/values k0 [B, kvh, T, d], v0 [B, kvh, T, dv]; the diagonal keys/
     values of steps 1..s, each [B, kvh, T, d] / [B, kvh, T, dv] (GQA: query head i reads kv head i // (h/kvh)).
-    Query row t attends to step-0 keys 0..t and to row t of each diagonal key (its own chain's earlier drafts).
+    Query row t attends to step-0 keys 0..t and to row t of each diagonal key (its own chain's earlier drafts);
+    with ``seq_start`` [B, T] (packed windows) only to step-0 keys seq_start[t]..t, its own sequence's.
 
     Why this kernel: the reference (tests/ttt_reference.py) builds [B, h, T, T + s] scores and keeps their fp32
     softmax and a copy for backward: quadratic in T. Here each chunk of C query rows builds its [B, h, C, e + s]
@@ -95,8 +97,9 @@ class TTTAttention(torch.autograd.Function):
     whole row (no online rescaling: the row's keys are all in the block, so the numbers are the reference's),
     and keeps nothing: backward recomputes each chunk's probabilities from the saved inputs (which the cache
     holds anyway) and applies the softmax gradient. Memory is O(T) saved + one chunk's block; the work is the
-    reference's minus the masked upper triangle. It runs the same on CPU and CUDA with plain matmuls (torch
-    2.13's flex attention has no CPU backward; its eager path materialises the full score matrix).
+    reference's minus the masked upper triangle. It runs the same on CPU and CUDA with plain matmuls: the CPU
+    trainer's kernel and the reference of the CUDA one (aerie.drafter.ttt_flex: torch 2.13's flex attention has no
+    CPU backward, and its eager path materialises the full score matrix).
 
     Dtypes follow the reference: scores and the probability-weighted sums in the inputs' dtype (bf16 under
     autocast), the softmax and its gradient in fp32; the step-0 key/value gradients (one term per chunk) accumulate
@@ -104,19 +107,19 @@ class TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, chunk_rows: int, q: Tensor, k0: Tensor, v0: Tensor, *diagonal: Tensor) -> Tensor:
+    def forward(ctx, chunk_rows: int, seq_start: Tensor | None, q: Tensor, k0: Tensor, v0: Tensor, *diagonal: Tensor):
         s = len(diagonal) // 2
         ks, vs = diagonal[:s], diagonal[s:]
         B, h, T, _ = q.shape
         out = q.new_empty(B, h, T, v0.shape[-1])
-        for a, e, probs in _ttt_chunks(q, k0, ks, chunk_rows):
-            pd = probs.to(q.dtype)  # [B, kvh, g, C, e + s]
-            C, kvh, g = e - a, k0.shape[1], h // k0.shape[1]
-            o = (pd[..., :e].reshape(B, kvh, g * C, e) @ v0[:, :, :e]).view(B, kvh, g, C, -1)
+        for a, e, lo, probs in _ttt_chunks(q, k0, ks, chunk_rows, seq_start):
+            pd = probs.to(q.dtype)  # [B, kvh, g, C, n + s], n = e - lo step-0 keys
+            C, n, kvh, g = e - a, e - lo, k0.shape[1], h // k0.shape[1]
+            o = (pd[..., :n].reshape(B, kvh, g * C, n) @ v0[:, :, lo:e]).view(B, kvh, g, C, -1)
             for j, vj in enumerate(vs):
-                o = o + pd[..., e + j, None] * vj[:, :, None, a:e]
+                o = o + pd[..., n + j, None] * vj[:, :, None, a:e]
             out[:, :, a:e] = o.view(B, h, C, -1)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.seq_start = chunk_rows, seq_start
         ctx.save_for_backward(q, k0, v0, *diagonal)
         return out
 
@@ -137,47 +140,83 @@ class TTTAttention(torch.autograd.Function):
         # a diagonal key/value row gets one contribution (its own query row): written once, in the inputs' dtype
         dks = [torch.empty_like(k) for k in ks]
         dvs = [torch.empty_like(v) for v in vs]
-        for a, e, probs in _ttt_chunks(q, k0, ks, ctx.chunk_rows):
-            C = e - a
+        for a, e, lo, probs in _ttt_chunks(q, k0, ks, ctx.chunk_rows, ctx.seq_start):
+            C, n = e - a, e - lo
             pd = probs.to(dt)
             go = grad_out[:, :, a:e].reshape(B, kvh, g, C, -1)  # [B, kvh, g, C, dv]
             go_rows = go.reshape(B, kvh, g * C, -1)
             # gradients of the probability-weighted sums (in the inputs' dtype, as the reference's matmuls)
-            dpd = [(go_rows @ v0[:, :, :e].transpose(-1, -2)).view(B, kvh, g, C, e)]
-            dv0[:, :, :e] += (pd[..., :e].reshape(B, kvh, g * C, e).transpose(-1, -2) @ go_rows).float()
+            dpd = [(go_rows @ v0[:, :, lo:e].transpose(-1, -2)).view(B, kvh, g, C, n)]
+            dv0[:, :, lo:e] += (pd[..., :n].reshape(B, kvh, g * C, n).transpose(-1, -2) @ go_rows).float()
             for j, vj in enumerate(vs):
                 dpd.append((go * vj[:, :, None, a:e]).sum(-1, keepdim=True))
-                dvs[j][:, :, a:e] = (pd[..., e + j, None] * go).sum(2)
+                dvs[j][:, :, a:e] = (pd[..., n + j, None] * go).sum(2)
             dp = torch.cat(dpd, dim=-1).float()
             ds = (probs * (dp - (probs * dp).sum(-1, keepdim=True))).to(dt) * scale  # softmax backward, then scale
             qc = q[:, :, a:e].reshape(B, kvh, g, C, d)
-            dqc = (ds[..., :e].reshape(B, kvh, g * C, e) @ k0[:, :, :e]).view(B, kvh, g, C, d)
-            dk0[:, :, :e] += (
-                ds[..., :e].reshape(B, kvh, g * C, e).transpose(-1, -2) @ qc.reshape(B, kvh, g * C, d)
+            dqc = (ds[..., :n].reshape(B, kvh, g * C, n) @ k0[:, :, lo:e]).view(B, kvh, g, C, d)
+            dk0[:, :, lo:e] += (
+                ds[..., :n].reshape(B, kvh, g * C, n).transpose(-1, -2) @ qc.reshape(B, kvh, g * C, d)
             ).float()
             for j, kj in enumerate(ks):
-                dqc = dqc + ds[..., e + j, None] * kj[:, :, None, a:e]
-                dks[j][:, :, a:e] = (ds[..., e + j, None] * qc).sum(2)
+                dqc = dqc + ds[..., n + j, None] * kj[:, :, None, a:e]
+                dks[j][:, :, a:e] = (ds[..., n + j, None] * qc).sum(2)
             dq[:, :, a:e] = dqc.view(B, h, C, d)
-        return (None, dq, dk0.to(dt), dv0.to(dt), *dks, *dvs)
+        return (None, None, dq, dk0.to(dt), dv0.to(dt), *dks, *dvs)
 
 
-def _ttt_chunks(q: Tensor, k0: Tensor, ks: tuple[Tensor, ...] | list[Tensor], chunk_rows: int):
-    """Yield (first row, end row, fp32 probabilities [B, kvh, g, C, end + s]) per chunk of query rows: the
-    softmax over [step-0 keys 0..end-1 (causal) | the row's own diagonal keys]."""
+def _ttt_chunks(
+    q: Tensor, k0: Tensor, ks: tuple[Tensor, ...] | list[Tensor], chunk_rows: int, seq_start: Tensor | None = None
+):
+    """Yield (first row a, end row e, first key lo, fp32 probabilities [B, kvh, g, C, e - lo + s]) per chunk of
+    query rows: the softmax over [step-0 keys lo..e-1 (causal, and within the row's own sequence when
+    ``seq_start`` [B, T] says where each row's sequence starts in a packed window) | the row's diagonal keys].
+    ``lo`` is the earliest sequence start among the chunk's rows (0 without packing): keys before it are masked for
+    every row, so they are not computed - a packed window costs the sum of its sequences' squares, not its own."""
     B, h, T, d = q.shape
     kvh = k0.shape[1]
     g = h // kvh
     scale = 1.0 / math.sqrt(d)
-    for a in range(0, T, chunk_rows):
+    # a row's sequence start never decreases along the window: a chunk's earliest is at its first row (one sync)
+    firsts = [0] * T if seq_start is None else seq_start[:, ::chunk_rows].amin(0).tolist()
+    for i, a in enumerate(range(0, T, chunk_rows)):
         e = min(T, a + chunk_rows)
-        C = e - a
+        C, lo = e - a, int(firsts[i])
         qc = q[:, :, a:e].reshape(B, kvh, g, C, d)
-        scores = (qc.reshape(B, kvh, g * C, d) @ k0[:, :, :e].transpose(-1, -2)).view(B, kvh, g, C, e) * scale
-        causal = torch.arange(e, device=q.device)[None, :] <= torch.arange(a, e, device=q.device)[:, None]  # [C, e]
-        scores = scores.masked_fill(~causal, float("-inf"))
+        keys = k0[:, :, lo:e].transpose(-1, -2)
+        scores = (qc.reshape(B, kvh, g * C, d) @ keys).view(B, kvh, g, C, e - lo) * scale
+        key_rows = torch.arange(lo, e, device=q.device)
+        allowed = key_rows[None, :] <= torch.arange(a, e, device=q.device)[:, None]  # [C, e - lo] causal
+        if seq_start is not None:  # and within the row's own sequence: [B, 1, 1, C, e - lo]
+            allowed = (allowed & (key_rows[None, None, :] >= seq_start[:, a:e, None]))[:, None, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
         diag = [(qc * kj[:, :, None, a:e]).sum(-1, keepdim=True) * scale for kj in ks]  # [B, kvh, g, C, 1]
-        yield a, e, torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1)
+        yield a, e, lo, torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1)
+
+
+def attention_kernel(setting: str, device: torch.device) -> str:
+    """The TTT attention kernel a run uses: ``flex`` (compiled flex attention with a block mask, merged with the
+    diagonal by log-sum-exp: aerie.drafter.ttt_flex) on CUDA, ``chunked`` (TTTAttention: the CPU path and the
+    reference) elsewhere; ``drafter.attention_kernel`` may force either (flex on the CPU runs eagerly, forward
+    only: torch 2.13 has no CPU backward for it)."""
+    if setting not in ("auto", "chunked", "flex"):
+        raise ValueError(f"attention kernel must be auto, chunked or flex, not {setting!r}")
+    if setting != "auto":
+        return setting
+    return "flex" if device.type == "cuda" else "chunked"
+
+
+@dataclass
+class TTTLayout:
+    """How one batch's rows attend in the TTT unroll, built once per batch and shared by its steps: the kernel
+    (``chunked`` or ``flex``), the chunked kernel's query rows per chunk, and for packed windows (several
+    sequences in one window row) ``seq_start`` [B, T]: the window row where each row's sequence starts (a row
+    attends to step-0 keys of its own sequence only). ``block_mask`` is flex's mask, made on first use."""
+
+    kernel: str = "chunked"
+    chunk_rows: int = 0  # 0: ATTENTION_CHUNK_ROWS (read when attending)
+    seq_start: Tensor | None = None
+    block_mask: object = field(default=None, repr=False)
 
 
 class TTTCache:
@@ -185,8 +224,9 @@ class TTTCache:
 
     Step 0 runs over all rows with causal attention. Step k >= 1 at row t is the k-th chained draft after a
     prefix ending at row t, so at inference it sees the step-0 keys of rows <= t plus its *own row's* keys
-    from steps 1..k (the earlier drafts in its chain) - never other rows' later-step keys. ``TTTAttention``
-    computes that in chunks of query rows (``chunk_rows``; None = ATTENTION_CHUNK_ROWS).
+    from steps 1..k (the earlier drafts in its chain) - never other rows' later-step keys. ``layout`` (TTTLayout)
+    says which kernel computes it (``TTTAttention`` in chunks of query rows, or flex attention) and, in packed
+    windows, where each row's sequence starts; ``chunk_rows`` alone sets the chunked kernel's chunk.
 
     The cache holds one [B, kvh, T, d] key and value per step, made contiguous so that a value that is a view
     of a wider projection (MLA's [k_nope | value]) does not keep the rest alive. Construct it from earlier
@@ -194,11 +234,15 @@ class TTTCache:
     """
 
     def __init__(
-        self, keys: list[Tensor] | None = None, values: list[Tensor] | None = None, chunk_rows: int | None = None
+        self,
+        keys: list[Tensor] | None = None,
+        values: list[Tensor] | None = None,
+        chunk_rows: int | None = None,
+        layout: TTTLayout | None = None,
     ):
         self.keys: list[Tensor] = list(keys or [])  # per step [B, kvh, T, d]
         self.values: list[Tensor] = list(values or [])
-        self.chunk_rows = chunk_rows
+        self.layout = layout or TTTLayout(chunk_rows=chunk_rows or 0)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -206,8 +250,20 @@ class TTTCache:
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.keys.append(k.contiguous())
         self.values.append(v.contiguous())
-        chunk = self.chunk_rows or ATTENTION_CHUNK_ROWS
-        return TTTAttention.apply(chunk, q, self.keys[0], self.values[0], *self.keys[1:], *self.values[1:])
+        lay = self.layout
+        if lay.kernel == "flex":
+            from aerie.drafter.ttt_flex import flex_ttt_attention  # torch.nn.attention.flex_attention: CUDA path
+
+            return flex_ttt_attention(q, self.keys[0], self.values[0], self.keys[1:], self.values[1:], lay)
+        return TTTAttention.apply(
+            lay.chunk_rows or ATTENTION_CHUNK_ROWS,
+            lay.seq_start,
+            q,
+            self.keys[0],
+            self.values[0],
+            *self.keys[1:],
+            *self.values[1:],
+        )
 
 
 class MLP(nn.Module):

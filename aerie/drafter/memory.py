@@ -94,6 +94,14 @@ def trainable_parameters(d: DrafterConfig) -> int:
     return fc + norms + mlp + head + attn
 
 
+def attention_cost_rows(d: DrafterConfig) -> float:
+    """The window length at which a row's causal attention costs as much compute as the rest of its TTT step:
+    a token's matmuls do ~2 FLOPs per trainable parameter, its attention 2 * heads * (qk + v head size) per key it
+    reads (half the window on average). aerie.drafter.data.batch_cost weighs batches with it (rank balance)."""
+    h, _, dq, dv = _attention_dims(d)
+    return trainable_parameters(d) / (h * (dq + dv))
+
+
 def _attention_dims(d: DrafterConfig) -> tuple[int, int, int, int]:
     """(query heads, key/value heads as cached, query/key head size, value head size) of the TTT cache."""
     if d.attention == "mla":  # keys and values expanded per head from the latent (mla_layer.py)
@@ -142,7 +150,8 @@ def attention_block_bytes(batch: int, heads: int, keys: int, a: int) -> int:
 
 def loss_chunk_bytes(rows: int, vocab: int, hidden: int, a: int) -> int:
     """SoftCrossEntropy backward's working set: one chunk's logits (activation dtype), their fp32 softmax, the
-    soft targets and two fp32 temporaries, the logits' gradient, and the fp32 sum of lm_head's gradient."""
+    soft targets and two fp32 temporaries, the logits' gradient, and the fp32 sum of lm_head's gradient (the
+    buffer of a gradient block's logit gradients is added by ``activation_bytes``)."""
     return rows * vocab * (2 * a + 4 * FP32) + FP32 * vocab * hidden
 
 
@@ -164,7 +173,10 @@ def activation_bytes(d: DrafterConfig, K: int, a: int, batch: int, window: int) 
     pending = max(K - 1, 0) * a * kv
     before, after = step_saved_bytes_per_token(d, a)
     grad_in = FP32 * H + a * H  # gradients arriving at the step: its loss input's (fp32) and its hidden's
-    loss = loss_chunk_bytes(batch * max(1, LOSS_CHUNK_ROWS // batch), d.draft_vocab_size, H, a)
+    loss_rows = batch * max(1, LOSS_CHUNK_ROWS // batch)
+    loss = loss_chunk_bytes(loss_rows, d.draft_vocab_size, H, a)
+    # the logit gradients of one lm_head-gradient block (ttt.grad_block_rows: ~4H / a rows in all)
+    loss += a * d.draft_vocab_size * min(N, batch * min(window, max(loss_rows // batch, (FP32 * H // a) // batch)))
     attention_grads = a * h * dq + a * h * dv + max(K - 2, 0) * a * kv + FP32 * kv  # dq, d(out), diagonal, step 0
     at_attention = N * attention_grads + attention_block_bytes(batch, h, window + K, a)
     return N * (persistent + pending + before + grad_in) + max(loss, N * after, at_attention)
@@ -223,3 +235,63 @@ def estimate_training_memory(
     if optimizer_step > parts["activations"]:  # short windows: the AdamW step is the peak
         parts["AdamW step temporaries beyond the activations"] = optimizer_step - parts["activations"]
     return TrainingMemory(parts=parts, batch_tokens=N, window=T, activation_bytes=a)
+
+
+def host_batch_bytes(train: TrainConfig, hidden: int, num_aux_layers: int, hidden_layout: str, topk: int) -> int:
+    """Host bytes of the largest batch as data.host_batch reads it (stored dtypes: compact aux in float8 with fp32
+    scales per layer, top-k ids as int64 and log-probs fp32; full aux and final states bf16), pinned on a GPU host."""
+    N = train.largest_batch_tokens
+    B = max(1, N // train.max_seq_len)
+    W = N + B * (train.ttt_steps + 2)
+    A = num_aux_layers
+    if hidden_layout == "compact":
+        per_row, per_pos = A * hidden + FP32 * A, 8 * topk + FP32 * topk
+    else:
+        per_row, per_pos = 2 * A * hidden, 2 * hidden
+    # rows: aux, positions, valid, sequence start, row limit; positions of the window: ids, have, gen, targets
+    return N * (per_row + 8 + 1 + 8 + 8) + W * (8 + 1 + 1 + per_pos)
+
+
+@dataclass
+class HostMemory:
+    """Host RAM the drafter job needs at its peak, all ranks together (bytes)."""
+
+    parts: dict[str, int]
+    ranks: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {size / GIB:,.1f}" for name, size in self.parts.items())
+        return (
+            f"host RAM ~{self.total / GIB:,.1f} GiB for {self.ranks} rank{'s' if self.ranks != 1 else ''} ({parts} GiB)"
+        )
+
+
+def estimate_host_memory(
+    train: TrainConfig,
+    text_config: dict,
+    draft_vocab_size: int,
+    ranks: int,
+    *,
+    num_aux_layers: int = 3,
+    hidden_layout: str = "full",
+    target_topk: int = 32,
+    head_dtype_bytes: int = 2,
+) -> HostMemory:
+    """The drafter job's host RAM: every rank first builds its drafter on the host (fp32 parameters and frozen
+    embeddings) from the target's heads read in their stored dtype (``head_dtype_bytes``; embed, plus lm_head when
+    the shards are ``full`` or the head starts from the target's), then moves it to its GPU; while training each rank
+    holds two batches on the host (the one being copied and the one the loader thread reads: data.prefetched).
+    The larger of the two moments counts, times the ranks."""
+    tc = text_config.get("text_config") or text_config
+    d = drafter_shape(train, text_config, draft_vocab_size, num_aux_layers)
+    V, H = int(tc["vocab_size"]), d.hidden_size
+    heads = 1 + (1 if hidden_layout == "full" or train.init_head_from_target else 0)
+    start = FP32 * (trainable_parameters(d) + V * H) + head_dtype_bytes * heads * V * H
+    batches = 2 * host_batch_bytes(train, H, num_aux_layers, hidden_layout, target_topk)
+    if start >= batches:
+        return HostMemory({"drafters built on the host (start)": ranks * start}, ranks)
+    return HostMemory({"batches in flight (2 per rank)": ranks * batches}, ranks)

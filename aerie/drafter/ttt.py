@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import Batch
-from aerie.drafter.layers import TTTCache
+from aerie.drafter.layers import TTTCache, TTTLayout
 from aerie.drafter.model import Eagle3Drafter
 
 # Rows of logits the vocabulary loss builds at a time (per batch: LOSS_CHUNK_ROWS // B rows of each window).
@@ -147,6 +147,9 @@ def step_weights(batch: Batch, k: int, target_ok: Tensor | None) -> Tensor:
     target: in-vocab greedy token with mask_out_of_vocab_targets, an in-vocab top-k entry for compact shards)."""
     T = batch.row_valid.shape[1]
     w = batch.row_valid & batch.gen[:, 2 + k : 2 + k + T]
+    own = batch.readable(2 + k)  # packed rows: the predicted token must be of the row's own sequence
+    if own is not None:
+        w = w & own
     if target_ok is not None:
         w = w & target_ok[:, 1 + k : 1 + k + T]
     return w.float()
@@ -193,36 +196,68 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce: Tensor, _grad_correct, _grad_draft):
         xd, weight, w = ctx.saved_tensors
-        dtype, T = ctx.dtype, xd.shape[1]
+        dtype, (B, T, H) = ctx.dtype, xd.shape
         dx = torch.empty(xd.shape, dtype=ctx.x_dtype, device=xd.device)
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        dw = None
+        # lm_head's gradient is one matmul per block of grad_block_rows(...) rows (every row of a window up to
+        # ~4H / itemsize rows: one per step at Kimi's 32k-row batches is 3), not one fp32 read-add-write of the
+        # [Vd, H] sum per loss chunk; the block's logit gradients wait in a buffer about that sum's size.
+        block = grad_block_rows(B, T, H, dtype, ctx.chunk_rows)
         with _fp32(xd.device):
             wc = weight.to(dtype)
-            for r0 in range(0, T, ctx.chunk_rows):
-                r1 = min(T, r0 + ctx.chunk_rows)
-                xc = xd[:, r0:r1]
-                p = torch.softmax(F.linear(xc, wc).float(), dim=-1)
-                q = ctx.q_rows(r0, r1)
-                dlogits = ((p * q.sum(-1, keepdim=True) - q) * (w[:, r0:r1] * grad_ce)[..., None]).to(dtype)
-                dx[:, r0:r1] = dlogits @ wc
-                dw += (dlogits.flatten(0, 1).T @ xc.flatten(0, 1)).float()
+            buf = torch.empty(B, min(T, block), wc.shape[0], dtype=dtype, device=xd.device)
+            for b0 in range(0, T, block):
+                b1 = min(T, b0 + block)
+                for r0 in range(b0, b1, ctx.chunk_rows):
+                    r1 = min(b1, r0 + ctx.chunk_rows)
+                    p = torch.softmax(F.linear(xd[:, r0:r1], wc).float(), dim=-1)
+                    q = ctx.q_rows(r0, r1)
+                    dlogits = ((p * q.sum(-1, keepdim=True) - q) * (w[:, r0:r1] * grad_ce)[..., None]).to(dtype)
+                    dx[:, r0:r1] = dlogits @ wc
+                    buf[:, r0 - b0 : r1 - b0] = dlogits
+                part = _mm_fp32(buf[:, : b1 - b0].flatten(0, 1).T, xd[:, b0:b1].flatten(0, 1))
+                dw = part if dw is None else dw.add_(part)
         return dx, dw.to(weight.dtype), None, None, None, None
 
 
-def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values):
+def grad_block_rows(B: int, T: int, hidden: int, dtype: torch.dtype, chunk_rows: int) -> int:
+    """Rows of each window per lm_head-gradient matmul in SoftCrossEntropy's backward: the block's [B, rows, Vd]
+    logit gradients take about as many bytes as the fp32 [Vd, H] gradient (4 * H / itemsize rows in all), at least
+    one loss chunk. aerie.drafter.memory counts the buffer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return min(T, max(chunk_rows, (4 * hidden // itemsize) // max(1, B)))
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b summed and returned in fp32 (bf16 inputs on CUDA: cuBLAS writes fp32 directly)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+def _draft_step(model: Eagle3Drafter, hidden, tokens, positions, keys, values, layout: TTTLayout):
     """One TTT step up to lm_head: (normed, next hidden, this step's key, value). A pure function of its arguments
     (a fresh cache over the earlier steps' keys), so checkpointing can re-run it. The loss stays outside: its
     forward would be re-run for nothing (SoftCrossEntropy keeps only its input and recomputes logits anyway)."""
-    cache = TTTCache(keys, values)
+    cache = TTTCache(keys, values, layout=layout)
     normed, hidden = model.step(hidden, tokens, positions, cache)
     return normed, hidden, cache.keys[-1], cache.values[-1]
 
 
 def ttt_forward(
-    model: Eagle3Drafter, b: Batch, targets: Targets, steps: int, decay: float, checkpointing: bool = True
+    model: Eagle3Drafter,
+    b: Batch,
+    targets: Targets,
+    steps: int,
+    decay: float,
+    checkpointing: bool = True,
+    kernel: str = "chunked",
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor, Tensor]], list[Tensor]]:
     """The TTT unroll and its loss: (weighted loss, per-step (ce_sum, weight_sum, correct), per-step draft ids
-    [B,T] in the draft vocab). With ``checkpointing`` (and gradients on) every step is re-run in backward."""
+    [B,T] in the draft vocab). With ``checkpointing`` (and gradients on) every step is re-run in backward.
+    ``kernel``: the attention kernel (layers.attention_kernel); packed rows attend within their sequences."""
     T = b.row_valid.shape[1]
     B = b.row_valid.shape[0]
     device = b.aux.device
@@ -234,6 +269,7 @@ def ttt_forward(
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    layout = TTTLayout(kernel=kernel, seq_start=b.seq_start)  # one per batch: flex's block mask is built once
     hidden = run(model.project_aux, b.aux)  # [B,T,H] step 0: target features
     keys: list[Tensor] = []
     values: list[Tensor] = []
@@ -247,7 +283,7 @@ def ttt_forward(
 
         tokens = b.ids[:, 1 + k : 1 + k + T]  # token t+1+k at row t, at position t+k
         normed, hidden, key, value = run(
-            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values)
+            _draft_step, model, hidden, tokens, b.position_ids + k, tuple(keys), tuple(values), layout
         )
         ce_sum, correct, draft = SoftCrossEntropy.apply(normed, model.lm_head.weight, q_rows, w, dtype, chunk_rows)
         keys.append(key)
@@ -262,12 +298,12 @@ def ttt_forward(
 class TTTUnroll(nn.Module):
     """ttt_forward as a module: what DDP wraps (it averages the gradients of what runs inside its forward)."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, kernel: str = "chunked"):
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.drafter, self.steps, self.decay, self.kernel = drafter, steps, decay, kernel
 
     def forward(self, b: Batch, targets: Targets):
-        return ttt_forward(self.drafter, b, targets, self.steps, self.decay)
+        return ttt_forward(self.drafter, b, targets, self.steps, self.decay, kernel=self.kernel)
 
 
 def autocast(device: torch.device):
