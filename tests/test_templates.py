@@ -410,3 +410,55 @@ def test_every_family_tokenizer_keeps_its_template_markers_one_id(targets, loade
         assert markers[end] == tok.convert_tokens_to_ids(end), fam.name
         writes_think = "<think>" in tok.chat_template
         assert ("<think>" in markers) == writes_think and ("</think>" in markers) == writes_think, fam.name
+
+
+def test_a_turn_the_template_leaves_unended_ends_with_a_token_the_model_stops_on(targets, loaded, tmp_path) -> None:
+    """Seed-OSS writes `<seed:eos>` only after non-empty content: a finished turn of reasoning alone renders no end.
+    The token that opens the next turn (`<seed:bos>`) is not one the model stops on, so the turn ends with the
+    template's turn end, a declared stop, counted; the shard's stop ids stay the model's. GLM writes no end at all
+    and stops on the next turn's opener only because its generation_config.json says so: without that entry the
+    opener is never appended, the eos is, and every such turn is counted."""
+    fam = next(f for f in FAMILIES if f.name == "Seed-OSS")
+    tok = loaded(fam.name)
+    recs = {r["id"]: r for r in family_records(fam)}
+    report, generated = run_family(targets[fam.name], [recs["basic"], recs["reasoning_only"]], tmp_path, tokenizer=tok)
+    eos, bos = tok.convert_tokens_to_ids("<seed:eos>"), tok.convert_tokens_to_ids("<seed:bos>")
+    assert tok.decode(generated["reasoning_only"], skip_special_tokens=False) == (
+        "<seed:think>Nothing to add.</seed:think><seed:eos>"
+    )
+    assert report["added_turn_ends"] == {"turn_end": 1}
+    _, meta = read_tokens_shard(tmp_path / "t.safetensors")
+    assert eos in meta["stop_ids"] and bos not in meta["stop_ids"]
+
+    glm = next(f for f in FAMILIES if f.name == "GLM 4.6")
+    folder = tmp_path / "glm"
+    tok = family_tokenizer(glm, folder)
+    endoftext, user = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|user|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext]}))
+    recs = {r["id"]: r for r in family_records(glm)}
+    work = tmp_path / "glm-run"
+    work.mkdir()
+    report, generated = run_family(folder, [recs["basic"], recs["system"]], work)
+    assert report["added_turn_ends"] == {"turn_end": 2}
+    assert all(g[-1] == endoftext and user not in g for g in generated.values())
+    _, meta = read_tokens_shard(work / "t.safetensors")
+    assert user not in meta["stop_ids"]
+
+
+def test_the_reasoning_frame_is_learned_from_the_template(loaded) -> None:
+    """Where a template writes its reasoning frame only around reasoning, the frame comes from its own renders (no
+    marker table); where the frame stays for empty reasoning (Qwen3, Kimi K2) there is none to learn."""
+    from aerie.target_model.turns import learn_reasoning_framing
+
+    gemma = learn_reasoning_framing(loaded("Gemma 4 (thinking)"), {"enable_thinking": True})
+    assert (gemma.open, gemma.close) == ("<|channel>thought\n", "\n<channel|>") and gemma.after_generation_prompt
+    assert gemma.generation_prompt == "<|turn>model\n"
+    off = learn_reasoning_framing(loaded("Gemma 4 (non-thinking)"))  # the prompt empties the channel
+    assert (off.start, off.end) == ("<|channel>thought", "<channel|>") and not off.after_generation_prompt
+    seed = learn_reasoning_framing(loaded("Seed-OSS"))
+    assert (seed.open, seed.close) == ("<seed:think>", "</seed:think>\n")
+    oss = learn_reasoning_framing(loaded("gpt-oss"))
+    assert oss.open == "<|channel|>analysis<|message|>" and oss.start.startswith("<|channel|>")
+    assert (
+        learn_reasoning_framing(loaded("Qwen3")) is None and learn_reasoning_framing(loaded("Kimi K2-Thinking")) is None
+    )
