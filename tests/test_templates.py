@@ -462,3 +462,26 @@ def test_the_reasoning_frame_is_learned_from_the_template(loaded) -> None:
     assert (
         learn_reasoning_framing(loaded("Qwen3")) is None and learn_reasoning_framing(loaded("Kimi K2-Thinking")) is None
     )
+
+
+# A template that closes the reasoning block only before an answer (as Seed-OSS writes its end only after one).
+CLOSES_ONLY_BEFORE_AN_ANSWER = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content %}<think>\n{{ m.reasoning_content }}"
+    "{% if m.content %}</think>\n\n{{ m.content }}{% endif %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_turn_that_ends_inside_the_open_reasoning_block_is_refused(tmp_path) -> None:
+    """No answer sits inside the block, and still the text is not what the model writes: the model closes its
+    reasoning before it ends its turn. A template that writes `</think>` only before an answer leaves a turn of
+    reasoning alone open at its end; the same template's turn with an answer is its own."""
+    tok = family_tokenizer(next(f for f in FAMILIES if f.name == "Qwen3"), tmp_path / "t")
+    tok.chat_template = CLOSES_ONLY_BEFORE_AN_ANSWER
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    with pytest.raises(TurnRefused, match="leaves the reasoning block open.*at the end of the turn") as refused:
+        render_turn(tok, q, "Nothing to add.", "")
+    assert refused.value.reason == "reasoning_block_unclosed"
+    turn = render_turn(tok, q, "Let me think.", "Paris.")
+    assert turn.path == "exact" and turn.generated == "<think>\nLet me think.</think>\n\nParis.<|im_end|>\n"
