@@ -39,6 +39,29 @@ class Family:
 
 
 DEEPSEEK = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+GEMMA4_TOKENS = (
+    "<bos>",
+    "<eos>",
+    "<pad>",
+    "<|turn>",
+    "<turn|>",
+    "<|channel>",
+    "<channel|>",
+    "<|think|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+    "<|image|>",
+    "<|audio|>",
+    "<|video|>",
+)
+# The end of turn, the tokenizer's eos and the tool-response opener after a call (what the template writes where the
+# model stops); not read from Gemma 4's own generation_config.json, which is not in the searchable index.
+GEMMA4_STOPS = ("<eos>", "<turn|>", "<|tool_response>")
 
 FAMILIES = [
     Family(
@@ -179,6 +202,59 @@ FAMILIES = [
         stops=("<SPECIAL_12>",),
         basic=None,
     ),
+    # Seed-OSS: reasoning framed `<seed:think>R</seed:think>` (not `<think>`), both texts trimmed, and the end of turn
+    # `<seed:eos>` written only after non-empty content: a finished turn with reasoning and no content renders none.
+    Family(
+        "Seed-OSS",
+        "ByteDance-Seed-OSS.jinja",
+        (
+            "<seed:bos>",
+            "<seed:eos>",
+            "<seed:pad>",
+            "<seed:think>",
+            "</seed:think>",
+            "<seed:tool_call>",
+            "</seed:tool_call>",
+            "<seed:cot_budget_reflect>",
+            "</seed:cot_budget_reflect>",
+        ),
+        "<seed:bos>",
+        "<seed:eos>",
+        stops=("<seed:eos>",),
+        basic="<seed:think>Let me think.</seed:think>\nParis.<seed:eos>",
+    ),
+    # DeepSeek-R1-Distill (Qwen 32B; the Llama distills share the template): the generation prompt opens
+    # `<think>\n` and a finished turn renders only `<｜Assistant｜>content<eos>` (reasoning never rendered): the model
+    # writes `reasoning</think>content<eos>` after the prompt.
+    Family(
+        "DeepSeek R1-Distill",
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja",
+        (),
+        *DEEPSEEK,
+        stops=(DEEPSEEK[1],),
+        basic=None,
+    ),
+    # Gemma 4: reasoning in a thought channel `<|channel>thought\nR\n<channel|>`, rendered only in a tool-call turn
+    # after the last user turn; thinking off (the default) empties the channel in the generation prompt.
+    Family(
+        "Gemma 4 (thinking)",
+        "google-gemma-4-31B-it.jinja",
+        GEMMA4_TOKENS,
+        "<bos>",
+        "<eos>",
+        stops=GEMMA4_STOPS,
+        kwargs={"enable_thinking": True},
+        basic="<|channel>thought\nLet me think.\n<channel|>Paris.<turn|>",
+    ),
+    Family(
+        "Gemma 4 (non-thinking)",
+        "google-gemma-4-31B-it.jinja",
+        GEMMA4_TOKENS,
+        "<bos>",
+        "<eos>",
+        stops=GEMMA4_STOPS,
+        basic=None,
+    ),
     Family(
         "Llama 3.1 (no reasoning)",
         "meta-llama-Llama-3.1-8B-Instruct.jinja",
@@ -317,6 +393,8 @@ def family_records(family: Family) -> list[dict[str, Any]]:
         ),
         record("gsm8k", [{"role": "user", "content": gsm}], r("April 48, May half: 24. Total 72."), gsm_answer),
     ]
+    if family.reasoning:  # the model reasoned and stopped without an answer
+        recs.append(record("reasoning_only", q, "Nothing to add.", ""))
     if not family.reasoning:  # reasoning a template never renders: refused, never trained without it
         recs.append(record("reasoning_given", q, "Thinking it over.", "Paris."))
     for rec in recs:
@@ -329,7 +407,16 @@ def family_records(family: Family) -> list[dict[str, Any]]:
 # of every record not listed under "fallback" or "refused" is "exact".
 EXPECTED: dict[str, dict[str, Any]] = {
     "Kimi K2-Thinking": {
-        "fallback": ["basic", "system", "multi_turn", "after_tool", "edge_whitespace", "unicode", "gsm8k"]
+        "fallback": [
+            "basic",
+            "system",
+            "multi_turn",
+            "after_tool",
+            "edge_whitespace",
+            "unicode",
+            "gsm8k",
+            "reasoning_only",
+        ]
     },
     "Kimi K3": {},
     # DeepSeek V3.1 without thinking: the generation prompt closes the reasoning block (`</think>`), so a record
@@ -344,6 +431,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
                 "edge_whitespace",
                 "unicode",
                 "gsm8k",
+                "reasoning_only",
             ],
             "template_drops_reasoning": ["after_tool"],
         }
@@ -360,6 +448,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
             "edge_whitespace",
             "unicode",
             "gsm8k",
+            "reasoning_only",
         ],
         "refused": {"no_reasoning_block_opened": ["missing_reasoning"], "template_drops_reasoning": ["after_tool"]},
     },
@@ -377,13 +466,16 @@ EXPECTED: dict[str, dict[str, Any]] = {
                 "edge_whitespace",
                 "unicode",
                 "gsm8k",
+                "reasoning_only",
             ]
         },
     },
     "DeepSeek V3.2 (thinking)": {},
     "Qwen3": {"normalised": ["edge_whitespace"]},
     "GLM 4.6": {"normalised": ["edge_whitespace"]},
-    "MiniMax M2": {"refused": {"no_reasoning_block_opened": ["empty_reasoning", "missing_reasoning"]}},
+    # MiniMax M2 renders `<think>\nR\n</think>\n\n` only around non-empty reasoning, and its generation prompt opens
+    # the block: empty reasoning is that frame closed at once (fallback "reasoning_markers"), missing reasoning refused.
+    "MiniMax M2": {"fallback": ["empty_reasoning"], "refused": {"no_reasoning_block_opened": ["missing_reasoning"]}},
     "gpt-oss": {"refused": {"prefix_mismatch": ["after_tool"]}},
     # Nemotron Nano v2 never renders reasoning_content, and its finished turn puts the answer inside the block the
     # generation prompt opened: a record with reasoning is refused, one without it too (no `</think>` written).
@@ -398,9 +490,57 @@ EXPECTED: dict[str, dict[str, Any]] = {
                 "unicode",
                 "gsm8k",
             ],
-            "prefix_mismatch": ["tool_call"],
+            "prefix_mismatch": ["reasoning_only"],
             "reasoning_block_unclosed": ["empty_reasoning", "missing_reasoning"],
-        }
+        },
+        # its tool-call turn renders no block after the open `<think>\n` of the prompt: the model closes it (R1-Distill)
+        "fallback": ["tool_call"],
+    },
+    "Seed-OSS": {"normalised": ["edge_whitespace"], "added_turn_end": ["reasoning_only"]},
+    # The generation prompt opens `<think>\n`, the finished turn renders `<｜Assistant｜>content<eos>`: the model writes
+    # `reasoning</think>content<eos>` (fallback "reasoning_markers"). Its turn renders tool calls only for null content.
+    "DeepSeek R1-Distill": {
+        "fallback": [
+            "basic",
+            "system",
+            "multi_turn",
+            "empty_reasoning",
+            "edge_whitespace",
+            "unicode",
+            "gsm8k",
+            "reasoning_only",
+        ],
+        "refused": {
+            "template_drops_tool_calls": ["tool_call"],
+            "template_drops_reasoning": ["after_tool"],
+            "no_reasoning_block_opened": ["missing_reasoning"],
+        },
+    },
+    # Gemma 4 thinking: the thought channel is rendered only in a tool-call turn, right after the generation prompt;
+    # a final answer's reasoning goes in that frame (fallback "reasoning_block_framing"). After a tool result the
+    # turn continues without a generation prompt, where no render shows the frame: refused.
+    "Gemma 4 (thinking)": {
+        "fallback": ["basic", "system", "multi_turn", "edge_whitespace", "unicode", "gsm8k", "reasoning_only"],
+        "fallback_reason": "reasoning_block_framing",
+        "refused": {"template_drops_reasoning": ["after_tool"]},
+        "normalised": ["edge_whitespace"],
+    },
+    # Gemma 4 without thinking: the generation prompt empties the thought channel, the turn renders `content<turn|>`.
+    "Gemma 4 (non-thinking)": {
+        "fallback": ["empty_reasoning", "missing_reasoning"],
+        "refused": {
+            "prompt_closes_reasoning": [
+                "basic",
+                "system",
+                "multi_turn",
+                "tool_call",
+                "edge_whitespace",
+                "unicode",
+                "gsm8k",
+                "reasoning_only",
+            ],
+            "template_drops_reasoning": ["after_tool"],
+        },
     },
     "Llama 3.1 (no reasoning)": {
         "refused": {"template_drops_reasoning": ["reasoning_given"]},

@@ -386,6 +386,29 @@ def test_a_second_parse_reads_the_prompt_cache_and_a_changed_file_converts_again
                 plan_dataset("chat", changed, cache_dir=cache)
 
 
+def test_a_changed_max_prompts_is_a_new_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``datasets.<name>.max_prompts`` caps what is converted, so it keys the entry: a changed count converts again
+    and plans the new count, never the stale entry's; going back reads the earlier entry without converting."""
+    cache = tmp_path / "cache"
+    path = write_parquet(tmp_path / "sharegpt.parquet", sharegpt_rows())
+    capped = {**hf_dataset(path, id_field="id"), "max_prompts": 2}
+    assert plan_dataset("chat", capped, cache_dir=cache).total == 2
+    for count, ids in ((1, ["chat/a"]), (None, ["chat/a", "chat/b", "chat/f"])):
+        forget_conversions()
+        changed = {**capped, "max_prompts": count}
+        with monkeypatch.context() as m:
+            no_conversion(m)
+            with pytest.raises(AssertionError, match="converted again"):
+                plan_dataset("chat", changed, cache_dir=cache)
+        forget_conversions()
+        assert plan_dataset("chat", changed, cache_dir=cache).total == len(ids)
+        assert [r["id"] for r in iter_prompts("chat", changed, cache_dir=cache)] == ids
+    forget_conversions()
+    with monkeypatch.context() as m:
+        no_conversion(m)
+        assert plan_dataset("chat", capped, cache_dir=cache).total == 2  # the first entry, read back
+
+
 def test_dedup_across_datasets_keys_on_the_earlier_datasets_files(tmp_path: Path, monkeypatch) -> None:
     cache = tmp_path / "cache"
     first = write_parquet(tmp_path / "one.parquet", [{"question": "What is 2+2?"}])

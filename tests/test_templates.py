@@ -35,18 +35,48 @@ TURN_END = {
     "gpt-oss": "<|return|>",
     "Llama 3.1 (no reasoning)": "<|eot_id|>",
     "Nemotron Nano v2": "<SPECIAL_12>",
+    "Seed-OSS": "<seed:eos>",
+    "Gemma 4 (thinking)": "<turn|>",
+    "Gemma 4 (non-thinking)": "<turn|>",
 }
-TOOL_CALL_END = {"gpt-oss": "<|call|>", "GLM 4.6": "<|observation|>"}
+TOOL_CALL_END = {
+    "gpt-oss": "<|call|>",
+    "GLM 4.6": "<|observation|>",
+    "Gemma 4 (thinking)": "<|tool_response>",
+    "Gemma 4 (non-thinking)": "<|tool_response>",
+}
 DEEPSEEK_EOS = "<｜end▁of▁sentence｜>"
 # What the model itself writes after its prompt, where the template cannot render the turn as the model wrote it
 # (fallback "reasoning_markers"), from DeepSeek's documented formats: V3.1 in thinking mode is prompted up to
 # `<｜Assistant｜><think>` and writes `reasoning</think>content<｜end▁of▁sentence｜>` (tool calls in place of the
 # content); V3.2 in chat mode is prompted up to `<｜Assistant｜><think></think>` and writes
 # `content<｜end▁of▁sentence｜>`.
+# DeepSeek-R1-Distill is prompted up to `<｜Assistant｜><think>\n` and writes `reasoning</think>content<eos>` (its model
+# card); Gemma 4 writes its thought channel `<|channel>thought\n...<channel|>` before the answer and ends with
+# `<turn|>`, or only the answer after a prompt that emptied the channel (its template trims the answer); MiniMax M2's
+# `<think>\nR\n</think>\n\nC[e~[` with the prompt holding `<think>\n`; Nemotron Nano v2 closes the prompt's `<think>\n`
+# with `</think>` before its `<TOOLCALL>[...]</TOOLCALL>` (its model card).
 MODEL_WRITES = {
     "DeepSeek V3.1 (thinking)": lambda rec, calls: f"{rec['reasoning']}</think>{rec['content']}{calls}{DEEPSEEK_EOS}",
     "DeepSeek V3.2 (non-thinking)": lambda rec, calls: f"{rec['content']}{DEEPSEEK_EOS}",
+    "DeepSeek R1-Distill": lambda rec, calls: f"{rec['reasoning']}</think>{rec['content']}{DEEPSEEK_EOS}",
+    "Gemma 4 (thinking)": lambda rec, calls: (
+        f"<|channel>thought\n{rec['reasoning']}\n<channel|>{rec['content'].strip()}<turn|>"
+    ),
+    "Gemma 4 (non-thinking)": lambda rec, calls: f"{rec['content'].strip()}<turn|>",
+    "MiniMax M2": lambda rec, calls: f"{rec['reasoning']}\n</think>\n\n{rec['content']}[e~[",
+    "Nemotron Nano v2": lambda rec, calls: (
+        f"{rec['reasoning']}</think><TOOLCALL>{nemotron_calls(rec)}</TOOLCALL><SPECIAL_12>"
+    ),
 }
+
+
+def nemotron_calls(rec: dict) -> str:
+    calls = [
+        {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
+        for c in rec.get("tool_calls") or []
+    ]
+    return json.dumps(calls)
 
 
 def deepseek_v31_calls(rec: dict) -> str:
@@ -71,6 +101,9 @@ UPSTREAM_BLOBS = {
     "deepseek-ai-DeepSeek-V3.1.jinja": "e5656196a3f0f379499b2a3aee8805332cd297ea",
     "meta-llama-Llama-3.1-8B-Instruct.jinja": "33089ace1be88f22a10fe861ad49718d5d886090",
     "openai-gpt-oss-120b.jinja": "dc7bb11927d29f653ba2740f2db2c688fd77592f",
+    "ByteDance-Seed-OSS.jinja": "903ebaaba77ed311bab4892f6a14324283852427",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "c2066bd7391c270626e39c9d7124f00360126412",
+    "google-gemma-4-31B-it.jinja": "98da08eb6be6f7a353d390456a6c4cacf811c9ed",
     # ggml-org/llama.cpp's text, not checked against a git object (see the README); pinned against drift
     "moonshotai-Kimi-K2-Thinking.jinja": "26f99b7d19f7453ab3840fea8b9bb7177a53bc35",
 }
@@ -132,7 +165,8 @@ def expected_generated(tok, fam: Family, rec: dict) -> list[int]:
     end_id = tok.convert_tokens_to_ids(end or TURN_END.get(fam.name, DEEPSEEK_EOS))
     if end_id in gen:
         return gen[: len(gen) - gen[::-1].index(end_id)]
-    assert fam.name == "GLM 4.6", f"{fam.name} renders no turn end"
+    # GLM writes no end (the model stops on the next turn's opener); Seed-OSS writes its end only after content.
+    assert fam.name == "GLM 4.6" or rec["id"] in EXPECTED[fam.name].get("added_turn_end", []), fam.name
     return gen + [end_id]
 
 
@@ -200,11 +234,14 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, loa
         elif fam.name in MODEL_WRITES:  # the reasoning-markers fallback: exactly what the model writes
             text = MODEL_WRITES[fam.name](by_id[sid], deepseek_v31_calls(by_id[sid]))
             assert generated == tok.encode(text, add_special_tokens=False), (sid, text)
-    if fallback:
-        want = "reasoning_markers" if fam.name in MODEL_WRITES else "tool_call_turn_framing"
-        assert report["fallback_reasons"] == {want: len(fallback)}
         if sid == "basic" and fam.basic is not None:
             assert tok.decode(generated, skip_special_tokens=False) == fam.basic
+    if fallback:
+        default = "reasoning_markers" if fam.name in MODEL_WRITES else "tool_call_turn_framing"
+        assert report["fallback_reasons"] == {expected.get("fallback_reason", default): len(fallback)}
+    # A stop token the template does not write after the turn is added only where the model stops on it, counted.
+    added = {"turn_end": len(expected["added_turn_end"])} if expected.get("added_turn_end") else {}
+    assert report["added_turn_ends"] == ({"next_turn_opener": report["kept"]} if fam.name == "GLM 4.6" else added)
 
 
 def test_each_record_has_its_own_generation_prompt(targets, tmp_path) -> None:
@@ -373,3 +410,78 @@ def test_every_family_tokenizer_keeps_its_template_markers_one_id(targets, loade
         assert markers[end] == tok.convert_tokens_to_ids(end), fam.name
         writes_think = "<think>" in tok.chat_template
         assert ("<think>" in markers) == writes_think and ("</think>" in markers) == writes_think, fam.name
+
+
+def test_a_turn_the_template_leaves_unended_ends_with_a_token_the_model_stops_on(targets, loaded, tmp_path) -> None:
+    """Seed-OSS writes `<seed:eos>` only after non-empty content: a finished turn of reasoning alone renders no end.
+    The token that opens the next turn (`<seed:bos>`) is not one the model stops on, so the turn ends with the
+    template's turn end, a declared stop, counted; the shard's stop ids stay the model's. GLM writes no end at all
+    and stops on the next turn's opener only because its generation_config.json says so: without that entry the
+    opener is never appended, the eos is, and every such turn is counted."""
+    fam = next(f for f in FAMILIES if f.name == "Seed-OSS")
+    tok = loaded(fam.name)
+    recs = {r["id"]: r for r in family_records(fam)}
+    report, generated = run_family(targets[fam.name], [recs["basic"], recs["reasoning_only"]], tmp_path, tokenizer=tok)
+    eos, bos = tok.convert_tokens_to_ids("<seed:eos>"), tok.convert_tokens_to_ids("<seed:bos>")
+    assert tok.decode(generated["reasoning_only"], skip_special_tokens=False) == (
+        "<seed:think>Nothing to add.</seed:think><seed:eos>"
+    )
+    assert report["added_turn_ends"] == {"turn_end": 1}
+    _, meta = read_tokens_shard(tmp_path / "t.safetensors")
+    assert eos in meta["stop_ids"] and bos not in meta["stop_ids"]
+
+    glm = next(f for f in FAMILIES if f.name == "GLM 4.6")
+    folder = tmp_path / "glm"
+    tok = family_tokenizer(glm, folder)
+    endoftext, user = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|user|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext]}))
+    recs = {r["id"]: r for r in family_records(glm)}
+    work = tmp_path / "glm-run"
+    work.mkdir()
+    report, generated = run_family(folder, [recs["basic"], recs["system"]], work)
+    assert report["added_turn_ends"] == {"turn_end": 2}
+    assert all(g[-1] == endoftext and user not in g for g in generated.values())
+    _, meta = read_tokens_shard(work / "t.safetensors")
+    assert user not in meta["stop_ids"]
+
+
+def test_the_reasoning_frame_is_learned_from_the_template(loaded) -> None:
+    """Where a template writes its reasoning frame only around reasoning, the frame comes from its own renders (no
+    marker table); where the frame stays for empty reasoning (Qwen3, Kimi K2) there is none to learn."""
+    from aerie.target_model.turns import learn_reasoning_framing
+
+    gemma = learn_reasoning_framing(loaded("Gemma 4 (thinking)"), {"enable_thinking": True})
+    assert (gemma.open, gemma.close) == ("<|channel>thought\n", "\n<channel|>") and gemma.after_generation_prompt
+    assert gemma.generation_prompt == "<|turn>model\n"
+    off = learn_reasoning_framing(loaded("Gemma 4 (non-thinking)"))  # the prompt empties the channel
+    assert (off.start, off.end) == ("<|channel>thought", "<channel|>") and not off.after_generation_prompt
+    seed = learn_reasoning_framing(loaded("Seed-OSS"))
+    assert (seed.open, seed.close) == ("<seed:think>", "</seed:think>\n")
+    oss = learn_reasoning_framing(loaded("gpt-oss"))
+    assert oss.open == "<|channel|>analysis<|message|>" and oss.start.startswith("<|channel|>")
+    assert (
+        learn_reasoning_framing(loaded("Qwen3")) is None and learn_reasoning_framing(loaded("Kimi K2-Thinking")) is None
+    )
+
+
+# A template that closes the reasoning block only before an answer (as Seed-OSS writes its end only after one).
+CLOSES_ONLY_BEFORE_AN_ANSWER = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content %}<think>\n{{ m.reasoning_content }}"
+    "{% if m.content %}</think>\n\n{{ m.content }}{% endif %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_turn_that_ends_inside_the_open_reasoning_block_is_refused(tmp_path) -> None:
+    """No answer sits inside the block, and still the text is not what the model writes: the model closes its
+    reasoning before it ends its turn. A template that writes `</think>` only before an answer leaves a turn of
+    reasoning alone open at its end; the same template's turn with an answer is its own."""
+    tok = family_tokenizer(next(f for f in FAMILIES if f.name == "Qwen3"), tmp_path / "t")
+    tok.chat_template = CLOSES_ONLY_BEFORE_AN_ANSWER
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    with pytest.raises(TurnRefused, match="leaves the reasoning block open.*at the end of the turn") as refused:
+        render_turn(tok, q, "Nothing to add.", "")
+    assert refused.value.reason == "reasoning_block_unclosed"
+    turn = render_turn(tok, q, "Let me think.", "Paris.")
+    assert turn.path == "exact" and turn.generated == "<think>\nLet me think.</think>\n\nParis.<|im_end|>\n"

@@ -123,6 +123,44 @@ def test_a_marker_the_files_declare_but_the_loader_loses_is_refused(rehearsal, t
     assert "'</think>'" not in str(err.value)
 
 
+def test_a_marker_the_loader_numbers_otherwise_than_its_files_is_refused(kimi_like, tmp_path) -> None:
+    """One id is not enough: it must be the id the files declare (the id the model was trained on). Here
+    tokenizer_config.json declares <|im_end|> at 129999 while tokenizer.json, which the loader reads, keeps it at
+    its own id: every turn end would be trained on the wrong row."""
+    folder = tmp_path / "renumbered"
+    shutil.copytree(kimi_like, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    entry = {"content": "<|im_end|>", "special": True, "lstrip": False, "rstrip": False, "normalized": False}
+    config["added_tokens_decoder"] = {"129999": {**entry, "single_word": False}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    tok = load_tokenizer(folder)
+    loaded = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(loaded) == 1 and loaded != [129999]
+    with pytest.raises(
+        TokenizerMarkerError, match=rf"'<\|im_end\|>' as id {loaded[0]} \(declared as id 129999\)"
+    ) as err:
+        check_template_markers(tok, folder)
+    assert "'<think>'" not in str(err.value)
+
+
+def test_a_marker_split_only_by_tokenizer_encode_is_refused(kimi_like, tmp_path) -> None:
+    """A tokenizer saved with ``split_special_tokens: true`` keeps every marker one id for the tokens stage's own
+    encoder but splits it under ``tokenizer.encode``, the way a server encodes text: refused by rule
+    tokenizer_check (the tokens stage, which only checks its own encoder, would not see it)."""
+    folder = tmp_path / "split-on-encode"
+    shutil.copytree(kimi_like, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}), "utf-8")
+    tok = load_tokenizer(folder)
+    assert len(tok.encode("<|im_end|>", add_special_tokens=False)) > 1
+    assert check_template_markers(tok, folder, as_server=False)["<|im_end|>"] == tok.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(
+        TokenizerMarkerError, match=r"'<\|im_end\|>' as \[[0-9, ]+\] by tokenizer.encode and \[\d+\] by"
+    ):
+        write_tokenizer_check(folder, tmp_path / "check.json", log=lambda m: None)
+    assert not (tmp_path / "check.json").exists()
+
+
 def api_config(workdir: Path, target: Path, base_url: str) -> Path:
     """A real (existing) target and one dataset regenerated through 'OpenRouter' (the emulator)."""
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())

@@ -75,7 +75,9 @@ def read_chat_format(tokenizer, generation_config: Any | None = None) -> ChatFor
 
     The turn end is the last special token the template writes after a finished answer (Kimi K3 writes
     ``<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>``: ``<|end_of_msg|>``); a template that
-    writes none (GLM) stops on the token that opens the next turn; failing both, the tokenizer's eos.
+    writes none (GLM) stops on the token that opens the next turn, when the model declares it a stop
+    (``generation_config.json`` eos ids or the tokenizer's eos: what a server stops on); failing both, the
+    tokenizer's eos.
     """
     special_ids = frozenset(int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) or {})
     user = [{"role": "user", "content": PROBE_USER}]
@@ -102,6 +104,8 @@ def read_chat_format(tokenizer, generation_config: Any | None = None) -> ChatFor
             )
             if nxt.startswith(text):
                 turn_end = _first_special(tokenizer.encode(nxt[len(text) :], add_special_tokens=False), special_ids)
+            if turn_end not in stops:  # an opener the model does not stop on (Seed-OSS's <seed:bos>): not an end
+                turn_end = None
     except Exception:  # noqa: BLE001 - a template may raise on a final assistant turn (jinja's raise_exception)
         turn_end = None
     if turn_end is None:

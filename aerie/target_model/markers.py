@@ -185,10 +185,11 @@ def check_template_markers(
         raise TokenizerMarkerError(
             f"{where}the tokenizer as loaded ({type(tokenizer).__name__}, transformers "
             f"{package_version('transformers')}, tokenizers {package_version('tokenizers')}) does not encode the "
-            f"chat template's special markers as one token each: {'; '.join(wrong)}. Every training sequence would "
-            f"hold other ids than the server's model reads and writes there (some transformers 5.x releases are "
-            f"reported to split Kimi K2.5's <think> when they convert its tiktoken tokenizer): install a "
-            f"transformers release that loads this tokenizer whole, or fix the tokenizer files, then rerun"
+            f"chat template's special markers as one token each, at the id its files declare: {'; '.join(wrong)}. "
+            f"Every training sequence would hold other ids than the server's model reads and writes there (some "
+            f"transformers 5.x releases are reported to split Kimi K2.5's <think> when they convert its tiktoken "
+            f"tokenizer): install a transformers release that loads this tokenizer whole, or fix the tokenizer "
+            f"files, then rerun"
         )
     return found
 

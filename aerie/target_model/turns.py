@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,127 @@ SENTINEL_CONTENT = "\u2063aerie-content\u2063"
 FALLBACK_TOOL_CALL_FRAMING = "tool_call_turn_framing"
 FALLBACK_REASONING_MARKERS = "reasoning_markers"
 PROBE_CALL = {"id": "call_aerie_probe_0", "type": "function", "function": {"name": "aerie_probe", "arguments": {}}}
+
+
+FALLBACK_REASONING_BLOCK = "reasoning_block_framing"
+PROBE_QUESTION = "aerie probe question"
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "aerie_probe", "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@dataclass(frozen=True)
+class ReasoningFraming:
+    """How the template frames a turn's reasoning where it writes the frame only around reasoning (learned from its
+    renders, never per model): Gemma 4 ``<|channel>thought\n`` R ``\n<channel|>``, Seed-OSS ``<seed:think>`` R
+    ``</seed:think>\n``, MiniMax M2 ``<think>\n`` R ``\n</think>\n\n``, gpt-oss ``<|channel|>analysis<|message|>`` R
+    ``<|end|><|start|>assistant``. Templates whose frame stays when the reasoning is empty (Kimi, Qwen3, GLM) have
+    none: their markers are the tokenizer's ``<think>`` / ``</think>``."""
+
+    open: str  # the template's text right before the reasoning
+    close: str  # right after it
+    generation_prompt: str  # the probe's generation prompt (with these template kwargs)
+    after_generation_prompt: bool  # in the probe turn the block is the first thing after the generation prompt
+
+    @property
+    def start(self) -> str:
+        """The marker that opens the block (the open text without surrounding whitespace)."""
+        return self.open.strip()
+
+    @property
+    def end(self) -> str:
+        return self.close.strip()
+
+
+def _added_token_texts(tokenizer) -> list[str]:
+    return [str(getattr(t, "content", t)) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()]
+
+
+def _inserted_block(with_r: str, without: str, specials: list[str]) -> tuple[str, int] | None:
+    """(block, where) when ``with_r`` is ``without`` with one block holding the sentinel reasoning inserted at
+    ``where``; of the equivalent alignments the one nearest the first difference that starts at a special token."""
+    at, n = with_r.find(SENTINEL_REASONING), len(with_r) - len(without)
+    if at < 0 or n <= len(SENTINEL_REASONING):
+        return None
+    p = min(_first_difference(with_r, without), at)
+    if with_r[:p] + with_r[p + n :] != without:
+        return None
+    best = p
+    for q in range(p, -1, -1):  # shift left while the block rotates over the text before it
+        if q < p and with_r[q] != with_r[q + n]:
+            break
+        if q + n < at + len(SENTINEL_REASONING):
+            break
+        if any(t and with_r.startswith(t, q) for t in specials):
+            best = q
+            break
+    return with_r[best : best + n], best
+
+
+def learn_reasoning_framing(tokenizer, template_kwargs: dict[str, Any] | None = None) -> ReasoningFraming | None:
+    """The template's frame around a turn's reasoning where it writes the frame only when there is reasoning:
+    a finished answer turn, then a tool-call turn (Gemma 4 renders reasoning only there), each rendered with
+    sentinel reasoning and without any; None when no render shows such a frame."""
+    kw = dict(template_kwargs or {})
+    thinking_key = "reasoning_content" not in _template_source(tokenizer)
+    specials = _added_token_texts(tokenizer)
+    user = [{"role": "user", "content": PROBE_QUESTION}]
+    for calls, tools in ((None, None), (tool_calls_for_template([PROBE_CALL], False), [PROBE_TOOL])):
+        for content in (SENTINEL_CONTENT, ""):  # gpt-oss refuses content beside reasoning in a tool-call turn
+            try:
+                prompt = render_text(tokenizer, user, add_generation_prompt=True, tools=tools, **kw)
+                bare = render_text(tokenizer, user, add_generation_prompt=False, tools=tools, **kw)
+                turns = [
+                    render_text(
+                        tokenizer,
+                        user + [_assistant(r, content, calls, thinking_key)],
+                        add_generation_prompt=False,
+                        tools=tools,
+                        **kw,
+                    )
+                    for r in (SENTINEL_REASONING, None)
+                ]
+            except (ChatTemplateError, TemplateRaised):
+                continue
+            found = _inserted_block(*turns, specials)
+            if found is None:
+                continue
+            block, at = found
+            i = block.index(SENTINEL_REASONING)
+            framing = ReasoningFraming(
+                open=block[:i],
+                close=block[i + len(SENTINEL_REASONING) :],
+                generation_prompt=prompt[len(bare) :] if prompt.startswith(bare) else "",
+                after_generation_prompt=turns[0][:at] == prompt,
+            )
+            if framing.start and framing.end:
+                return framing
+    return None
+
+
+_FRAMINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reasoning_framing(tokenizer, template_kwargs: dict[str, Any] | None = None) -> ReasoningFraming | None:
+    """``learn_reasoning_framing``, once per tokenizer, template and template kwargs."""
+    key = (_template_source(tokenizer), json.dumps(template_kwargs or {}, sort_keys=True, default=str))
+    try:
+        cache = _FRAMINGS.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: learned every time
+        cache = {}
+    if key not in cache:
+        cache[key] = learn_reasoning_framing(tokenizer, template_kwargs)
+    return cache[key]
+
+
+def reasoning_markers(
+    tokenizer, think_start_text: str | None, think_end_text: str | None
+) -> tuple[str | None, str | None]:
+    """The texts that open and close a reasoning block: the template's own frame where it has one
+    (``reasoning_framing``), else the tokenizer's ``<think>`` / ``</think>`` (given)."""
+    framing = reasoning_framing(tokenizer)
+    return (framing.start, framing.end) if framing is not None else (think_start_text, think_end_text)
 
 
 class TurnRefused(Exception):
@@ -112,10 +234,13 @@ def render_turn(
     template kwargs, and returns the suffix. A second render with sentinel texts shows where the model's
     reasoning and content lie in it (the rest is the template's framing) and whether the template changed
     them (strip/trim): such differences are listed in ``normalised``. ``think_start_text`` /
-    ``think_end_text``: the tokenizer's reasoning markers (None when it has none), for the fallbacks.
+    ``think_end_text``: the tokenizer's reasoning markers (None when it has none), for the fallbacks and the
+    open-block check; the template's own frame replaces them where it has one (``reasoning_markers``: Gemma 4's
+    thought channel, Seed-OSS's ``<seed:think>``).
     """
     kw = dict(template_kwargs or {})
     thinking_key = "reasoning_content" not in _template_source(tokenizer)
+    think_start_text, think_end_text = reasoning_markers(tokenizer, think_start_text, think_end_text)
 
     def render(msgs: list[dict[str, Any]], agp: bool) -> str:
         return render_text(tokenizer, msgs, add_generation_prompt=agp, tools=tools, **kw)
@@ -138,6 +263,15 @@ def render_turn(
             if as_string or not has_calls:
                 raise
     generation_prompt = prompt[len(bare) :] if prompt.startswith(bare) else ""
+    if calls and full == finished(reasoning, content, None):
+        raise TurnRefused(
+            "template_drops_tool_calls",
+            (
+                "the template renders this turn the same with and without its tool calls (e.g. DeepSeek-R1-Distill "
+                "renders tool calls only when the content is null): training on its rendering would drop the calls "
+                "the model made"
+            ),
+        )
     sr = SENTINEL_REASONING if reasoning else reasoning
     sc = SENTINEL_CONTENT if content else content
     path, layout, generated, why = "exact", None, "", ""
@@ -153,11 +287,24 @@ def render_turn(
         own = framed if content and framed is not None else None
         framing = _framing_from_tool_call_turn(finished, prompt, reasoning, content, calls, as_string, own)
         why = FALLBACK_TOOL_CALL_FRAMING
+        block = reasoning_framing(tokenizer, kw)
         if framing is None:
             framing = _framing_from_reasoning_markers(
-                finished, bare, generation_prompt, full, reasoning, content, calls, think_start_text, think_end_text
+                finished,
+                bare,
+                generation_prompt,
+                full,
+                reasoning,
+                content,
+                calls,
+                think_start_text,
+                think_end_text,
+                block.close if block is not None and block.end == think_end_text else None,
             )
             why = FALLBACK_REASONING_MARKERS
+        if framing is None and block is not None:
+            framing = _framing_from_reasoning_block(block, prompt, generation_prompt, full, layout, reasoning)
+            why = FALLBACK_REASONING_BLOCK
         if framing is None:
             raise _refusal(prompt, full, generation_prompt, reasoning, think_start_text)
         layout, generated = framing
@@ -276,6 +423,19 @@ def _framing_from_tool_call_turn(
     return before + r + after + c + tail, before + (reasoning or "") + after + (content or "") + tail
 
 
+def _split_generation_prompt(generation_prompt: str, start: str, end: str) -> tuple[str, bool] | None:
+    """(opener, opened) where the generation prompt ends by opening the reasoning block (``opener + start``, maybe
+    with whitespace after it) or emptying it (``opener + [start] + end``); None otherwise."""
+    tail = generation_prompt.rstrip()
+    if tail.endswith(start):
+        return tail[: -len(start)], True
+    if tail.endswith(end):
+        opener = tail[: -len(end)]
+        stripped = opener.rstrip()
+        return (stripped[: -len(start)] if stripped.endswith(start) else opener), False
+    return None
+
+
 def _framing_from_reasoning_markers(
     finished,
     bare: str,
@@ -286,41 +446,27 @@ def _framing_from_reasoning_markers(
     calls: list[dict[str, Any]] | None,
     start: str | None,
     end: str | None,
+    close: str | None = None,
 ) -> tuple[str, str] | None:
-    """(layout, generated) where the template renders a finished turn with its reasoning block already closed
-    (``opener + end + content``) but the generation prompt is ``opener + start`` (the block left open for the
-    model) or ``opener + [start] + end`` (an emptied block: the model answers at once). The model's text is
-    then what the template's own render holds after that meeting point: ``reasoning + end + content ...`` after
-    an open block, ``content ...`` after an emptied one. None when the renders do not meet this way or the
-    template renders the reasoning itself; TurnRefused when the record's reasoning contradicts its prompt.
+    """(layout, generated) where the generation prompt is ``opener + start`` (the block left open for the model) or
+    ``opener + [start] + end`` (an emptied block: the model answers at once) but the template renders the finished
+    turn without that block: ``opener + end + content`` (DeepSeek V3.1, V3.2 chat) or ``opener + content`` with no
+    reasoning at all (DeepSeek-R1-Distill, whose prompt ends ``<think>\n``; Gemma 4 without thinking, whose prompt
+    empties the thought channel). The model's text is then ``reasoning + end + content ...`` after an open block
+    (``close``: the template's own text closing the block where it has one, else the marker ``end``) and
+    ``content ...`` after an emptied one. None when the renders do not meet this way or the template renders the
+    reasoning itself; TurnRefused when the record's reasoning contradicts its prompt.
     """
     if not start or not end or not generation_prompt or not full.startswith(bare):
         return None
-    opened = generation_prompt.endswith(start)
-    if opened:
-        opener = generation_prompt[: -len(start)]
-    elif generation_prompt.endswith(end):
-        opener = generation_prompt[: -len(end)]
-        opener = opener[: -len(start)] if opener.endswith(start) else opener
-    else:
+    split = _split_generation_prompt(generation_prompt, start, end)
+    if split is None:
         return None
+    opener, opened = split
     turn = full[len(bare) :]
-    if not turn.startswith(opener + end):
+    if not turn.startswith(opener):
         return None
-    try:
-        framed = finished(
-            SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT if content else content, calls
-        )
-    except (ChatTemplateError, TemplateRaised):
-        return None
-    if not framed.startswith(bare + opener + end) or SENTINEL_REASONING in framed[len(bare) :]:
-        return None  # the template renders the reasoning (or the turn) some other way: not this case
-    after, after_layout = turn[len(opener) :], framed[len(bare) + len(opener) :]
-    if opened:
-        if reasoning is None:
-            return None  # no reasoning returned for a block the prompt opened: refused (no_reasoning_block_opened)
-        return (SENTINEL_REASONING if reasoning else "") + after_layout, reasoning + after
-    if reasoning:
+    if not opened and reasoning:
         raise TurnRefused(
             "prompt_closes_reasoning",
             (
@@ -329,7 +475,47 @@ def _framing_from_reasoning_markers(
                 f"request's chat_template_kwargs (e.g. thinking) against the provider's mode"
             ),
         )
-    return after_layout[len(end) :], after[len(end) :]
+    try:
+        framed = finished(
+            SENTINEL_REASONING if reasoning else reasoning, SENTINEL_CONTENT if content else content, calls
+        )
+    except (ChatTemplateError, TemplateRaised):
+        return None
+    if not framed.startswith(bare + opener) or SENTINEL_REASONING in framed[len(bare) :]:
+        return None  # the template renders the reasoning (or the turn) some other way: not this case
+    after, after_layout = turn[len(opener) :], framed[len(bare) + len(opener) :]
+    if after.startswith(end) and after_layout.startswith(end):  # the turn renders the block's end: the model's too
+        after, after_layout, close = after[len(end) :], after_layout[len(end) :], end
+    elif start in after_layout or end in after_layout:
+        return None  # a block somewhere else in the turn: not this case
+    if not opened:
+        return after_layout, after
+    if reasoning is None:
+        return None  # no reasoning returned for a block the prompt opened: refused (no_reasoning_block_opened)
+    close = close if close is not None else end
+    return (SENTINEL_REASONING if reasoning else "") + close + after_layout, reasoning + close + after
+
+
+def _framing_from_reasoning_block(
+    block: ReasoningFraming,
+    prompt: str,
+    generation_prompt: str,
+    full: str,
+    layout: str | None,
+    reasoning: str | None,
+) -> tuple[str, str] | None:
+    """(layout, generated) for a turn whose reasoning the template drops (it renders the reasoning frame only in a
+    tool-call turn, as Gemma 4 does) where its own renders show the frame right after the same generation prompt:
+    the model writes ``open + reasoning + close`` first, then what the template renders for the turn. None when the
+    turn follows another prompt (a tool result) or already holds a reasoning block."""
+    if not reasoning or layout is None or not full.startswith(prompt):
+        return None
+    if not block.after_generation_prompt or generation_prompt != block.generation_prompt:
+        return None
+    if block.start in layout or block.end in layout:
+        return None
+    generated = full[len(prompt) :]
+    return block.open + SENTINEL_REASONING + block.close + layout, block.open + reasoning + block.close + generated
 
 
 def _locate_text(turn: TurnText, layout: str | None, reasoning: str | None, content: str | None) -> None:

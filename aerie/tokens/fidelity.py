@@ -93,6 +93,8 @@ class ShardReport:
         self.usage_mismatches: list[dict[str, Any]] = []
         self.paths: Counter[str] = Counter()
         self.fallback_reasons: Counter[str] = Counter()  # why each path "fallback" record was framed that way
+        # The stop token a finished turn got where the template writes none after it (aerie.tokens.rebuild.ADDED_*)
+        self.added_turn_ends: Counter[str] = Counter()
         self.finish_reasons: Counter[str] = Counter()
         self.special_text_examples: list[dict[str, Any]] = []
         self.providers: dict[str, _ProviderStats] = defaultdict(_ProviderStats)
@@ -126,6 +128,7 @@ class ShardReport:
             "refusal_messages": self.refusal_messages,
             "rebuild_paths": {k: self.paths[k] for k in ("exact", "fallback", "refused")},
             "fallback_reasons": dict(self.fallback_reasons),
+            "added_turn_ends": dict(self.added_turn_ends),
             "finish_reasons": dict(self.finish_reasons),
             "reasoning_present": c["reasoning_present"],
             "empty_reasoning": c["empty_reasoning"],
@@ -174,6 +177,11 @@ class ShardReport:
             log(
                 f"WARNING {name}: provider {o['provider']} differs from the others ({'; '.join(o['reasons'])}); "
                 f"to exclude it: {o['ignore']}"
+            )
+        if self.added_turn_ends["turn_end"]:
+            log(
+                f"NOTE {name}: the template writes no end after {self.added_turn_ends['turn_end']} finished turns "
+                f"(e.g. reasoning with no answer): each ends with the template's turn end, a token the model stops on"
             )
         if self.mismatch_classes["other"]:
             log(

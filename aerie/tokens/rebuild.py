@@ -51,13 +51,23 @@ def rebuild_output_ids(
     return ids + [fmt.turn_end_id]
 
 
+# Where the turn end of a finished turn comes from when the template writes none after the model's text (counted
+# per shard): the token that opens the next turn, which the model stops on (GLM's <|user|>), or the template's
+# end of a turn with an answer (Seed-OSS writes <seed:eos> only after non-empty content).
+ADDED_NEXT_TURN_OPENER = "next_turn_opener"
+ADDED_TURN_END = "turn_end"
+
+
 class Rebuilt:
     """The generated ids of one record and what was found in the model's text on the way."""
 
-    def __init__(self, ids: list[int], special_text: list[tuple[str, str]], finished: bool) -> None:
+    def __init__(
+        self, ids: list[int], special_text: list[tuple[str, str]], finished: bool, added_end: str = ""
+    ) -> None:
         self.ids = ids
         self.special_text = special_text  # (field, token text) of special tokens inside the model's own text
         self.finished = finished  # ends with the stop token the model sampled
+        self.added_end = added_end  # "" (the template wrote it), ADDED_NEXT_TURN_OPENER or ADDED_TURN_END
 
 
 def _token_index(offsets: list[tuple[int, int]], char: int) -> int:
@@ -81,14 +91,19 @@ def rebuild_generated(
     policy: str,
     opener: Callable[[], int | None],
     api_texts: dict[str, str | None],
+    turn_end: int | None = None,
 ) -> Rebuilt:
     """Encode the template's text of the turn and cut it where the model stopped.
 
-    ``finished``: the model ended the turn, so the ids run to the first stop token after its text (or get
-    the next turn's opener, ``opener()``, for templates that write no end). Otherwise (truncated, filtered)
-    they stop right after the model's last text: no turn end the model did not produce. ``policy`` is
-    ``tokens.special_token_text`` for special-token text inside the model's own text; a stop token there is
-    always dropped (it would end the turn in the middle of a trained sequence).
+    ``finished``: the model ended the turn, so the ids run to the first stop token after its text. Where the
+    template writes none after it, the turn gets a token the model stops on (one of ``stops``: the model's
+    declared eos ids and the template's turn end): the next turn's opener, ``opener()``, when the model stops on
+    it (GLM), else ``turn_end``, the template's end of a turn with an answer (Seed-OSS, whose template writes
+    its end only after non-empty content); ``Rebuilt.added_end`` says which, and a turn with neither is dropped
+    (``no_turn_end``). Otherwise (truncated, filtered) the ids stop right after the model's last text: no turn
+    end the model did not produce. ``policy`` is ``tokens.special_token_text`` for special-token text inside the
+    model's own text; a stop token there is always dropped (it would end the turn in the middle of a trained
+    sequence).
     """
     text = turn.generated
     ids = enc.encode(text)
@@ -142,9 +157,19 @@ def rebuild_generated(
     if end is not None:
         return Rebuilt(ids[: end + 1], special_text, True)
     stop = opener()
-    if stop is None:
-        raise Drop("no_turn_end", "the template writes no end of turn and no next-turn opener was found")
-    return Rebuilt(ids + [stop], special_text, True)
+    if stop is not None and stop in stops:
+        return Rebuilt(ids + [stop], special_text, True, ADDED_NEXT_TURN_OPENER)
+    if turn_end is not None and turn_end in stops:
+        return Rebuilt(ids + [turn_end], special_text, True, ADDED_TURN_END)
+    raise Drop(
+        "no_turn_end",
+        (
+            "the template writes no end after this finished turn, and neither the token that opens the next turn "
+            f"({'none found' if stop is None else f'id {stop}'}) nor a turn end of the template is a token the model "
+            "stops on (generation_config.json eos_token_id, the tokenizer's eos): add the model's stop token to "
+            "its generation_config.json"
+        ),
+    )
 
 
 def first_diff(a: Sequence[int], b: Sequence[int]) -> int:

@@ -390,6 +390,7 @@ def tokenize_shard(
                     policy=special_token_text,
                     opener=opener,
                     api_texts={"reasoning": reasoning, "content": content},
+                    turn_end=fmt.turn_end_id,
                 )
             except Drop as dropped:
                 if exact is None:
@@ -404,8 +405,8 @@ def tokenize_shard(
                         rep.special_text_examples.append(
                             {"id": sid, "tokens": [f"{f}: {t}" for f, t in rb.special_text[:5]]}
                         )
-                if rb.ids and rb.ids[-1] not in stop_ids and finished:
-                    stop_ids.add(rb.ids[-1])  # the next turn's opener (GLM): it ends the turn in this shard
+                if rb.added_end:  # the template wrote no end after this turn: the stop token added is counted
+                    rep.added_turn_ends[rb.added_end] += 1
         if exact is not None:
             rep.counts["exact_ids_available"] += 1
             exact = [int(i) for i in exact]
