@@ -70,6 +70,11 @@ def check_config(config: dict[str, Any]) -> None:
         responses = responses_config(config, name)
         where = ("responses",) if "responses" not in config["datasets"][name] else ("datasets", name, "responses")
         backend = responses["backend"]
+        if config["datasets"][name]["source"]["kind"] == "recorded":
+            _check_recorded(config, name)
+            continue
+        if backend == "recorded":
+            raise ConfigError("is set by a recorded source (source.kind: recorded), not by hand", where + ("backend",))
         if backend in ("openrouter", "openai") and not responses.get("model") and not responses.get("serve"):
             raise ConfigError(f"required for the '{backend}' backend (the API model name)", where + ("model",))
         if backend != "hf" and not responses.get("base_url") and not responses.get("serve"):
@@ -109,15 +114,29 @@ def check_config(config: dict[str, Any]) -> None:
         raise ConfigError("no dataset reserves bench_prompts, so the benchmark would have no prompts", ("datasets",))
 
 
+def _check_recorded(config: dict[str, Any], name: str) -> None:
+    """A recorded dataset is answered already: API quota settings do not apply to it."""
+    ds = config["datasets"][name]
+    for key in ("max_output_tokens", "quota_reserve"):
+        if key in ds and not (key == "quota_reserve" and ds[key] == QUOTA_RESERVE):
+            raise ConfigError(
+                "is an API quota; a recorded dataset costs nothing: cap it with max_samples (a seeded sample)",
+                ("datasets", name, key),
+            )
+
+
 def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
     """The responses settings of one dataset: the global section with the dataset's overrides.
 
-    Overrides are checked against the responses schema (unknown keys and bad values name the dataset).
+    Overrides are checked against the responses schema (unknown keys and bad values name the dataset). A dataset
+    whose source is recorded (aerie.recorded) has the backend ``recorded``: its answers exist, nothing is requested.
     """
     from aerie.config_file import schema_errors
 
     override = config["datasets"][dataset].get("responses") or {}
     merged = {**config["responses"], **override}
+    if config["datasets"][dataset]["source"]["kind"] == "recorded":
+        merged["backend"] = "recorded"
     if override:
         errors = schema_errors(merged, _schema()["properties"]["responses"])
         if errors:
@@ -173,6 +192,8 @@ def plan_datasets(
                     sampled, ds["max_output_tokens"], ds.get("quota_reserve", QUOTA_RESERVE), state, f"datasets.{name}"
                 )
             plan = dataclasses.replace(sampled, planned_shards=shards, note=note)
+        elif ds["source"]["kind"] == "recorded" and ds.get("max_samples") is not None and plan.train:
+            plan = recorded_sample(plan, ds["max_samples"], ds.get("sample_seed", 0), f"datasets.{name}")
         plans[name] = plan
     if job:  # the main process checked the plan; a job that runs before any prompts are written plans none
         return plans
@@ -182,6 +203,21 @@ def plan_datasets(
         for plan in plans.values():
             check_planned_shards(plan, config, results_dir)
     return plans
+
+
+def recorded_sample(plan: DatasetPlan, max_samples: int, seed: int | None, where: str) -> DatasetPlan:
+    """A recorded dataset cut to ``max_samples`` (whole shards) of a seeded sample of its pool (the quota'd datasets'
+    order, aerie.prompts.sample_order): a 600k-conversation set is trained on the part the disk and the GPUs hold."""
+    shards = min(plan.pool_shards, math.ceil(max_samples / plan.shard_size))
+    sampled = dataclasses.replace(plan, sample_seed=seed, planned_shards=shards)
+    how = f"a seeded sample ({where}.sample_seed {seed})" if seed is not None else "the source's order"
+    return dataclasses.replace(
+        sampled,
+        note=(
+            f"{shards} of {plan.pool_shards} shards ({sampled.planned_prompts:,} of {plan.train:,} recorded samples, "
+            f"{how}): {where}.max_samples {max_samples:,}"
+        ),
+    )
 
 
 def plan_text(plans: dict[str, DatasetPlan]) -> str:
