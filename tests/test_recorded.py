@@ -349,3 +349,25 @@ def test_dry_run_counts_recorded_samples_at_zero_dollars_beside_api_shards(workd
     # the recorded shards are their own local rule; the API dataset still goes to rule responses, the rest in-process
     jobs = {x.split()[0]: int(x.split()[1]) for x in out.split("Job stats:")[1].splitlines()[3:] if len(x.split()) == 2 and x.split()[1].isdigit()}
     assert jobs.get("responses_recorded") == 2 and jobs.get("responses") == 1 and jobs.get("responses_hf") == 1, jobs
+
+
+def test_the_report_keeps_recorded_samples_apart_from_paid_ones(tmp_path: Path) -> None:
+    from aerie.report import figure_spend, load_responses
+
+    def rec(i: int, **extra) -> dict:
+        return {"format": "aerie.responses/1", "id": f"d/{i}", "content": "a", "finish_reason": "stop",
+                "usage": {"completion_tokens": 10}, **extra}
+
+    paid = tmp_path / "paid" / "responses" / "shard-00000.jsonl"
+    free = tmp_path / "free" / "responses" / "shard-00000.jsonl"
+    for path, rows in (
+        (paid, [rec(i, dataset="paid", backend="openrouter", provider="p", cost=0.01) for i in range(3)]),
+        (free, [rec(i, dataset="free", backend="recorded", provider="recorded:x", cost=0.0,
+                    provenance={"kind": "recorded", "at": "x:1"}) for i in range(5)]),
+    ):
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = figure_spend(load_responses([paid, free]), tmp_path / "spend.png")
+    assert summary["by_source"]["recorded"] == {"free": {"samples": 5, "usd": 0.0, "completion_tokens": 50}}
+    assert summary["by_source"]["api:openrouter"]["paid"]["samples"] == 3
+    assert summary["by_dataset"] == {"paid": {"p": pytest.approx(0.03)}}  # recorded answers are no API spend
