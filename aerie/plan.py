@@ -73,6 +73,11 @@ def check_config(config: dict[str, Any]) -> None:
         if config["datasets"][name]["source"]["kind"] == "recorded":
             _check_recorded(config, name)
             continue
+        if "max_samples" in config["datasets"][name]:
+            raise ConfigError(
+                "caps a recorded source (source.kind: recorded); an API dataset is capped by max_output_tokens",
+                ("datasets", name, "max_samples"),
+            )
         if backend == "recorded":
             raise ConfigError("is set by a recorded source (source.kind: recorded), not by hand", where + ("backend",))
         if backend in ("openrouter", "openai") and not responses.get("model") and not responses.get("serve"):
@@ -227,7 +232,9 @@ def plan_text(plans: dict[str, DatasetPlan]) -> str:
     lines = [f"aerie shard plan: {planned} training shards ({pool} would hold every prompt)"]
     for name, p in plans.items():
         held = f"; {p.bench:,} held out for the benchmark" if p.bench else ""
-        if not p.train:
+        if not p.total and p.note:
+            lines.append(f"  {name:<16}{p.note}")
+        elif not p.train:
             lines.append(f"  {name:<16}benchmark only ({p.bench:,} prompts)")
         elif p.note:
             lines.append(f"  {name:<16}{p.note}{held}")

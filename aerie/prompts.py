@@ -310,11 +310,20 @@ def _key_material(
         material["datasets"] = version("datasets")
     if source["kind"] == "hf":
         if datasets and source.get("dedup", True):
-            earlier = itertools.takewhile(lambda kv: kv[0] != name, datasets.items())
+            earlier = _earlier(name, datasets)
             material["earlier"] = [_converted(other, ds, datasets, cache_dir).key for other, ds in earlier]
     if source["kind"] == "humaneval":
         material["humaneval"] = str(humaneval_path())
     return material, storable
+
+
+def _earlier(name: str, datasets: Mapping[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The datasets listed before ``name`` that its dedup excludes (an optional recorded source that is not here
+    holds nothing)."""
+    from aerie.recorded import absent_optional
+
+    before = itertools.takewhile(lambda kv: kv[0] != name, datasets.items())
+    return [(other, ds) for other, ds in before if not absent_optional(ds)]
 
 
 def _checked_ids(name: str, pairs: Iterator[tuple[dict[str, Any], bytes | None]]) -> Iterator[tuple[dict, Any]]:
@@ -355,7 +364,7 @@ def _converted(
         elif source["kind"] == "hf":
             exclude: set[bytes] = set()
             if "earlier" in material and datasets:
-                for other, ds in itertools.takewhile(lambda kv: kv[0] != name, datasets.items()):
+                for other, ds in _earlier(name, datasets):
                     exclude |= _converted(other, ds, datasets, cache_dir).dedup_keys()
             # Rows past max_prompts are never converted (the source is lazy): a large dataset sampled small is cheap.
             pairs: Iterator[tuple[dict[str, Any], Any]] = itertools.islice(
@@ -414,7 +423,12 @@ def recorded_at(
 def recorded_stats(
     name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None, cache_dir: str | Path | None
 ) -> dict[str, Any]:
-    """A recorded source's counts: rows read, samples, characters of prompts and answers, rows left out by reason."""
+    """A recorded source's counts: rows read, samples, characters of prompts and answers, rows left out by reason
+    ({} for an optional source that is not here)."""
+    from aerie.recorded import absent_optional
+
+    if absent_optional(dataset):
+        return {}
     return _converted(name, dataset, datasets, Path(cache_dir) if cache_dir else None).stats or {}
 
 
@@ -442,6 +456,8 @@ def prompts_at(
     cache_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The dataset's prompts at source ``positions`` (in that order), read one by one from the cache."""
+    if not positions:
+        return []  # nothing to read (an optional recorded source that is not here has no positions)
     converted = _converted(name, dataset, datasets, cache_dir)
     if positions and max(positions) >= len(converted.records):
         raise PromptSourceError(
@@ -472,6 +488,11 @@ def plan_dataset(
 ) -> DatasetPlan:
     """Count (and so validate) every prompt of a dataset, then split it into a training pool + bench set; every
     shard of the pool is planned (aerie.plan cuts a dataset with a quota to the shards it can use)."""
+    from aerie.recorded import absent_optional
+
+    absent = absent_optional(dataset)
+    if absent:  # an optional recorded source that is not here: no shard, and the dry run says why
+        return DatasetPlan(name, 0, 0, 0, dataset["shard_size"], note=f"optional, not here: {absent}")
     total = len(_converted(name, dataset, datasets, cache_dir).records)
     if total == 0:
         raise PromptSourceError(f"datasets.{name}: the source holds no prompts")

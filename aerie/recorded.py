@@ -78,6 +78,22 @@ def is_recorded(dataset: dict[str, Any]) -> bool:
     return dataset["source"]["kind"] == "recorded"
 
 
+def absent_optional(dataset: dict[str, Any]) -> str | None:
+    """Why an optional recorded source is not here (its files, or its Hub dataset in the local cache), else None:
+    the dataset then plans no shard and the dry run says so, instead of failing the parse."""
+    from aerie.prompt_sources import FETCH_COMMAND, hub_cache_dir, source_identity
+
+    source = dataset["source"]
+    if source["kind"] != "recorded" or not source.get("optional"):
+        return None
+    try:
+        if source_identity(source) is not None:
+            return None
+    except PromptSourceError as e:
+        return f"{e}"
+    return f"'{source['name']}' is not in the local datasets cache ({hub_cache_dir(source['name'])}): {FETCH_COMMAND}"
+
+
 # ---- reading rows ---------------------------------------------------------------------------------------------
 
 
@@ -455,6 +471,9 @@ def recorded_preview(config: dict[str, Any], plans: dict[str, Any], results_dir:
     total_samples = total_tokens = 0
     for name in names:
         plan = plans[name]
+        if not plan.total:
+            lines.append(f"  {name:<16}0 samples: {plan.note}")
+            continue
         stats = recorded_stats(name, config["datasets"][name], config["datasets"], plan.cache_dir)
         samples = plan.planned_prompts
         share = samples / max(int(stats.get("samples", 0)), 1)
