@@ -374,12 +374,16 @@ def _converted(
             raw = itertools.islice(_SOURCES[source["kind"]](name, source), limit)
             pairs = ((r, dedup_key(r["messages"]) if cache is not None else None) for r in raw)
         if cache is not None:
-            entry = cache.put(name, key, material, _checked_ids(name, pairs), extra={"recorded": stats} if stats is not None else None)
+            entry = cache.put(
+                name, key, material, _checked_ids(name, pairs), extra={"recorded": stats} if stats is not None else None
+            )
         else:
             records = [r for r, _ in _checked_ids(name, pairs)]
     if entry is not None and "recorded" in entry.meta:
         stats = entry.meta["recorded"]
-    converted = _Converted(entry if entry is not None else records, key, stats=dict(stats) if stats is not None else None)
+    converted = _Converted(
+        entry if entry is not None else records, key, stats=dict(stats) if stats is not None else None
+    )
     _CONVERTED[key] = converted
     if len(_CONVERTED) > 32:
         _CONVERTED.pop(next(iter(_CONVERTED)))

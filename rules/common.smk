@@ -167,7 +167,7 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
     _preview = cost_preview()
     if _preview is not None:
         print(_preview.text, file=sys.stderr)
-    from aerie.recorded import recorded_preview
+    from aerie.recorded_responses import recorded_preview
 
     _recorded = recorded_preview(config, PLANS, Path("results"))
     if _recorded:

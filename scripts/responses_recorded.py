@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from aerie.recorded import write_recorded_shard
+from aerie.recorded_responses import write_recorded_shard
 from aerie.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])

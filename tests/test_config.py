@@ -115,7 +115,10 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
     files (a test cannot fill the datasets cache offline; tests/test_kimi_preview.py checks the money)."""
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
     # six prompt datasets, and the two optional recorded ones (absent here: they plan no shard)
-    assert [n for n, d in config["datasets"].items() if d["source"]["kind"] == "recorded"] == ["kimi_mtp", "own_traffic"]
+    assert [n for n, d in config["datasets"].items() if d["source"]["kind"] == "recorded"] == [
+        "kimi_mtp",
+        "own_traffic",
+    ]
     assert len(config["datasets"]) == 8
     assert config["hidden"]["aux_layer_ids"] == [1, 29, 57]
     assert config["vocab"]["draft_vocab_size"] == 32000

@@ -285,7 +285,12 @@ def rehearsal(tmp_path_factory):
                 assert dry.returncode == 0, preview
                 assert "aerie cost preview" in preview and "live" in preview.split("aerie cost preview", 1)[1][:200]
                 for name in RECORDED:  # $0, with their token totals, planned beside the paid datasets
-                    assert re.search(rf"^  {name}\s+4 samples in 1 shards \(1 pending\), ~[\d,]+ prompt \+ ~[\d,]+ output tokens.*\$0\.00", preview, re.M), preview
+                    assert re.search(
+                        rf"^  {name}\s+4 samples in 1 shards \(1 pending\), ~[\d,]+ prompt \+ ~[\d,]+ output "
+                        r"tokens.*\$0\.00",
+                        preview,
+                        re.M,
+                    ), preview
                 pending = preview_usd(workdir, configfile)
 
                 run = snakemake(workdir, "--cores", CORES, "--configfile", str(configfile), timeout=3600)

@@ -24,7 +24,8 @@ from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 from aerie.artifacts import iter_jsonl
 from aerie.prompt_sources import PromptSourceError
 from aerie.prompts import plan_dataset, prompts_at, write_prompts
-from aerie.recorded import RecordedError, field, recorded_samples, write_recorded_shard
+from aerie.recorded import RecordedError, field, recorded_samples
+from aerie.recorded_responses import write_recorded_shard
 from aerie.tokens.stage import tokenize_shard
 
 DATASETS = Path(__file__).parent / "fixtures" / "datasets"
@@ -82,7 +83,7 @@ def write_sources(tmp: Path, tok) -> dict[str, Path]:
                 ],
             }
         )
-    for i, (q, a) in enumerate(pairs[3:6]):
+    for q, a in pairs[3:6]:
         steps, final = a.rsplit("####", 1)
         # multi-turn: the history turn keeps its reasoning in the set; the template renders it as history
         messages.append(
@@ -175,11 +176,19 @@ def test_recorded_answers_become_responses_and_rebuild_exactly(tmp_path: Path, k
         assert summary["samples"] == 3 and summary["cost_usd"] == 0.0
         records = [r for _, r in iter_jsonl(shard)]
         assert all(r["backend"] == "recorded" and r["cost"] == 0.0 for r in records)
-        assert all(r["provenance"]["kind"] == "recorded" and r["provenance"]["at"].startswith(str(files[ds["source"]["shape"]])) for r in records)
+        assert all(
+            r["provenance"]["kind"] == "recorded"
+            and r["provenance"]["at"].startswith(str(files[ds["source"]["shape"]]))
+            for r in records
+        )
         # the prompt is everything before the answer: never the answer itself
         assert all(r["messages"][-1]["role"] == "user" for r in records)
         reports[name] = tokenize_shard(
-            shard, tmp_path / name / "t.safetensors", tmp_path / name / "t.report.json", str(kimi_target), max_seq_len=4096
+            shard,
+            tmp_path / name / "t.safetensors",
+            tmp_path / name / "t.report.json",
+            str(kimi_target),
+            max_seq_len=4096,
         )
     assert records[0]["model"] == "moonshotai/Kimi-K2.5" and records[0]["generation_id"] == "chatcmpl-0"
     for name, rep in reports.items():
@@ -197,7 +206,9 @@ def test_recorded_answers_become_responses_and_rebuild_exactly(tmp_path: Path, k
     ids, mask, offsets = _tensors(tmp_path / "sg" / "t.safetensors")
     seq = ids[offsets[0] : offsets[1]].tolist()
     assert seq == expected["prompt_ids"] + expected["output_ids"]
-    assert mask[offsets[0] : offsets[1]].tolist() == [0] * len(expected["prompt_ids"]) + [1] * len(expected["output_ids"])
+    assert mask[offsets[0] : offsets[1]].tolist() == [0] * len(expected["prompt_ids"]) + [1] * len(
+        expected["output_ids"]
+    )
 
 
 def _tensors(path: Path):
@@ -239,7 +250,11 @@ def test_every_assistant_turn_and_the_history_trap(tmp_path: Path, kimi_target: 
     last = [r for r, _ in recorded_samples("m", {"kind": "recorded", "data_files": str(path)})]
     assert [s["id"] for s in last] == ["row0"] and last[0]["recorded"]["content"] == "12."
 
-    ds = {"source": {"kind": "recorded", "data_files": str(path), "turns": "every"}, "shard_size": 10, "bench_prompts": 0}
+    ds = {
+        "source": {"kind": "recorded", "data_files": str(path), "turns": "every"},
+        "shard_size": 10,
+        "bench_prompts": 0,
+    }
     datasets = {"m": ds}
     plan_dataset("m", ds, datasets)
     prompts = tmp_path / "p.jsonl"
@@ -257,15 +272,25 @@ def test_every_assistant_turn_and_the_history_trap(tmp_path: Path, kimi_target: 
 
 def test_unreadable_rows_name_their_line_and_other_rows_are_counted(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
-    good = {"request": {"messages": [{"role": "user", "content": "q"}]},
-            "response": {"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]}}
+    good = {
+        "request": {"messages": [{"role": "user", "content": "q"}]},
+        "response": {"choices": [{"message": {"content": "a"}, "finish_reason": "stop"}]},
+    }
     rows = [
         json.dumps(good),
         json.dumps({"request": {"messages": [{"role": "user", "content": "q"}]}, "response": {"error": "boom"}}),
-        json.dumps({"request": {"messages": [{"role": "user", "content": "q"}]},
-                    "response": {"choices": [{"message": {"content": ""}, "finish_reason": "stop"}]}}),
-        json.dumps({"request": {"messages": [{"role": "assistant", "content": "hi"}]},
-                    "response": {"choices": [{"message": {"content": "a"}}]}}),
+        json.dumps(
+            {
+                "request": {"messages": [{"role": "user", "content": "q"}]},
+                "response": {"choices": [{"message": {"content": ""}, "finish_reason": "stop"}]},
+            }
+        ),
+        json.dumps(
+            {
+                "request": {"messages": [{"role": "assistant", "content": "hi"}]},
+                "response": {"choices": [{"message": {"content": "a"}}]},
+            }
+        ),
         "{not json",
     ]
     path.write_text("\n".join(rows) + "\n")
@@ -291,10 +316,19 @@ def test_unreadable_rows_name_their_line_and_other_rows_are_counted(tmp_path: Pa
 
 def test_a_recorded_prompt_shard_holds_prompts_only(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
-    ds = {"source": {"kind": "recorded", "data_files": str(path)}, "shard_size": 4, "bench_prompts": 0, "system_prompt": "S"}
+    path.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n"
+    )
+    ds = {
+        "source": {"kind": "recorded", "data_files": str(path)},
+        "shard_size": 4,
+        "bench_prompts": 0,
+        "system_prompt": "S",
+    }
     (p,) = prompts_at("m", ds, [0], {"m": ds})
-    assert p["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}] and "recorded" not in p
+    assert (
+        p["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}] and "recorded" not in p
+    )
 
 
 def demo_config_with_recorded(workdir: Path, rows: int) -> Path:
@@ -333,8 +367,18 @@ def demo_config_with_recorded(workdir: Path, rows: int) -> Path:
 def test_dry_run_counts_recorded_samples_at_zero_dollars_beside_api_shards(workdir: Path) -> None:
     cfg = demo_config_with_recorded(workdir, 200)
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "-n",
-         "--configfile", str(cfg)],
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "-n",
+            "--configfile",
+            str(cfg),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -347,7 +391,11 @@ def test_dry_run_counts_recorded_samples_at_zero_dollars_beside_api_shards(workd
     assert "80 samples in 2 shards (2 pending)" in row and "output tokens" in row, row
     assert "total: 80 recorded samples" in out
     # the recorded shards are their own local rule; the API dataset still goes to rule responses, the rest in-process
-    jobs = {x.split()[0]: int(x.split()[1]) for x in out.split("Job stats:")[1].splitlines()[3:] if len(x.split()) == 2 and x.split()[1].isdigit()}
+    jobs = {
+        x.split()[0]: int(x.split()[1])
+        for x in out.split("Job stats:")[1].splitlines()[3:]
+        if len(x.split()) == 2 and x.split()[1].isdigit()
+    }
     assert jobs.get("responses_recorded") == 2 and jobs.get("responses") == 1 and jobs.get("responses_hf") == 1, jobs
 
 
@@ -355,15 +403,33 @@ def test_the_report_keeps_recorded_samples_apart_from_paid_ones(tmp_path: Path) 
     from aerie.report import figure_spend, load_responses
 
     def rec(i: int, **extra) -> dict:
-        return {"format": "aerie.responses/1", "id": f"d/{i}", "content": "a", "finish_reason": "stop",
-                "usage": {"completion_tokens": 10}, **extra}
+        return {
+            "format": "aerie.responses/1",
+            "id": f"d/{i}",
+            "content": "a",
+            "finish_reason": "stop",
+            "usage": {"completion_tokens": 10},
+            **extra,
+        }
 
     paid = tmp_path / "paid" / "responses" / "shard-00000.jsonl"
     free = tmp_path / "free" / "responses" / "shard-00000.jsonl"
     for path, rows in (
         (paid, [rec(i, dataset="paid", backend="openrouter", provider="p", cost=0.01) for i in range(3)]),
-        (free, [rec(i, dataset="free", backend="recorded", provider="recorded:x", cost=0.0,
-                    provenance={"kind": "recorded", "at": "x:1"}) for i in range(5)]),
+        (
+            free,
+            [
+                rec(
+                    i,
+                    dataset="free",
+                    backend="recorded",
+                    provider="recorded:x",
+                    cost=0.0,
+                    provenance={"kind": "recorded", "at": "x:1"},
+                )
+                for i in range(5)
+            ],
+        ),
     ):
         path.parent.mkdir(parents=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
