@@ -430,3 +430,33 @@ def test_the_fit_plan_agrees_with_the_jobs_measured_peaks(rehearsal) -> None:
 
     workdir = rehearsal["workdir"]
     assert_estimates_agree(workdir, workdir / "kimi-rehearsal.yaml", {"hidden", "drafter", "bench"})
+
+
+@pytest.mark.slow
+def test_recorded_answers_train_at_zero_dollars_beside_the_paid_datasets(rehearsal) -> None:
+    """The two recorded datasets (the toy target's own answers: ShareGPT with <think> inline, a gateway log) went
+    through the same token rebuild as the API's answers, into the drafter's data, without a request; the report keeps
+    them apart from the paid samples."""
+    from aerie.report import figure_spend, load_responses
+
+    workdir = rehearsal["workdir"]
+    results = workdir / "results"
+    for name in RECORDED:
+        shards = sorted((results / name / "responses").glob("shard-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+        records = [json.loads(x) for s in shards for x in s.read_text().splitlines()]
+        assert len(records) == 4 and {r["backend"] for r in records} == {"recorded"}
+        assert all(r["cost"] == 0.0 and r["provenance"]["kind"] == "recorded" for r in records)
+        assert not list((results / name / "responses").glob("*.journal.jsonl"))  # never part of the paid job
+        report = json.loads((results / name / "tokens" / "shard-00000.report.json").read_text())
+        assert report["rebuild_paths"]["refused"] == 0 and report["kept"] >= 3, report["dropped"]
+        assert report["reasoning_present"] == 4  # the reasoning came back out of <think> / the log's message
+        assert (results / name / "hidden" / "shard-00000.safetensors").exists()
+    # The log kept the server's usage: the rebuilt lengths are checked against its completion tokens.
+    logged = json.loads((results / "own_traffic" / "tokens" / "shard-00000.report.json").read_text())
+    assert logged["usage_length_checked"] == 4 and logged["usage_length_equal"] >= 3, logged["usage_length_deltas"]
+    responses = sorted(str(p) for p in results.glob("*/responses/shard-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+    summary = figure_spend(load_responses(responses), workdir / "spend-by-source.png")
+    assert set(summary["by_source"]["recorded"]) == set(RECORDED)
+    assert all(v["usd"] == 0.0 and v["samples"] == 4 for v in summary["by_source"]["recorded"].values())
+    assert summary["by_source"]["api:openrouter"]["sharegpt"]["usd"] > 0
+    assert not set(summary["by_dataset"]) & set(RECORDED)  # no API spend is ever attributed to them
