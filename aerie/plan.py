@@ -142,6 +142,7 @@ def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
     merged = {**config["responses"], **override}
     if config["datasets"][dataset]["source"]["kind"] == "recorded":
         merged["backend"] = "recorded"
+        merged.pop("serve", None)  # nothing is served for it either
     if override:
         errors = schema_errors(merged, _schema()["properties"]["responses"])
         if errors:

@@ -437,3 +437,27 @@ def test_the_report_keeps_recorded_samples_apart_from_paid_ones(tmp_path: Path) 
     assert summary["by_source"]["recorded"] == {"free": {"samples": 5, "usd": 0.0, "completion_tokens": 50}}
     assert summary["by_source"]["api:openrouter"]["paid"]["samples"] == 3
     assert summary["by_dataset"] == {"paid": {"p": pytest.approx(0.03)}}  # recorded answers are no API spend
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"max_output_tokens": 1000}, "datasets.served.max_output_tokens"),
+        ({"responses": {"backend": "recorded"}, "_on": "tasks"}, "datasets.tasks.responses.backend"),
+        ({"max_samples": 10, "_on": "tasks"}, "datasets.tasks.max_samples"),
+    ],
+)
+def test_settings_that_do_not_fit_a_recorded_dataset_are_named(workdir: Path, edit: dict, named: str) -> None:
+    from aerie.config_file import ConfigError, ConfigSources
+    from aerie.plan import check_config, validate_config
+
+    cfg = demo_config_with_recorded(workdir, 4)
+    config = yaml.safe_load(cfg.read_text())
+    edit = dict(edit)
+    config["datasets"][edit.pop("_on", "served")].update(edit)
+    cfg.write_text(yaml.safe_dump(config, sort_keys=False))
+    sources = ConfigSources.read([str(cfg)])
+    validate_config(config, sources)
+    with pytest.raises(ConfigError) as err:
+        check_config(config)
+    assert named in sources.describe(err.value), sources.describe(err.value)
