@@ -111,10 +111,10 @@ def _rows(source: dict[str, Any], where: str) -> Iterator[tuple[str, Any]]:
                         yield f"{path}:{lineno}", RecordedError(f"{path}:{lineno}: not a JSON line ({e})")
         return
     table = load_table({**source, "kind": "hf"}, where)
-    order: Any = range(len(table))
     label = source_label(source)
-    for index in order:
-        yield f"{label} row {index}", table[index]
+    # In order, through the table's own iterator (batched Arrow reads, not one lookup per row).
+    for index, row in enumerate(table):
+        yield f"{label} row {index}", row
 
 
 def field(row: Any, path: str | None) -> Any:

@@ -397,6 +397,10 @@ def generators() -> dict[str, Callable[[], str]]:
         gens["drafter_memory"] = lambda: _bench_module("drafter_memory").table()
     if any((RESULTS_DIR / "drafter_kinds").glob("*-seed*.json")):
         gens["drafter_kinds"] = lambda: _bench_module("drafter_kinds").kinds_table(RESULTS_DIR / "drafter_kinds")
+    if (RESULTS_DIR / "recorded_scale.json").exists():
+        gens["recorded_scale"] = lambda: _bench_module("recorded_scale").markdown(
+            json.loads((RESULTS_DIR / "recorded_scale.json").read_text())
+        )
     if (RESULTS_DIR / "dry_run.json").exists():
         gens["dry_run"] = lambda: _bench_module("dry_run").markdown(
             json.loads((RESULTS_DIR / "dry_run.json").read_text())

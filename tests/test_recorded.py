@@ -461,3 +461,36 @@ def test_settings_that_do_not_fit_a_recorded_dataset_are_named(workdir: Path, ed
     with pytest.raises(ConfigError) as err:
         check_config(config)
     assert named in sources.describe(err.value), sources.describe(err.value)
+
+
+def test_a_parquet_source_gives_the_same_samples_as_its_jsonl(tmp_path: Path) -> None:
+    """Files that are not JSONL (and Hub sets) are read through HF datasets, offline: the same samples, rows named by
+    index."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f"q{i}"},
+                {"from": "gpt", "value": f"<think>r{i}</think>a{i}"},
+            ],
+        }
+        for i in range(5)
+    ]
+    jsonl, parquet = tmp_path / "s.jsonl", tmp_path / "s.parquet"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    got = {}
+    for path in (jsonl, parquet):
+        source = {"kind": "recorded", "data_files": str(path), "shape": "sharegpt", "id_field": "id"}
+        got[path.suffix] = [r for r, _ in recorded_samples("s", source)]
+    strip = [[{k: v for k, v in r.items() if k != "source"} for r in got[s]] for s in (".jsonl", ".parquet")]
+    assert strip[0] == strip[1] and strip[0][2]["recorded"] == {
+        "reasoning": "r2",
+        "content": "a2",
+        "tool_calls": None,
+        "finish_reason": "stop",
+    }
+    assert got[".parquet"][3]["source"]["at"] == f"{parquet} row 3"
