@@ -64,8 +64,13 @@ def step(kind: str, data: str, cache: str, shard_size: int) -> dict[str, Any]:
     from aerie.prompts import plan_dataset, write_prompts
     from aerie.recorded_responses import recorded_preview, write_recorded_shard
 
-    ds = {"source": {"kind": "recorded", "data_files": data, "shape": "sharegpt", "id_field": "id"},
-          "shard_size": shard_size, "bench_prompts": 0, "max_samples": 10_000, "sample_seed": 0}
+    ds = {
+        "source": {"kind": "recorded", "data_files": data, "shape": "sharegpt", "id_field": "id"},
+        "shard_size": shard_size,
+        "bench_prompts": 0,
+        "max_samples": 10_000,
+        "sample_seed": 0,
+    }
     datasets = {"mtp": ds}
     started = time.perf_counter()
     plan = recorded_sample(plan_dataset("mtp", ds, datasets, cache_dir=Path(cache)), 10_000, 0, "datasets.mtp")
@@ -79,8 +84,15 @@ def step(kind: str, data: str, cache: str, shard_size: int) -> dict[str, Any]:
         start, stop = plan.shard_range(0)
         write_prompts("mtp", ds, start, stop, folder / "p.jsonl", datasets, order=plan.order(), cache_dir=Path(cache))
         write_recorded_shard(
-            "mtp", ds, datasets, plan.positions(start, stop), folder / "p.jsonl", folder / "r.jsonl", Path(cache),
-            "target", log=lambda m: None,
+            "mtp",
+            ds,
+            datasets,
+            plan.positions(start, stop),
+            folder / "p.jsonl",
+            folder / "r.jsonl",
+            Path(cache),
+            "target",
+            log=lambda m: None,
         )
         out["shard_bytes"] = (folder / "r.jsonl").stat().st_size
     out["seconds"] = round(time.perf_counter() - started, 2)
@@ -95,8 +107,18 @@ def measure(rows: int, answer_chars: int, shard_size: int, seed: int) -> dict[st
         cache = Path(tmp) / "cache"
 
         def run(kind: str) -> dict[str, Any]:
-            cmd = [sys.executable, __file__, "--step", kind, "--data", str(data), "--cache", str(cache),
-                   "--shard-size", str(shard_size)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--step",
+                kind,
+                "--data",
+                str(data),
+                "--cache",
+                str(cache),
+                "--shard-size",
+                str(shard_size),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -150,7 +172,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"| ~{x['first_parse_s'] / 60:,.0f} min | as measured (a count) | as measured (seeks) "
         f"| ~{x['cache_bytes'] / 2**30:,.0f} GiB |"
     )
-    head = "| stand-in (rows x bytes) | first parse (converts) | later parse (cache) | one 2,000-sample shard job | cache on disk |"
+    head = (
+        "| stand-in (rows x bytes) | first parse (converts) | later parse (cache) | one 2,000-sample shard job "
+        "| cache on disk |"
+    )
     return "\n".join([head, "|---|---|---|---|---|", *rows])
 
 
