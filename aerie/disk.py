@@ -163,6 +163,13 @@ def expected_tokens_per_sample(
 
     out = {}
     for name, ds in config["datasets"].items():
+        if ds["source"]["kind"] == "recorded":  # the answers are here: their own lengths, not an expectation
+            from aerie.prompts import recorded_stats
+            from aerie.recorded_responses import recorded_tokens_per_sample
+
+            cache = plans[name].cache_dir if plans is not None else None
+            out[name] = recorded_tokens_per_sample(recorded_stats(name, ds, config["datasets"], cache))
+            continue
         source = (
             iter_planned_prompts(plans[name], config["datasets"])
             if plans is not None

@@ -74,6 +74,16 @@ def check_config(config: dict[str, Any]) -> None:
         responses = responses_config(config, name)
         where = ("responses",) if "responses" not in config["datasets"][name] else ("datasets", name, "responses")
         backend = responses["backend"]
+        if config["datasets"][name]["source"]["kind"] == "recorded":
+            _check_recorded(config, name)
+            continue
+        if "max_samples" in config["datasets"][name]:
+            raise ConfigError(
+                "caps a recorded source (source.kind: recorded); an API dataset is capped by max_output_tokens",
+                ("datasets", name, "max_samples"),
+            )
+        if backend == "recorded":
+            raise ConfigError("is set by a recorded source (source.kind: recorded), not by hand", where + ("backend",))
         if backend in ("openrouter", "openai") and not responses.get("model") and not responses.get("serve"):
             raise ConfigError(f"required for the '{backend}' backend (the API model name)", where + ("model",))
         if backend != "hf" and not responses.get("base_url") and not responses.get("serve"):
@@ -121,15 +131,30 @@ def check_config(config: dict[str, Any]) -> None:
         )
 
 
+def _check_recorded(config: dict[str, Any], name: str) -> None:
+    """A recorded dataset is answered already: API quota settings do not apply to it."""
+    ds = config["datasets"][name]
+    for key in ("max_output_tokens", "quota_reserve"):
+        if key in ds and not (key == "quota_reserve" and ds[key] == QUOTA_RESERVE):
+            raise ConfigError(
+                "is an API quota; a recorded dataset costs nothing: cap it with max_samples (a seeded sample)",
+                ("datasets", name, key),
+            )
+
+
 def responses_config(config: dict[str, Any], dataset: str) -> dict[str, Any]:
     """The responses settings of one dataset: the global section with the dataset's overrides.
 
-    Overrides are checked against the responses schema (unknown keys and bad values name the dataset).
+    Overrides are checked against the responses schema (unknown keys and bad values name the dataset). A dataset
+    whose source is recorded (aerie.recorded) has the backend ``recorded``: its answers exist, nothing is requested.
     """
     from aerie.config_file import schema_errors
 
     override = config["datasets"][dataset].get("responses") or {}
     merged = {**config["responses"], **override}
+    if config["datasets"][dataset]["source"]["kind"] == "recorded":
+        merged["backend"] = "recorded"
+        merged.pop("serve", None)  # nothing is served for it either
     if override:
         errors = schema_errors(merged, _schema()["properties"]["responses"])
         if errors:
@@ -221,6 +246,8 @@ def plan_datasets(
                     sampled, ds["max_output_tokens"], ds.get("quota_reserve", QUOTA_RESERVE), state, f"datasets.{name}"
                 )
             plan = dataclasses.replace(sampled, planned_shards=shards, note=note)
+        elif ds["source"]["kind"] == "recorded" and ds.get("max_samples") is not None and plan.train:
+            plan = recorded_sample(plan, ds["max_samples"], ds.get("sample_seed", 0), f"datasets.{name}")
         plans[name] = plan
     if job:  # the main process checked the plan; a job that runs before any prompts are written plans none
         return plans
@@ -232,6 +259,21 @@ def plan_datasets(
     return plans
 
 
+def recorded_sample(plan: DatasetPlan, max_samples: int, seed: int | None, where: str) -> DatasetPlan:
+    """A recorded dataset cut to ``max_samples`` (whole shards) of a seeded sample of its pool (the quota'd datasets'
+    order, aerie.prompts.sample_order): a 600k-conversation set is trained on the part the disk and the GPUs hold."""
+    shards = min(plan.pool_shards, math.ceil(max_samples / plan.shard_size))
+    sampled = dataclasses.replace(plan, sample_seed=seed, planned_shards=shards)
+    how = f"a seeded sample ({where}.sample_seed {seed})" if seed is not None else "the source's order"
+    return dataclasses.replace(
+        sampled,
+        note=(
+            f"{shards} of {plan.pool_shards} shards ({sampled.planned_prompts:,} of {plan.train:,} recorded samples, "
+            f"{how}): {where}.max_samples {max_samples:,}"
+        ),
+    )
+
+
 def plan_text(plans: dict[str, DatasetPlan]) -> str:
     """The shard plan, for ``snakemake -n``: per dataset the shards planned and why."""
     planned = sum(p.num_shards for p in plans.values())
@@ -239,7 +281,9 @@ def plan_text(plans: dict[str, DatasetPlan]) -> str:
     lines = [f"aerie shard plan: {planned} training shards ({pool} would hold every prompt)"]
     for name, p in plans.items():
         held = f"; {p.bench:,} held out for the benchmark" if p.bench else ""
-        if not p.train:
+        if not p.total and p.note:
+            lines.append(f"  {name:<16}{p.note}")
+        elif not p.train:
             lines.append(f"  {name:<16}benchmark only ({p.bench:,} prompts)")
         elif p.note:
             lines.append(f"  {name:<16}{p.note}{held}")

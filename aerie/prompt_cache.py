@@ -133,6 +133,7 @@ class PromptCache:
         key: str,
         material: dict[str, Any],
         records: Iterable[tuple[dict[str, Any], bytes]],
+        extra: dict[str, Any] | None = None,
     ) -> CachedPrompts:
         """Write an entry from (record, dedup key) pairs: data files first, each atomically, the metadata last (an
         entry without it is never read); then delete this dataset's entries beyond the newest KEEP_PER_DATASET."""
@@ -165,6 +166,8 @@ class PromptCache:
             "records_bytes": _file(stem, ".jsonl").stat().st_size,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "material": material,
+            # read after the records are written: a converter may count while it yields (aerie.recorded's stats)
+            **{k: dict(v) for k, v in (extra or {}).items()},
         }
         _file(stem, ".json" + tmp).write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(_file(stem, ".json" + tmp), _file(stem, ".json"))

@@ -461,7 +461,7 @@ def fetch(config: dict[str, Any], out: Any = sys.stdout) -> int:
     fetched = 0
     for name, ds in config["datasets"].items():
         source = ds["source"]
-        if source.get("kind") != "hf" or not source.get("name"):
+        if source.get("kind") not in ("hf", "recorded") or not source.get("name"):
             continue
         table = load_table(source, f"datasets.{name}", download=True)
         print(

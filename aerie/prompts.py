@@ -149,7 +149,7 @@ def source_files(source: dict[str, Any]) -> list[Path]:
     """Every local file a source reads (Snakemake inputs: a newer file re-shards); Hub datasets have none."""
     if source["kind"] == "jsonl":
         return [Path(source["path"])]
-    if source["kind"] == "hf":
+    if source["kind"] in ("hf", "recorded"):
         return local_data_files(source)
     return []
 
@@ -253,6 +253,7 @@ class _Converted:
     records: Sequence[dict[str, Any]]
     key: str
     _dedup: set[bytes] | None = None
+    stats: dict[str, Any] | None = None  # a recorded source's counts (aerie.recorded.recorded_samples)
 
     def dedup_keys(self) -> set[bytes]:
         if self._dedup is None:
@@ -271,7 +272,12 @@ class _Converted:
 # Planning, the previews and cross-dataset dedup each read a dataset in one process: one conversion (or one
 # cache lookup) per process is enough, keyed by the cache key.
 _CONVERTED: dict[str, _Converted] = {}
-_CODE = (Path(__file__), Path(__file__).with_name("prompt_sources.py"), Path(__file__).with_name("prompt_cache.py"))
+_CODE = (
+    Path(__file__),
+    Path(__file__).with_name("prompt_sources.py"),
+    Path(__file__).with_name("prompt_cache.py"),
+    Path(__file__).with_name("recorded.py"),
+)
 
 
 @functools.cache
@@ -293,20 +299,30 @@ def _key_material(
         "max_prompts": dataset.get("max_prompts"),
     }
     storable = False
-    if source["kind"] in ("jsonl", "hf"):
+    if source["kind"] in ("jsonl", "hf", "recorded"):
         identity = source_identity(source)
         material["identity"] = identity
         storable = identity is not None
-    if source["kind"] == "hf":
+    if source["kind"] == "hf" or (source["kind"] == "recorded" and source.get("name")):
         from importlib.metadata import version
 
         material["datasets"] = version("datasets")
+    if source["kind"] == "hf":
         if datasets and source.get("dedup", True):
-            earlier = itertools.takewhile(lambda kv: kv[0] != name, datasets.items())
+            earlier = _earlier(name, datasets)
             material["earlier"] = [_converted(other, ds, datasets, cache_dir).key for other, ds in earlier]
     if source["kind"] == "humaneval":
         material["humaneval"] = str(humaneval_path())
     return material, storable
+
+
+def _earlier(name: str, datasets: Mapping[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The datasets listed before ``name`` that its dedup excludes (an optional recorded source that is not here
+    holds nothing)."""
+    from aerie.recorded import absent_optional
+
+    before = itertools.takewhile(lambda kv: kv[0] != name, datasets.items())
+    return [(other, ds) for other, ds in before if not absent_optional(ds)]
 
 
 def _checked_ids(name: str, pairs: Iterator[tuple[dict[str, Any], bytes | None]]) -> Iterator[tuple[dict, Any]]:
@@ -333,13 +349,21 @@ def _converted(
         return _CONVERTED[key]
     cache = PromptCache(cache_dir) if cache_dir is not None and storable else None
     entry = cache.get(name, key) if cache is not None else None
+    stats: dict[str, Any] | None = None
     if entry is None:
         source = dataset["source"]
         limit = dataset.get("max_prompts")
-        if source["kind"] == "hf":
+        if source["kind"] == "recorded":
+            from collections import Counter
+
+            from aerie.recorded import recorded_samples
+
+            stats = Counter()
+            pairs = itertools.islice(recorded_samples(name, source, stats), limit)
+        elif source["kind"] == "hf":
             exclude: set[bytes] = set()
             if "earlier" in material and datasets:
-                for other, ds in itertools.takewhile(lambda kv: kv[0] != name, datasets.items()):
+                for other, ds in _earlier(name, datasets):
                     exclude |= _converted(other, ds, datasets, cache_dir).dedup_keys()
             # Rows past max_prompts are never converted (the source is lazy): a large dataset sampled small is cheap.
             pairs: Iterator[tuple[dict[str, Any], Any]] = itertools.islice(
@@ -349,10 +373,16 @@ def _converted(
             raw = itertools.islice(_SOURCES[source["kind"]](name, source), limit)
             pairs = ((r, dedup_key(r["messages"]) if cache is not None else None) for r in raw)
         if cache is not None:
-            entry = cache.put(name, key, material, _checked_ids(name, pairs))
+            entry = cache.put(
+                name, key, material, _checked_ids(name, pairs), extra={"recorded": stats} if stats is not None else None
+            )
         else:
             records = [r for r, _ in _checked_ids(name, pairs)]
-    converted = _Converted(entry if entry is not None else records, key)
+    if entry is not None and "recorded" in entry.meta:
+        stats = entry.meta["recorded"]
+    converted = _Converted(
+        entry if entry is not None else records, key, stats=dict(stats) if stats is not None else None
+    )
     _CONVERTED[key] = converted
     if len(_CONVERTED) > 32:
         _CONVERTED.pop(next(iter(_CONVERTED)))
@@ -361,18 +391,48 @@ def _converted(
 
 def _as_prompt(name: str, dataset: dict[str, Any], p: dict[str, Any]) -> dict[str, Any]:
     """A source record as the dataset's ``aerie.prompts/1`` record (id prefixed, the system prompt added)."""
-    messages = p["messages"]
-    system_prompt = dataset.get("system_prompt")
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
     return {
         "format": PROMPTS_FORMAT,
         "id": f"{name}/{p['id']}",
         "dataset": name,
-        "messages": messages,
+        "messages": with_system_prompt(dataset, p["messages"]),
         **({"tools": p["tools"]} if p.get("tools") else {}),
         "source": p["source"],
     }
+
+
+def with_system_prompt(dataset: dict[str, Any], messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the dataset's ``system_prompt`` first, unless they open with a system turn already."""
+    system_prompt = dataset.get("system_prompt")
+    if system_prompt is not None and messages[0]["role"] != "system":
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def recorded_at(
+    name: str,
+    dataset: dict[str, Any],
+    positions: Sequence[int],
+    datasets: Mapping[str, dict[str, Any]] | None = None,
+    cache_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    """A recorded source's samples at source ``positions``, with their answers (aerie.recorded)."""
+    converted = _converted(name, dataset, datasets, cache_dir)
+    if positions and max(positions) >= len(converted.records):
+        raise PromptSourceError(f"dataset '{name}': sample {max(positions)} was planned but the source holds fewer")
+    return converted.take(positions)
+
+
+def recorded_stats(
+    name: str, dataset: dict[str, Any], datasets: Mapping[str, dict[str, Any]] | None, cache_dir: str | Path | None
+) -> dict[str, Any]:
+    """A recorded source's counts: rows read, samples, characters of prompts and answers, rows left out by reason
+    ({} for an optional source that is not here)."""
+    from aerie.recorded import absent_optional
+
+    if absent_optional(dataset):
+        return {}
+    return _converted(name, dataset, datasets, Path(cache_dir) if cache_dir else None).stats or {}
 
 
 def iter_prompts(
@@ -399,6 +459,8 @@ def prompts_at(
     cache_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The dataset's prompts at source ``positions`` (in that order), read one by one from the cache."""
+    if not positions:
+        return []  # nothing to read (an optional recorded source that is not here has no positions)
     converted = _converted(name, dataset, datasets, cache_dir)
     if positions and max(positions) >= len(converted.records):
         raise PromptSourceError(
@@ -429,6 +491,11 @@ def plan_dataset(
 ) -> DatasetPlan:
     """Count (and so validate) every prompt of a dataset, then split it into a training pool + bench set; every
     shard of the pool is planned (aerie.plan cuts a dataset with a quota to the shards it can use)."""
+    from aerie.recorded import absent_optional
+
+    absent = absent_optional(dataset)
+    if absent:  # an optional recorded source that is not here: no shard, and the dry run says why
+        return DatasetPlan(name, 0, 0, 0, dataset["shard_size"], note=f"optional, not here: {absent}")
     total = len(_converted(name, dataset, datasets, cache_dir).records)
     if total == 0:
         raise PromptSourceError(f"datasets.{name}: the source holds no prompts")

@@ -407,6 +407,10 @@ def generators() -> dict[str, Callable[[], str]]:
         gens["packing_seeds"] = lambda: _bench_module("packing_seeds").table()
     if (RESULTS_DIR / "gpu_check.json").exists():
         gens["gpu_check"] = lambda: _bench_module("gpu_check").table(RESULTS_DIR / "gpu_check.json")
+    if (RESULTS_DIR / "recorded_scale.json").exists():
+        gens["recorded_scale"] = lambda: _bench_module("recorded_scale").markdown(
+            json.loads((RESULTS_DIR / "recorded_scale.json").read_text())
+        )
     if (RESULTS_DIR / "dry_run.json").exists():
         gens["dry_run"] = lambda: _bench_module("dry_run").markdown(
             json.loads((RESULTS_DIR / "dry_run.json").read_text())

@@ -184,6 +184,11 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
     _preview = cost_preview()
     if _preview is not None:
         print(_preview.text, file=sys.stderr)
+    from aerie.recorded_responses import recorded_preview
+
+    _recorded = recorded_preview(config, PLANS, Path("results"))
+    if _recorded:
+        print(_recorded, file=sys.stderr)
     from aerie.disk import disk_preview, expected_tokens_per_sample
 
     _tokens_per_sample = expected_tokens_per_sample(config, Path("results"), PLANS)

@@ -19,7 +19,14 @@ IN_PROCESS_RESPONSES = [
     for shard in plan.shard_names
 ]
 API_RESPONSES_DATASETS = sorted(
-    name for name in PLANS if responses_config(config, name)["backend"] != "hf"
+    name
+    for name in PLANS
+    if responses_config(config, name)["backend"] not in ("hf", "recorded")
+)
+# Recorded datasets (source.kind: recorded, aerie.recorded): the target's answers exist already; rule
+# responses_recorded copies each shard's out of the prompt cache, no request, $0 (never part of rule responses).
+RECORDED_DATASETS = sorted(
+    name for name in PLANS if responses_config(config, name)["backend"] == "recorded"
 )
 # The i-th in-process shard's prompts, output and own log (rule responses_hf lists them in this order).
 IN_PROCESS_PROMPTS, IN_PROCESS_OUTPUTS, IN_PROCESS_SHARD_LOGS = (
@@ -89,6 +96,34 @@ if API_RESPONSES:
             gpus=gpus("responses") if API_RESPONSES_SERVED else 0,
         script:
             "../scripts/responses.py"
+
+
+if RECORDED_DATASETS:
+
+    # A file conversion (seconds per shard): it runs where snakemake runs, never as a cluster job.
+    rule responses_recorded:
+        input:
+            prompts="results/{dataset}/prompts/shard-{shard}.jsonl",
+            source=get_prompt_source,
+        output:
+            "results/{dataset}/responses/shard-{shard}.jsonl",
+        log:
+            "results/logs/{dataset}/responses/shard-{shard}.log",
+        wildcard_constraints:
+            dataset="|".join(RECORDED_DATASETS),
+        localrule: True
+        conda:
+            "../envs/aerie.yaml"
+        params:
+            dataset=lambda w: config["datasets"][w.dataset],
+            datasets=config["datasets"],
+            positions=lambda w: PLANS[w.dataset].positions(
+                *PLANS[w.dataset].shard_range(int(w.shard))
+            ),
+            cache=PROMPT_CACHE,
+            model=TARGET,  # who answered, where neither the rows nor source.model say
+        script:
+            "../scripts/responses_recorded.py"
 
 
 if IN_PROCESS_RESPONSES:

@@ -114,13 +114,20 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
     """The Kimi K2.5 example validates and plans every shard, with its Hub sources replaced by small stand-in prompt
     files (a test cannot fill the datasets cache offline; tests/test_kimi_preview.py checks the money)."""
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    assert len(config["datasets"]) == 5 and list(config["bench"]["sets"]) == ["mtbench", "gsm8k", "humaneval"]
+    # five prompt datasets, and the two optional recorded ones (absent here: they plan no shard)
+    assert [n for n, d in config["datasets"].items() if d["source"]["kind"] == "recorded"] == [
+        "kimi_mtp",
+        "own_traffic",
+    ]
+    assert len(config["datasets"]) == 7 and list(config["bench"]["sets"]) == ["mtbench", "gsm8k", "humaneval"]
     assert config["hidden"]["aux_layer_ids"] == [1, 29, 57]
     assert config["vocab"]["draft_vocab_size"] == 32000
     gsm8k = shared_path("datasets", "gsm8k_test.jsonl")
     for name, ds in config["datasets"].items():
         path = workdir / "prompts" / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        if ds["source"]["kind"] == "recorded":
+            continue
         if name == "math":
             path.write_text("".join(gsm8k.read_text().splitlines(keepends=True)[:50]))
             ds["source"] = {"kind": "jsonl", "path": str(path), "text_field": "question"}

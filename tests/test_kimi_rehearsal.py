@@ -13,6 +13,7 @@ Kimi's (temperature 1.0, top_p 0.95) but seeded per request by the server (`aeri
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
@@ -51,6 +52,7 @@ ALLOWED_DIFFERENCES = {
     "datasets.*.bench_prompts": "count",
     "datasets.*.max_output_tokens": "size: quotas scaled to toy responses (one reached on purpose, see CAPPED)",
     "datasets.*.expected_output_tokens": "size: the toy target's response length",
+    "datasets.*.max_samples": "count: of the recorded datasets (the test writes their files from the toy's answers)",
     "responses.base_url": "path: the emulator on loopback",
     "responses.max_new_tokens": "size",
     "responses.concurrency": "count",
@@ -89,6 +91,10 @@ ALLOWED_DIFFERENCES = {
 # is not retried) and the rest not requested, whatever the lengths sampled. (Split in shards, a shard started near
 # the quota may hold a single sample, and one truncated answer would leave it empty: the drop gate fails it.)
 CAPPED = "code"
+# The datasets of the target's own answers (source.kind: recorded, $0): the test writes their files once the toy
+# target is served (ShareGPT with <think> inline; a gateway's request/response log), from its own generations.
+RECORDED = ["kimi_mtp", "own_traffic"]
+RECORDED_ANSWERS = 6  # per recorded file; max_samples 4 of them (a seeded sample, one shard)
 # Requests without a seed are sampled by the rehearsal's server as if they carried this one (per request, mixed
 # with the prompt: aerie.api.serve.honour_request_sampling), so the answers do not depend on timing or retries.
 SERVER_SEED = 11
@@ -115,13 +121,16 @@ def test_only_paths_sizes_and_counts_differ_from_the_kimi_config() -> None:
     assert not unexplained, "keys that differ without a reason: " + ", ".join(
         f"{k}: {kimi.get(k, '<absent>')!r} -> {rehearsal.get(k, '<absent>')!r}" for k in unexplained
     )
-    # The same six datasets, read with the same shapes; the same routing, sampling and serving settings.
+    # The same six prompt datasets and two recorded ones, read with the same shapes; the same routing, sampling and
+    # serving settings.
     k_cfg, r_cfg = (yaml.safe_load(p.read_text()) for p in (KIMI, REHEARSAL))
-    assert list(k_cfg["datasets"]) == list(r_cfg["datasets"]) and len(r_cfg["datasets"]) == 5
+    assert list(k_cfg["datasets"]) == list(r_cfg["datasets"]) and len(r_cfg["datasets"]) == 7
     assert list(k_cfg["bench"]["sets"]) == list(r_cfg["bench"]["sets"]) == ["mtbench", "gsm8k", "humaneval"]
+    assert RECORDED == [n for n, d in r_cfg["datasets"].items() if d["source"]["kind"] == "recorded"]
     assert r_cfg["responses"]["backend"] == "openrouter" and r_cfg["hidden"]["layout"] == "compact"
     assert r_cfg["hidden"]["aux_layer_ids"][0] == 1  # the DeepSeek-family rule
-    assert r_cfg["responses"]["budget_usd"] > 0 and all("max_output_tokens" in d for d in r_cfg["datasets"].values())
+    assert r_cfg["responses"]["budget_usd"] > 0
+    assert all("max_output_tokens" in d for n, d in r_cfg["datasets"].items() if n not in RECORDED)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -177,6 +186,40 @@ def write_prompt_files(folder: Path) -> dict[str, int]:
     for name, items in rows.items():
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in items))
     return {name: len(items) for name, items in rows.items()}
+
+
+def write_recorded_answers(folder: Path, url: str, responses: dict) -> None:
+    """The toy target's own answers, asked once through a fault-free emulator in front of its server, written as
+    the public set ships them (ShareGPT, reasoning inline in <think>) and as a gateway logs them (request body,
+    response body). Nothing of this is paid by the run: both datasets are recorded, $0."""
+    import requests
+
+    folder.mkdir(parents=True, exist_ok=True)
+    users = [p["user"] for p in generate_prompts(["arith", "lists"], 2 * RECORDED_ANSWERS, 107)]
+    sharegpt, log = [], []
+    for i, user in enumerate(users):
+        body = {
+            "model": responses["model"],
+            "messages": [{"role": "user", "content": user}],
+            "temperature": responses["temperature"],
+            "top_p": responses["top_p"],
+            "max_tokens": responses["max_new_tokens"],
+        }
+        resp = requests.post(
+            f"{url}/chat/completions", json=body, headers={"Authorization": "Bearer rehearsal-key"}, timeout=600
+        )
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        message = answer["choices"][0]["message"]
+        if i % 2:
+            log.append({"request": body, "response": answer})
+        else:
+            value = f"<think>{message.get('reasoning') or ''}</think>{message.get('content') or ''}"
+            sharegpt.append(
+                {"id": f"mtp{i}", "conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": value}]}
+            )
+    (folder / "kimi_mtp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sharegpt))
+    (folder / "kimi-k2.5-gateway.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
 
 
 def preview_usd(workdir: Path, configfile: Path) -> float:
@@ -244,6 +287,10 @@ def rehearsal(tmp_path_factory):
                 upstream_model=str(target),
                 upstream_tokenizer=str(target),
             )
+            # The recorded datasets' files: the target's own answers, before the run's parse reads them (the build's
+            # parse planned no shard of them: optional, absent).
+            with serve_in_thread(dataclasses.replace(upstream, faults={})) as clean_url:
+                write_recorded_answers(workdir / "prompts", clean_url, config["responses"])
             with serve_in_thread(upstream) as emulator_url:
                 config["responses"]["base_url"] = emulator_url
                 configfile.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -252,6 +299,13 @@ def rehearsal(tmp_path_factory):
                 preview = dry.stdout + dry.stderr
                 assert dry.returncode == 0, preview
                 assert "aerie cost preview" in preview and "live" in preview.split("aerie cost preview", 1)[1][:200]
+                for name in RECORDED:  # $0, with their token totals, planned beside the paid datasets
+                    assert re.search(
+                        rf"^  {name}\s+4 samples in 1 shards \(1 pending\), ~[\d,]+ prompt \+ ~[\d,]+ output "
+                        r"tokens.*\$0\.00",
+                        preview,
+                        re.M,
+                    ), preview
                 pending = preview_usd(workdir, configfile)
 
                 run = snakemake(workdir, "--cores", CORES, "--configfile", str(configfile), timeout=3600)
@@ -474,3 +528,33 @@ def test_the_fit_plan_agrees_with_the_jobs_measured_peaks(rehearsal) -> None:
 
     workdir = rehearsal["workdir"]
     assert_estimates_agree(workdir, workdir / "kimi-rehearsal.yaml", {"hidden", "drafter", "bench"})
+
+
+@pytest.mark.slow
+def test_recorded_answers_train_at_zero_dollars_beside_the_paid_datasets(rehearsal) -> None:
+    """The two recorded datasets (the toy target's own answers: ShareGPT with <think> inline, a gateway log) went
+    through the same token rebuild as the API's answers, into the drafter's data, without a request; the report keeps
+    them apart from the paid samples."""
+    from aerie.report import figure_spend, load_responses
+
+    workdir = rehearsal["workdir"]
+    results = workdir / "results"
+    for name in RECORDED:
+        shards = sorted((results / name / "responses").glob("shard-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+        records = [json.loads(x) for s in shards for x in s.read_text().splitlines()]
+        assert len(records) == 4 and {r["backend"] for r in records} == {"recorded"}
+        assert all(r["cost"] == 0.0 and r["provenance"]["kind"] == "recorded" for r in records)
+        assert not list((results / name / "responses").glob("*.journal.jsonl"))  # never part of the paid job
+        report = json.loads((results / name / "tokens" / "shard-00000.report.json").read_text())
+        assert report["rebuild_paths"]["refused"] == 0 and report["kept"] >= 3, report["dropped"]
+        assert report["reasoning_present"] == 4  # the reasoning came back out of <think> / the log's message
+        assert (results / name / "hidden" / "shard-00000.safetensors").exists()
+    # The log kept the server's usage: the rebuilt lengths are checked against its completion tokens.
+    logged = json.loads((results / "own_traffic" / "tokens" / "shard-00000.report.json").read_text())
+    assert logged["usage_length_checked"] == 4 and logged["usage_length_equal"] >= 3, logged["usage_length_deltas"]
+    responses = sorted(str(p) for p in results.glob("*/responses/shard-[0-9][0-9][0-9][0-9][0-9].jsonl"))
+    summary = figure_spend(load_responses(responses), workdir / "spend-by-source.png")
+    assert set(summary["by_source"]["recorded"]) == set(RECORDED)
+    assert all(v["usd"] == 0.0 and v["samples"] == 4 for v in summary["by_source"]["recorded"].values())
+    assert summary["by_source"]["api:openrouter"]["sharegpt"]["usd"] > 0
+    assert not set(summary["by_dataset"]) & set(RECORDED)  # no API spend is ever attributed to them
