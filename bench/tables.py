@@ -16,7 +16,8 @@ the block's data lives:
 - ``drafter_memory``, ``drafter_kinds``, ``dry_run``: bench/results/drafter_memory.json, drafter_kinds/*.json and
   dry_run.json, rendered by those benches' own table functions; likewise ``batch_packing``, ``packing_seeds``
   and ``gpu_check`` (bench/results/batch_packing.json, packing_seeds.json, gpu_check.json);
-- ``warm_start``: bench/results/warm_start/seed-N.json (bench/warm_start.py run), its own table function.
+- ``warm_start/STUDY``: bench/results/warm_start/STUDY/seed-N.json (bench/warm_start.py run), its own table
+  function.
 A block in RESULTS.md whose data is gone is an error; data with no block is listed (place its marker by hand
 where the prose about it is). Torch-free, so the test that checks the committed tables is fast.
 """
@@ -399,8 +400,8 @@ def generators() -> dict[str, Callable[[], str]]:
         gens["drafter_memory"] = lambda: _bench_module("drafter_memory").table()
     if any((RESULTS_DIR / "drafter_kinds").glob("*-seed*.json")):
         gens["drafter_kinds"] = lambda: _bench_module("drafter_kinds").kinds_table(RESULTS_DIR / "drafter_kinds")
-    if any((RESULTS_DIR / "warm_start").glob("seed-*.json")):
-        gens["warm_start"] = lambda: _bench_module("warm_start").warm_start_table(RESULTS_DIR / "warm_start")
+    for study in sorted(p for p in (RESULTS_DIR / "warm_start").glob("*") if any(p.glob("seed-*.json"))):
+        gens[f"warm_start/{study.name}"] = lambda d=study: _bench_module("warm_start").warm_start_table(d)
     if (RESULTS_DIR / "batch_packing.json").exists():
         gens["batch_packing"] = lambda: _bench_module("batch_packing").table()
     if (RESULTS_DIR / "packing_seeds.json").exists():

@@ -71,14 +71,21 @@ WARM_ARMS = ("warm",)
 BENCH = dict(max_new_tokens=64, num_draft_steps=3, max_prompts=16)  # per set
 
 
-def publisher_config(general: int, bench_prompts: int) -> dict:
+# The studies: what the publisher's general set holds. ``covered``: all three task families, ``code`` (function
+# descriptions, the shape of the user's HumanEval prompts) among them; ``shifted``: no ``code`` - the user's domain is
+# new to the published drafter (as Chinese was to LightSeek's phase-1 drafter: CEval 1.48 -> 2.30 after phase 2).
+STUDIES = {"covered": ["arith", "lists", "code"], "shifted": ["arith", "lists"]}
+
+
+def publisher_config(general: int, bench_prompts: int, study: str = "covered", target: Path | None = None) -> dict:
     demo = yaml.safe_load(DEMO.read_text())
     return {
         "run": "published",
-        "target": demo["target"],
+        # the demo target, built by the first study; a later study reuses its folder
+        "target": demo["target"] if target is None else {"path": str(target), "device": "cpu", "dtype": "float32"},
         "datasets": {
             GENERAL: {
-                "source": {"kind": "synthetic", "families": ["arith", "lists", "code"], "count": general, "seed": 11},
+                "source": {"kind": "synthetic", "families": STUDIES[study], "count": general, "seed": 11},
                 "shard_size": 96,
                 "bench_prompts": bench_prompts,
             }
@@ -111,8 +118,9 @@ def user_config(target: Path, domain: int, bench_prompts: int) -> dict:
 
 def files(work: Path) -> dict[str, Any]:
     pub, user = work / "publisher" / "results", work / "user" / "results"
+    target = yaml.safe_load((work / "publisher" / "study.yaml").read_text())["target"]
     return {
-        "target": pub / "demo-target",
+        "target": pub / "demo-target" if "demo" in target else Path(target["path"]),
         "general_hidden": sorted(Path(p) for p in glob.glob(str(pub / GENERAL / "hidden" / "shard-*.safetensors"))),
         "general_vocab": pub / "vocab" / "draft_vocab.safetensors",
         "general_bench": pub / GENERAL / "prompts" / "bench.jsonl",
@@ -134,9 +142,9 @@ def snakemake(workdir: Path, configfile: Path, targets: list[str], cores: int) -
 
 def make_data(args: argparse.Namespace) -> None:
     work = args.work.resolve()
-    for name, cfg in (("publisher", publisher_config(args.general, args.bench_prompts)),):
-        (work / name).mkdir(parents=True, exist_ok=True)
-        (work / name / "study.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cfg = publisher_config(args.general, args.bench_prompts, args.study, args.target)
+    (work / "publisher").mkdir(parents=True, exist_ok=True)
+    (work / "publisher" / "study.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     pub = work / "publisher"
     snakemake(pub, pub / "study.yaml", ["--until", "hidden", "draft_vocab"], args.cores)
     snakemake(pub, pub / "study.yaml", [f"results/{GENERAL}/prompts/bench.jsonl"], args.cores)
@@ -293,6 +301,13 @@ def data_facts(f: dict) -> dict:
     }
 
 
+def study_of(work: Path) -> str:
+    families = yaml.safe_load((work / "publisher" / "study.yaml").read_text())["datasets"][GENERAL]["source"][
+        "families"
+    ]
+    return next(name for name, fams in STUDIES.items() if fams == families)
+
+
 def run_seed(work: Path, seed: int, out: Path, threads: int) -> dict:
     import torch
 
@@ -307,6 +322,8 @@ def run_seed(work: Path, seed: int, out: Path, threads: int) -> dict:
     result = {
         "format": FORMAT,
         "seed": seed,
+        "study": study_of(work),
+        "general_families": STUDIES[study_of(work)],
         "recipes": {"published": PUBLISH, **ARMS},
         "bench_settings": BENCH,
         "draft_vocab_size": DRAFT_VOCAB,
@@ -415,7 +432,8 @@ def warm_start_table(out: Path = OUT) -> str:
     notes = (
         f"Seeds {', '.join(map(str, seeds))} (the user's trainings; the published drafter is one folder, trained once "
         f"at seed 0). Data: general set {d['general']['sequences']} sequences ({d['general']['generated_tokens']:,} "
-        f"generated tokens), the published drafter's; domain set {d['domain']['sequences']} HumanEval answers "
+        f"generated tokens; task families {', '.join(r0['general_families'])}), the published drafter's; "
+        f"domain set {d['domain']['sequences']} HumanEval answers "
         f"({d['domain']['generated_tokens']:,} generated tokens), the user's; "
         + ", ".join(f"{s} {r0['sets'][s]['prompts']} held-out prompts" for s in sets)
         + f". Draft vocab {r0['draft_vocab_size']} ids: scratch counted on the domain set (coverage "
@@ -455,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--domain", type=int, default=48)
     d.add_argument("--bench-prompts", type=int, default=24)
     d.add_argument("--cores", type=int, default=1)
+    d.add_argument("--study", choices=sorted(STUDIES), default="covered")
+    d.add_argument("--target", type=Path, help="an existing demo-target folder (default: build it)")
     p = sub.add_parser("publish")
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--threads", type=int, default=1)

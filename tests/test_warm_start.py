@@ -484,6 +484,8 @@ def _seed_result(ws, seed: int, warm: float, scratch: float, published: float = 
     return {
         "format": ws.FORMAT,
         "seed": seed,
+        "study": "covered",
+        "general_families": ["arith", "lists", "code"],
         "recipes": {"published": ws.PUBLISH, **ws.ARMS},
         "bench_settings": ws.BENCH,
         "draft_vocab_size": ws.DRAFT_VOCAB,
@@ -515,6 +517,8 @@ def test_the_warm_start_table_is_the_paired_comparison_per_set(tmp_path) -> None
     other = _seed_result(ws, 9, 2.0, 2.0)
     other["recipes"]["warm"] = {**other["recipes"]["warm"], "learning_rate": 1.0}
     (tmp_path / "seed-9.json").write_text(json.dumps(other))
+    (tmp_path / "publisher").mkdir()
+    (tmp_path / "publisher" / "study.yaml").write_text(json.dumps({"target": {"path": "t"}}))
     with pytest.raises(SystemExit, match="other settings"):
         ws.run_all(argparse_ns(work=tmp_path, seeds=[9], out=tmp_path, threads=1, prepared=True))
 
