@@ -16,6 +16,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,102 @@ def _drop_gate_error(
     return err
 
 
+class _Dropped(Exception):
+    """This record is not trained on: ``reason`` is counted, ``message`` kept as the reason's first explanation."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """The ``tokens.*`` settings of one shard (and the dataset's ``reasoning_requested``)."""
+
+    max_seq_len: int
+    overlong: str
+    drop_truncated: bool
+    drop_filtered: bool
+    drop_degenerate: bool
+    special_token_text: str
+    reasoning_requested: bool
+    keep_missing_reasoning: bool
+
+
+class _Target:
+    """What the stage knows of the target: its tokenizer, chat format, stop ids, reasoning markers, and the
+    next-turn openers learned so far (per kind of turn, for templates that write no end)."""
+
+    def __init__(self, target_path: str, tokenizer, trust_remote_code: bool) -> None:
+        tok = tokenizer if tokenizer is not None else load_tokenizer(target_path, trust_remote_code)
+        check_template_markers(tok, target_path, as_server=False)  # rule tokenizer_check did it at the run's start
+        self.tok = tok
+        self.fmt = read_chat_format(tok, read_generation_config(target_path))
+        self.enc = TextEncoder(tok)  # private backend copies: no state left by earlier transformers calls
+        self.stop_ids = set(self.fmt.stop_ids)
+        ids = (self.fmt.think_start_id, self.fmt.think_end_id)
+        self.think_start_text, self.think_end_text = (self.enc.decode([i]) if i is not None else None for i in ids)
+        self._openers: dict[tuple, int | None] = {}
+
+    def opener(self, calls: list[dict[str, Any]] | None, kwargs: dict[str, Any], tools: Any) -> int | None:
+        """The first special token of the turn the template renders next, learned on a one-question probe (the
+        record's own history may change when a turn follows)."""
+        key = (bool(calls), repr(sorted(kwargs.items())), bool(tools))
+        if key not in self._openers:
+            layout = {
+                "role": "assistant",
+                "content": "x",
+                **({"tool_calls": tool_calls_for_template(calls, False)} if calls else {}),
+            }
+            self._openers[key] = next_turn_opener(
+                self.tok, [{"role": "user", "content": PROBE_USER}], layout, self.enc.special_ids, tools, kwargs
+            )
+        return self._openers[key]
+
+
+class _Packer:
+    """The kept sequences of a shard in one flat int32 buffer (no per-sample tensor; the mask is built from the
+    lengths), with each one's id, prompt length and generation prompt."""
+
+    def __init__(self) -> None:
+        self.all_ids = array("i")
+        self.lengths: list[int] = []
+        self.prompt_lengths: list[int] = []
+        self.kept_ids: list[str] = []
+        self.cut: list[int] = []  # sequences that do not end their turn
+        self.gen_prompts: dict[tuple[int, ...], int] = {}
+        self.gen_prompt_index: list[int] = []
+
+    def add(self, sid: str, prompt_ids: list[int], output_ids: list[int], n: int, ended: bool, gp: tuple) -> None:
+        if not ended:
+            self.cut.append(len(self.lengths))
+        self.all_ids.extend(prompt_ids)
+        self.all_ids.extend(output_ids[: n - len(prompt_ids)])
+        self.lengths.append(n)
+        self.prompt_lengths.append(len(prompt_ids))
+        self.gen_prompt_index.append(self.gen_prompts.setdefault(gp, len(self.gen_prompts)))
+        self.kept_ids.append(sid)
+
+    def write(self, out_path: Path, target_path: str, num_dropped: int, stop_ids: set[int]) -> None:
+        """The ``aerie.tokens/3`` shard, self-checked before publishing: a mask bug here must never reach training."""
+        prompts_table = [list(gp) for gp, _ in sorted(self.gen_prompts.items(), key=lambda kv: kv[1])]
+        meta = {
+            "sample_ids": self.kept_ids,
+            "target": str(target_path),
+            "tokenizer_sha256": _tokenizer_sha(target_path),
+            "num_dropped": num_dropped,
+            "prompt_lengths": self.prompt_lengths,
+            "generation_prompts": prompts_table,
+            "generation_prompt_index": self.gen_prompt_index,
+            # /2 readers: the generation prompt when every sequence shares one, else [] (no check of it)
+            "generation_prompt_ids": prompts_table[0] if len(prompts_table) == 1 else [],
+            "stop_ids": sorted(stop_ids),
+            "cut_sequences": self.cut,
+        }
+        write_tokens_shard(out_path, _packed(self.all_ids, self.lengths, self.prompt_lengths), meta)
+
+
 def tokenize_shard(
     responses_path: Path,
     out_path: Path,
@@ -254,266 +351,265 @@ def tokenize_shard(
         raise ValueError(
             f"tokens.special_token_text must be one of {SPECIAL_TOKEN_TEXT_POLICIES}, not {special_token_text!r}"
         )
-    tok = tokenizer if tokenizer is not None else load_tokenizer(target_path, trust_remote_code)
-    check_template_markers(tok, target_path, as_server=False)  # rule tokenizer_check did it at the run's start
-    fmt = read_chat_format(tok, read_generation_config(target_path))
-    enc = TextEncoder(tok)  # private backend copies: no state left by earlier transformers calls
-    stop_ids = set(fmt.stop_ids)
-    think_start_text = enc.decode([fmt.think_start_id]) if fmt.think_start_id is not None else None
-    think_end_text = enc.decode([fmt.think_end_id]) if fmt.think_end_id is not None else None
-    openers: dict[tuple, int | None] = {}
-    rep = ShardReport()
-    all_ids, lengths, prompt_lengths, kept_ids, cut = array("i"), [], [], [], []
-    gen_prompts: dict[tuple[int, ...], int] = {}
-    gen_prompt_index: list[int] = []
+    settings = _Settings(
+        max_seq_len,
+        overlong,
+        drop_truncated,
+        drop_filtered,
+        drop_degenerate,
+        special_token_text,
+        reasoning_requested,
+        keep_missing_reasoning,
+    )
+    target = _Target(target_path, tokenizer, trust_remote_code)
     records = read_jsonl(responses_path)
+    rep, packer = ShardReport(), _Packer()
     dataset = ""
 
-    def render(r: dict[str, Any]) -> TurnText | Exception | str | None:
-        """The template's text of this record's turn or why not: the exception, the drop reason of a record
-        dropped before rendering, None for a malformed line. Runs a chunk ahead of the loop below, which
-        counts or raises each at its record."""
-        if _malformed(r):
-            return None
-        early = _early_drop(
-            r,
-            drop_truncated=drop_truncated,
-            drop_filtered=drop_filtered,
-            missing_reasoning_dropped=not keep_missing_reasoning and _reasoning_requested(r, reasoning_requested),
-        )
-        if early:
-            return early
-        try:
-            return render_turn(
-                tok,
-                r["messages"],
-                r.get("reasoning"),
-                r["content"] or "",
-                r.get("tool_calls"),
-                r.get("tools") or None,
-                _template_kwargs(r),
-                think_start_text=think_start_text,
-                think_end_text=think_end_text,
-            )
-        except Exception as err:  # noqa: BLE001 - any failure belongs to its record, in order
-            return err
+    def render(r: Any) -> TurnText | Exception | str | None:
+        return _render_record(r, target, settings)
 
-    for n, (r, rendered) in enumerate(_rendered_ahead(records, render, enc, chunk_chars=chunk_chars), start=1):
-        where = f"{responses_path}:{n}"
+    for n, (r, rendered) in enumerate(_rendered_ahead(records, render, target.enc, chunk_chars=chunk_chars), start=1):
         problem = _malformed(r)
         if problem:
-            raise FormatError(f"{where}: {problem}")
-        sid = str(r["id"])
+            raise FormatError(f"{responses_path}:{n}: {problem}")
         dataset = dataset or str(r.get("dataset") or "")
-        provider = str(r.get("provider") or r.get("backend") or "unknown")
-        stats = rep.providers[provider]
-        stats.samples += 1
-        reasoning, content = r.get("reasoning"), r["content"] or ""
-        finish = str(r["finish_reason"])
-        rep.finish_reasons[finish] += 1
-        rep.counts["reasoning_requested"] += _reasoning_requested(r, reasoning_requested)
-        # Empty and missing reasoning are different facts: a provider that strips it vs a model that wrote none.
-        if reasoning is None:
-            rep.counts["no_reasoning"] += 1
-            stats.no_reasoning += 1
-        elif not reasoning.strip():
-            rep.counts["empty_reasoning"] += 1
-        else:
-            rep.counts["reasoning_present"] += 1
-            stats.reasoning_present += 1
-        if finish == "length":
-            stats.truncated += 1
-        if isinstance(rendered, str):  # dropped before rendering (_early_drop)
-            rep.drop(rendered, sid, provider)
-            continue
-        finished = finish not in ("length", *FILTERED_FINISH_REASONS)
-        exact = r.get("output_token_ids")
-
-        tools = r.get("tools") or None
-        kwargs = _template_kwargs(r)
+        provider = _count_record(r, rep, settings)
         try:
-            if isinstance(rendered, Exception):
-                raise rendered  # found a chunk ahead; counted or raised here, at its record
-            turn = rendered
-        except (TurnRefused, TemplateRaised) as refused:
-            rep.paths["refused"] += 1
-            reason = getattr(refused, "reason", "template_raised")
-            if exact is None:
-                rep.drop(reason, sid, provider, str(refused))
-                continue
-            turn = None  # exact ids: trained as sampled, the template's view of the turn is only reported
-            if reason not in rep.refusal_messages:
-                rep.refusal_messages[reason] = str(refused)
-        prompt_ids = enc.encode(turn.prompt) if turn is not None else [int(i) for i in r["prompt_token_ids"]]
-        if r.get("prompt_token_ids") is not None and r["prompt_token_ids"] != prompt_ids:
-            # The ids the model actually saw differ from our rendering: the template or tokenizer changed.
-            raise FormatError(
-                f"{where}: prompt ids recorded at generation differ from the chat template's rendering at "
-                f"position {first_diff(prompt_ids, r['prompt_token_ids'])}; was the target or its template changed?"
-            )
-        if len(r["messages"]) > 1 and any(m.get("role") == "assistant" for m in r["messages"]):
-            rep.counts["multi_turn"] += 1
-        if r.get("tool_calls"):
-            rep.counts["tool_calls"] += 1
-        rebuilt = None
-        if turn is not None:
-            rep.paths[turn.path] += 1
-            if turn.fallback_reason:
-                rep.fallback_reasons[turn.fallback_reason] += 1
-            rep.counts["tool_arguments_as_string"] += turn.arguments_as_string
-            for change in turn.normalised[:1]:  # one count per sample, the first change as the example
-                stats.mismatched += exact is None
-                rep.mismatch("template_normalised", {"id": sid, **change})
-
-            record_calls = r.get("tool_calls")
-
-            def opener(calls=record_calls, kw=kwargs, tl=tools) -> int | None:
-                # Learned on a one-question probe: the record's own history may change when a turn follows.
-                key = (bool(calls), repr(sorted(kw.items())), bool(tl))
-                if key not in openers:
-                    layout = {
-                        "role": "assistant",
-                        "content": "x",
-                        **({"tool_calls": tool_calls_for_template(calls, False)} if calls else {}),
-                    }
-                    openers[key] = next_turn_opener(
-                        tok, [{"role": "user", "content": PROBE_USER}], layout, enc.special_ids, tl, kw
-                    )
-                return openers[key]
-
-            try:
-                rb = rebuild_generated(
-                    enc,
-                    turn,
-                    stop_ids,
-                    finished=finished,
-                    policy=special_token_text,
-                    opener=opener,
-                    api_texts={"reasoning": reasoning, "content": content},
-                    turn_end=fmt.turn_end_id,
-                )
-            except Drop as dropped:
-                if exact is None:
-                    rep.drop(dropped.reason, sid, provider, str(dropped))
-                    continue
-                rb = None
-            if rb is not None:
-                rebuilt = rb.ids
-                if rb.special_text:
-                    rep.counts["special_token_text"] += 1
-                    if len(rep.special_text_examples) < MAX_EXAMPLES:
-                        rep.special_text_examples.append(
-                            {"id": sid, "tokens": [f"{f}: {t}" for f, t in rb.special_text[:5]]}
-                        )
-                if rb.added_end:  # the template wrote no end after this turn: the stop token added is counted
-                    rep.added_turn_ends[rb.added_end] += 1
-        if exact is not None:
-            rep.counts["exact_ids_available"] += 1
-            exact = [int(i) for i in exact]
-            if not stop_ids.isdisjoint(exact[:-1]):  # a turn end mid-sequence: never trained
-                rep.drop("stop_token_in_text", sid, provider, "a stop token inside the sampled ids, before their end")
-                continue
-            stats.checked += 1
-            if rebuilt == exact:
-                rep.counts["retokenized_equal"] += 1
-            elif rebuilt is not None:
-                cls = classify_mismatch(tok, fmt, exact, rebuilt, reasoning, content)
-                stats.mismatched += 1
-                rep.mismatch(cls, {"id": sid, **mismatch_example(tok, exact, rebuilt)})
-            output_ids = exact
-        else:
-            stats.checked += 1
-            output_ids = rebuilt
-            usage = r.get("usage") or {}
-            # Text-only APIs: the server's own token counts are a cheap check of the prompt and the rebuild.
-            if usage.get("completion_tokens") is not None:
-                rep.counts["usage_length_checked"] += 1
-                delta = int(usage["completion_tokens"]) - len(rebuilt)
-                rep.usage_deltas[delta] += 1
-                rep.counts["usage_length_equal"] += delta == 0
-                if delta and len(rep.usage_mismatches) < MAX_EXAMPLES:
-                    rep.usage_mismatches.append(
-                        {"id": sid, "server": int(usage["completion_tokens"]), "rebuilt": len(rebuilt)}
-                    )
-            if usage.get("prompt_tokens") is not None:
-                rep.counts["prompt_length_checked"] += 1
-                if int(usage["prompt_tokens"]) == len(prompt_ids):
-                    rep.counts["prompt_length_equal"] += 1
-                elif len(rep.prompt_mismatches) < MAX_EXAMPLES:
-                    rep.prompt_mismatches.append(
-                        {"id": sid, "server": int(usage["prompt_tokens"]), "rendered": len(prompt_ids)}
-                    )
-        ended = bool(output_ids) and output_ids[-1] in stop_ids
-        if not ended and finished:
-            raise FormatError(f"{where}: finish_reason is {finish!r} but the output does not end the turn")
-        # A looping answer is trivially predictable: it would teach the drafter, and flatter it, on loops.
-        if degenerate_flags(output_ids[:-1] if ended else output_ids):
-            stats.degenerate += 1
-            rep.counts["degenerate"] += 1
-            if drop_degenerate:
-                rep.drop("degenerate_output", sid, provider)
-                continue
-
-        n_prompt, n_total = len(prompt_ids), len(prompt_ids) + len(output_ids)
-        if n_total > max_seq_len:
-            if overlong == "drop" or n_prompt >= max_seq_len:
-                rep.drop("over_max_seq_len", sid, provider)
-                continue
-            rep.counts["truncated_to_max_seq_len"] += 1
-            ended = False
-        if not output_ids:
-            rep.drop("empty", sid, provider)
-            continue
-        n = min(n_total, max_seq_len)
-        if not ended:
-            cut.append(len(lengths))
-        # One flat int32 buffer for the shard: no per-sample tensor, the mask is built from the lengths.
-        all_ids.extend(prompt_ids)
-        all_ids.extend(output_ids[: n - n_prompt])
-        lengths.append(n)
-        prompt_lengths.append(n_prompt)
-        gp = enc.encode(turn.generation_prompt) if turn is not None else []
-        gp = tuple(gp) if prompt_ids[len(prompt_ids) - len(gp) :] == gp else ()
-        gen_prompt_index.append(gen_prompts.setdefault(gp, len(gen_prompts)))
-        kept_ids.append(sid)
-        stats.kept += 1
-        stats.lengths.append(n - n_prompt)
-        rep.counts["prompt_tokens"] += n_prompt
-        rep.counts["generated_tokens"] += n - n_prompt
+            _tokenize_record(r, rendered, f"{responses_path}:{n}", target, settings, rep, packer)
+        except _Dropped as dropped:
+            rep.drop(dropped.reason, str(r["id"]), provider, dropped.message)
 
     total_dropped = sum(rep.dropped.values())
-    if records and (not lengths or too_many_dropped(total_dropped, len(records), max_dropped_fraction)):
+    if records and (not packer.lengths or too_many_dropped(total_dropped, len(records), max_dropped_fraction)):
         raise _drop_gate_error(rep, responses_path, len(records), max_dropped_fraction)
     # No records at all is a valid shard: its dataset reached its output-token quota before the shard began
     # (aerie.api: the shard is published empty with its completion record). It yields an empty tokens shard.
-    tensors = _packed(all_ids, lengths, prompt_lengths)
-    prompts_table = [list(gp) for gp, _ in sorted(gen_prompts.items(), key=lambda kv: kv[1])]
-    meta = {
-        "sample_ids": kept_ids,
-        "target": str(target_path),
-        "tokenizer_sha256": _tokenizer_sha(target_path),
-        "num_dropped": total_dropped,
-        "prompt_lengths": prompt_lengths,
-        "generation_prompts": prompts_table,
-        "generation_prompt_index": gen_prompt_index,
-        # /2 readers: the generation prompt when every sequence shares one, else [] (no check of it)
-        "generation_prompt_ids": prompts_table[0] if len(prompts_table) == 1 else [],
-        "stop_ids": sorted(stop_ids),
-        "cut_sequences": cut,
-    }
-    # Self-checked before publishing: a mask bug in this stage must never reach training.
-    write_tokens_shard(out_path, tensors, meta)
-
+    packer.write(out_path, target_path, total_dropped, target.stop_ids)
     report = rep.as_dict(
         dataset,
         samples=len(records),
-        kept=len(kept_ids),
+        kept=len(packer.kept_ids),
         special_token_text_policy=special_token_text,
         missing_reasoning_policy="keep" if keep_missing_reasoning else "drop",
     )
     atomic_write_json(report_path, report)
     rep.log_summary(report, out_path.name, report_path, log)
     return report
+
+
+def _render_record(r: Any, target: _Target, settings: _Settings) -> TurnText | Exception | str | None:
+    """The template's text of this record's turn or why not: the exception, the drop reason of a record dropped
+    before rendering, None for a malformed line. Runs a chunk ahead of the stage's loop, which counts or raises
+    each at its record."""
+    if _malformed(r):
+        return None
+    early = _early_drop(
+        r,
+        drop_truncated=settings.drop_truncated,
+        drop_filtered=settings.drop_filtered,
+        missing_reasoning_dropped=not settings.keep_missing_reasoning
+        and _reasoning_requested(r, settings.reasoning_requested),
+    )
+    if early:
+        return early
+    try:
+        return render_turn(
+            target.tok,
+            r["messages"],
+            r.get("reasoning"),
+            r["content"] or "",
+            r.get("tool_calls"),
+            r.get("tools") or None,
+            _template_kwargs(r),
+            think_start_text=target.think_start_text,
+            think_end_text=target.think_end_text,
+        )
+    except Exception as err:  # noqa: BLE001 - any failure belongs to its record, in order
+        return err
+
+
+def _provider(r: dict[str, Any]) -> str:
+    return str(r.get("provider") or r.get("backend") or "unknown")
+
+
+def _count_record(r: dict[str, Any], rep: ShardReport, settings: _Settings) -> str:
+    """Count what the record is before deciding on it (finish reason, reasoning present, empty or missing, per
+    provider); its provider."""
+    provider = _provider(r)
+    stats = rep.providers[provider]
+    stats.samples += 1
+    reasoning, finish = r.get("reasoning"), str(r["finish_reason"])
+    rep.finish_reasons[finish] += 1
+    rep.counts["reasoning_requested"] += _reasoning_requested(r, settings.reasoning_requested)
+    # Empty and missing reasoning are different facts: a provider that strips it vs a model that wrote none.
+    if reasoning is None:
+        rep.counts["no_reasoning"] += 1
+        stats.no_reasoning += 1
+    elif not reasoning.strip():
+        rep.counts["empty_reasoning"] += 1
+    else:
+        rep.counts["reasoning_present"] += 1
+        stats.reasoning_present += 1
+    if finish == "length":
+        stats.truncated += 1
+    return provider
+
+
+def _tokenize_record(
+    r: dict[str, Any],
+    rendered: TurnText | Exception | str | None,
+    where: str,
+    target: _Target,
+    settings: _Settings,
+    rep: ShardReport,
+    packer: _Packer,
+) -> None:
+    """One record's decision: its turn as the template renders it, the prompt ids, the generated ids (the exact
+    sampled ones when kept, else the rebuild from text), the loop and length checks, then packed. Raises
+    _Dropped (counted by the caller) or FormatError (the record contradicts the target)."""
+    if isinstance(rendered, str):  # dropped before rendering (_early_drop)
+        raise _Dropped(rendered)
+    sid = str(r["id"])
+    finished = str(r["finish_reason"]) not in ("length", *FILTERED_FINISH_REASONS)
+    turn = _turn_or_refusal(rendered, r, rep)
+    prompt_ids = target.enc.encode(turn.prompt) if turn is not None else [int(i) for i in r["prompt_token_ids"]]
+    if r.get("prompt_token_ids") is not None and r["prompt_token_ids"] != prompt_ids:
+        # The ids the model actually saw differ from our rendering: the template or tokenizer changed.
+        raise FormatError(
+            f"{where}: prompt ids recorded at generation differ from the chat template's rendering at "
+            f"position {first_diff(prompt_ids, r['prompt_token_ids'])}; was the target or its template changed?"
+        )
+    if len(r["messages"]) > 1 and any(m.get("role") == "assistant" for m in r["messages"]):
+        rep.counts["multi_turn"] += 1
+    if r.get("tool_calls"):
+        rep.counts["tool_calls"] += 1
+    rebuilt = _rebuilt_ids(r, turn, finished, target, settings, rep) if turn is not None else None
+    output_ids = _output_ids(r, rebuilt, prompt_ids, target, rep)
+    ended = bool(output_ids) and output_ids[-1] in target.stop_ids
+    if not ended and finished:
+        raise FormatError(f"{where}: finish_reason is {r['finish_reason']!r} but the output does not end the turn")
+    stats = rep.providers[_provider(r)]
+    # A looping answer is trivially predictable: it would teach the drafter, and flatter it, on loops.
+    if degenerate_flags(output_ids[:-1] if ended else output_ids):
+        stats.degenerate += 1
+        rep.counts["degenerate"] += 1
+        if settings.drop_degenerate:
+            raise _Dropped("degenerate_output")
+    n_prompt, n_total = len(prompt_ids), len(prompt_ids) + len(output_ids)
+    if n_total > settings.max_seq_len:
+        if settings.overlong == "drop" or n_prompt >= settings.max_seq_len:
+            raise _Dropped("over_max_seq_len")
+        rep.counts["truncated_to_max_seq_len"] += 1
+        ended = False
+    if not output_ids:
+        raise _Dropped("empty")
+    n = min(n_total, settings.max_seq_len)
+    gp = target.enc.encode(turn.generation_prompt) if turn is not None else []
+    gp = tuple(gp) if prompt_ids[len(prompt_ids) - len(gp) :] == gp else ()
+    packer.add(sid, prompt_ids, output_ids, n, ended, gp)
+    stats.kept += 1
+    stats.lengths.append(n - n_prompt)
+    rep.counts["prompt_tokens"] += n_prompt
+    rep.counts["generated_tokens"] += n - n_prompt
+
+
+def _turn_or_refusal(rendered: TurnText | Exception | None, r: dict[str, Any], rep: ShardReport) -> TurnText | None:
+    """The rendered turn; a refusal drops a text-only record and leaves one with exact ids to train as sampled (the
+    template's view of its turn is only reported: None)."""
+    try:
+        if isinstance(rendered, Exception):
+            raise rendered  # found a chunk ahead; counted or raised here, at its record
+        return rendered
+    except (TurnRefused, TemplateRaised) as refused:
+        rep.paths["refused"] += 1
+        reason = getattr(refused, "reason", "template_raised")
+        if r.get("output_token_ids") is None:
+            raise _Dropped(reason, str(refused)) from None
+        if reason not in rep.refusal_messages:
+            rep.refusal_messages[reason] = str(refused)
+        return None
+
+
+def _rebuilt_ids(
+    r: dict[str, Any], turn: TurnText, finished: bool, target: _Target, settings: _Settings, rep: ShardReport
+) -> list[int] | None:
+    """The generated ids rebuilt from the template's text of the turn (``rebuild_generated``), with what the
+    rebuild found counted; None where a record with exact ids cannot be rebuilt (its ids are trained)."""
+    sid, exact = str(r["id"]), r.get("output_token_ids")
+    stats = rep.providers[_provider(r)]
+    rep.paths[turn.path] += 1
+    if turn.fallback_reason:
+        rep.fallback_reasons[turn.fallback_reason] += 1
+    rep.counts["tool_arguments_as_string"] += turn.arguments_as_string
+    for change in turn.normalised[:1]:  # one count per sample, the first change as the example
+        stats.mismatched += exact is None
+        rep.mismatch("template_normalised", {"id": sid, **change})
+    calls, kwargs, tools = r.get("tool_calls"), _template_kwargs(r), r.get("tools") or None
+    try:
+        rb = rebuild_generated(
+            target.enc,
+            turn,
+            target.stop_ids,
+            finished=finished,
+            policy=settings.special_token_text,
+            opener=lambda: target.opener(calls, kwargs, tools),
+            api_texts={"reasoning": r.get("reasoning"), "content": r["content"] or ""},
+            turn_end=target.fmt.turn_end_id,
+        )
+    except Drop as dropped:
+        if exact is None:
+            raise _Dropped(dropped.reason, str(dropped)) from None
+        return None
+    if rb.special_text:
+        rep.counts["special_token_text"] += 1
+        if len(rep.special_text_examples) < MAX_EXAMPLES:
+            rep.special_text_examples.append({"id": sid, "tokens": [f"{f}: {t}" for f, t in rb.special_text[:5]]})
+    if rb.added_end:  # the template wrote no end after this turn: the stop token added is counted
+        rep.added_turn_ends[rb.added_end] += 1
+    return rb.ids
+
+
+def _output_ids(
+    r: dict[str, Any], rebuilt: list[int] | None, prompt_ids: list[int], target: _Target, rep: ShardReport
+) -> list[int]:
+    """The generated ids trained on: the exact sampled ids when the backend kept them (the rebuild compared with
+    them, each mismatch classified), else the rebuild, checked against the server's own token counts."""
+    sid, exact = str(r["id"]), r.get("output_token_ids")
+    stats = rep.providers[_provider(r)]
+    if exact is not None:
+        rep.counts["exact_ids_available"] += 1
+        exact = [int(i) for i in exact]
+        if not target.stop_ids.isdisjoint(exact[:-1]):  # a turn end mid-sequence: never trained
+            raise _Dropped("stop_token_in_text", "a stop token inside the sampled ids, before their end")
+        stats.checked += 1
+        if rebuilt == exact:
+            rep.counts["retokenized_equal"] += 1
+        elif rebuilt is not None:
+            cls = classify_mismatch(target.tok, target.fmt, exact, rebuilt, r.get("reasoning"), r["content"] or "")
+            stats.mismatched += 1
+            rep.mismatch(cls, {"id": sid, **mismatch_example(target.tok, exact, rebuilt)})
+        return exact
+    assert rebuilt is not None  # a text-only record without a rebuild was dropped
+    stats.checked += 1
+    usage = r.get("usage") or {}
+    # Text-only APIs: the server's own token counts are a cheap check of the prompt and the rebuild.
+    if usage.get("completion_tokens") is not None:
+        rep.counts["usage_length_checked"] += 1
+        delta = int(usage["completion_tokens"]) - len(rebuilt)
+        rep.usage_deltas[delta] += 1
+        rep.counts["usage_length_equal"] += delta == 0
+        if delta and len(rep.usage_mismatches) < MAX_EXAMPLES:
+            rep.usage_mismatches.append({"id": sid, "server": int(usage["completion_tokens"]), "rebuilt": len(rebuilt)})
+    if usage.get("prompt_tokens") is not None:
+        rep.counts["prompt_length_checked"] += 1
+        if int(usage["prompt_tokens"]) == len(prompt_ids):
+            rep.counts["prompt_length_equal"] += 1
+        elif len(rep.prompt_mismatches) < MAX_EXAMPLES:
+            rep.prompt_mismatches.append(
+                {"id": sid, "server": int(usage["prompt_tokens"]), "rendered": len(prompt_ids)}
+            )
+    return rebuilt
 
 
 def _packed(all_ids: array, lengths: list[int], prompt_lengths: list[int]) -> dict[str, torch.Tensor]:
