@@ -4,7 +4,7 @@ T, one training step (forward, backward, clip) with the chunked TTT attention ke
 every gradient); then the loader's tokens/s (packed batches of a compact hidden shard, read, pinned, copied and
 dequantised on the device, with the next one prefetched).
 
-    python bench/gpu_check.py --out bench/results/gpu_check.json            # on the GPU host (H200: ~6-8 min)
+    python bench/gpu_check.py --out bench/results/gpu_check.json            # on the GPU host (H200: ~6-10 min)
     python bench/gpu_check.py --toy --out /tmp/gpu_check.json              # CPU, tiny dims (tests/test_gpu_check.py)
     python bench/gpu_check.py --table bench/results/gpu_check.json          # the RESULTS table from a JSON
 
@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--toy", action="store_true", help="tiny dims on the CPU (the test)")
     parser.add_argument("--lengths", type=int, nargs="*", help="windows T (default 4k/8k/16k/32k; toy 64, 96)")
     parser.add_argument("--kinds", nargs="*", default=["llama", "mla"])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="timed forward passes after the warm-up")
     parser.add_argument("--table", type=Path, help="print the RESULTS table of this JSON and exit")
     args = parser.parse_args()
     if args.table:

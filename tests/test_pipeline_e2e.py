@@ -54,7 +54,11 @@ def small_demo_config() -> dict:
     config["tokens"]["max_dropped_fraction"] = 0.75  # ... or answers nothing (flagged empty): few samples here
     config["hidden"]["min_next_token_agreement"] = 0.9
     config["drafter"] = {**(config.get("drafter") or {}), "epochs": 1}
-    config["bench"].update({"max_new_tokens": 16, "max_prompts": 3, "warmup": 0})
+    # One prompt of each set: the three datasets' held-out prompts and a bench.sets set (rule bench_set).
+    config["bench"].update({"max_new_tokens": 16, "max_prompts": 1, "warmup": 0})
+    config["bench"]["sets"] = {
+        "arith": {"source": {"kind": "synthetic", "families": ["arith"], "count": 4, "seed": 99}}
+    }
     # A 40-step target and one epoch cannot pay off: the gate is tested on its own below.
     config["bench"]["gate"] = {"min_speedup": 0.0, "must_beat_references": False}
     return config
@@ -142,10 +146,12 @@ def test_the_demo_writes_training_curves_a_model_card_and_progress_lines(demo_ru
 def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
     workdir, _ = demo_run
     bench = json.loads((workdir / "results" / "bench" / "demo.json").read_text())
-    assert bench["format"] == "aerie.bench/2"
+    assert bench["format"] == "aerie.bench/3"
     assert set(bench["methods"]) == {"eagle3", "untrained", "ngram"}
     assert (workdir / "results" / "bench" / "demo.png").stat().st_size > 10_000
-    assert bench["prompts"] == 3
+    assert list(bench["sets"]) == ["tasks", "humaneval", "chat", "arith"] and bench["prompts"] == 4
+    assert all(t["prompts"] == 1 and set(t["methods"]) == set(bench["methods"]) for t in bench["sets"].values())
+    assert (workdir / "results" / "bench" / "sets" / "arith.jsonl").exists()
     base, spec = bench["baseline"]["tokens_per_s"], bench["speculative"]["tokens_per_s"]
     assert base > 0 and spec > 0
     assert bench["speedup"] == pytest.approx(spec / base, rel=1e-6)
@@ -155,10 +161,13 @@ def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
 
 
 def test_gate_fails_the_benchmark_job_and_keeps_the_evidence(demo_run) -> None:
-    """A drafter below bench.gate.min_speedup makes the bench job fail with the measured figures."""
+    """A drafter below bench.gate.min_speedup makes the bench job fail with the measured figures; a reference drafter
+    folder (here the trained drafter's own: a tie, which is no win) is served beside it and loses it every set, named;
+    the failure says which drafter to serve instead."""
     workdir, configfile = demo_run
     config = yaml.safe_load(configfile.read_text())
-    config["bench"]["gate"] = {"min_speedup": 50.0}
+    config["bench"]["gate"] = {"min_speedup": 50.0, "beat_references_on": ["acceptance_length"]}
+    config["bench"]["references"] = ["untrained", "ngram", "results/drafter/demo"]
     gated = workdir / "gated.yaml"
     gated.write_text(yaml.safe_dump(config))
     proc = snakemake(workdir, "--cores", "2", "--forcerun", "bench", "--configfile", str(gated))
@@ -169,6 +178,12 @@ def test_gate_fails_the_benchmark_job_and_keeps_the_evidence(demo_run) -> None:
     assert "tok/s with the drafter vs" in log
     kept = json.loads((workdir / "results" / "bench" / "demo.gate-failed.json").read_text())
     assert kept["speedup"] < 50
+    assert kept["methods"]["results/drafter/demo"]["kind"] == "drafter" and len(kept["sets"]) == 4
+    for name, table in kept["sets"].items():  # the same drafter: the same acceptance, a tie on every set
+        twin = table["methods"]["results/drafter/demo"]["acceptance_length"]
+        assert twin == table["methods"]["eagle3"]["acceptance_length"]
+        assert f"set {name}: the trained drafter's acceptance length {twin or 0:.3f} does not beat reference " in log
+    assert "serve" in log and kept["gate"]["passed"] is False
     assert not (workdir / "results" / "bench" / "demo.json").exists()  # never published as a pass
     # Restore the passing report for the tests that follow.
     proc = snakemake(workdir, "--cores", "2", "--configfile", str(configfile))

@@ -135,25 +135,76 @@ def honour_request_sampling(default_seed: int | None = None) -> None:
     keeps the model's ``generation_config.do_sample``, False unless the folder's generation_config.json says
     otherwise: such a folder would be decoded greedily whatever temperature and top_p the request asks for.
 
-    Seeds: transformers 5's server seeds the process-wide torch RNG when a request arrives (``set_torch_seed`` in
-    ``BaseHandler._build_generation_config``, on the event-loop thread), but generates one request at a time later,
-    on its inference thread. With several requests in flight a request's ``seed`` therefore seeds whichever
-    generation runs next, and an arrival reseeds the one running: answers depend on timing. This moves the seeding
-    to the inference thread, right before each ``generate``, from the request's ``seed`` (``default_seed`` when
-    it has none; unseeded when both are None) mixed with its prompt ids (``request_seed``). A retried request then
-    gets the same answer whatever else is in flight. Covers the sequential generation path, the one the
-    launcher serves (continuous batching is never enabled by it).
+    Seeds: each request is seeded right before its ``generate``, on the thread that generates, from the request's
+    ``seed`` (``default_seed`` when it has none; unseeded when both are None) mixed with its prompt ids
+    (``request_seed``), so one seed sent with every request still gives different prompts independent draws and a
+    retried request gets the same answer whatever else is in flight. Covers the sequential generation path, the one
+    the launcher serves (continuous batching is never enabled by it).
+
+    Two layouts of ``transformers.cli.serving`` are known; anything else is refused by name rather than served
+    with sampling that silently differs:
+    - 5.24: ``BaseHandler._build_generation_config`` seeds the process-wide RNG on the event-loop thread when a
+      request arrives, while ``GenerateManager`` generates later on its inference thread (answers depend on timing):
+      the seed is moved to the inference thread.
+    - 5.25: ``BaseHandler._build_generation_kwargs`` carries the ``seed`` to ``GenerateRunner``, which seeds in the
+      model's own (spawned) process right before ``generate``: the request's seed is mixed with its prompt there.
+      That process re-imports this module as ``__mp_main__``; the launcher's settings reach it through the
+      environment (``LAUNCHER_ENV``), and ``_prepare_spawned_process`` patches it the same way.
     """
     from transformers.cli.serving import utils as serving
 
-    base, manager = getattr(serving, "BaseHandler", None), getattr(serving, "GenerateManager", None)
-    if base is None or manager is None or not hasattr(base, "_build_generation_config"):
+    base = getattr(serving, "BaseHandler", None)
+    if base is not None and hasattr(base, "_build_generation_kwargs") and hasattr(serving, "GenerateRunner"):
+        _seed_per_request_runner(serving, default_seed)
+    elif base is not None and hasattr(base, "_build_generation_config") and hasattr(serving, "GenerateManager"):
+        _seed_per_request_manager(serving, default_seed)
+    else:
         import transformers
 
         raise RuntimeError(
-            f"transformers {transformers.__version__}: transformers.cli.serving.utils has no BaseHandler."
-            "_build_generation_config / GenerateManager, which aerie.api.serve seeds per request (written for 5.24)"
+            f"transformers {transformers.__version__}: transformers.cli.serving.utils has neither BaseHandler."
+            "_build_generation_kwargs with GenerateRunner (5.25) nor BaseHandler._build_generation_config with "
+            "GenerateManager (5.24), which aerie.api.serve seeds per request; install transformers>=5.24,<5.26"
         )
+
+
+def _prompt_ids(inputs: dict) -> list[int]:
+    """The prompt's token ids, from a batch of one (tensors) or a plain list (continuous batching)."""
+    ids = inputs["input_ids"]
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
+
+
+def _samples_when_warm(body: dict) -> bool:
+    return body.get("temperature") is not None and float(body["temperature"]) > 0
+
+
+def _seed_per_request_runner(serving: Any, default_seed: int | None) -> None:
+    """transformers 5.25: the request's seed travels in its generation kwargs to ``GenerateRunner.generate``."""
+    base, runner = serving.BaseHandler, serving.GenerateRunner
+    build, generate = base._build_generation_kwargs, runner.generate
+
+    def build_generation_kwargs(self: Any, body: dict, model_generation_config: Any) -> dict:
+        kwargs = build(self, body, model_generation_config)
+        if _samples_when_warm(body):
+            kwargs["do_sample"] = True
+        if kwargs.get("seed") is None and default_seed is not None:
+            kwargs["seed"] = int(default_seed)
+        return kwargs
+
+    def seeded_generate(self: Any, request_id: int, inputs: dict, generation_kwargs: dict, stream: bool) -> None:
+        if generation_kwargs.get("seed") is not None:
+            seed = request_seed(int(generation_kwargs["seed"]), _prompt_ids(inputs))
+            generation_kwargs = {**generation_kwargs, "seed": seed}
+        return generate(self, request_id, inputs, generation_kwargs, stream)
+
+    base._build_generation_kwargs = build_generation_kwargs
+    runner.generate = seeded_generate
+
+
+def _seed_per_request_manager(serving: Any, default_seed: int | None) -> None:
+    """transformers 5.24: the seed is taken off the request at arrival and set right before its ``generate``."""
+    base, manager = serving.BaseHandler, serving.GenerateManager
     seeds: dict[int, int] = {}  # id(generation config) -> the request's seed, until its generate starts
     build, non_streaming, streaming = (
         base._build_generation_config,
@@ -164,7 +215,7 @@ def honour_request_sampling(default_seed: int | None = None) -> None:
     def build_generation_config(self: Any, body: dict, model_generation_config: Any, use_cb: bool = False) -> Any:
         seed = body["seed"] if body.get("seed") is not None else default_seed
         config = build(self, {k: v for k, v in body.items() if k != "seed"}, model_generation_config, use_cb=use_cb)
-        if body.get("temperature") is not None and float(body["temperature"]) > 0:
+        if _samples_when_warm(body):
             config.do_sample = True
         if seed is not None:
             seeds[id(config)] = int(seed)
@@ -174,7 +225,7 @@ def honour_request_sampling(default_seed: int | None = None) -> None:
         seed = seeds.pop(id(gen_config), None)
         if seed is None:
             return model
-        return _SeededGenerate(model, request_seed(seed, inputs["input_ids"][0].tolist()))
+        return _SeededGenerate(model, request_seed(seed, _prompt_ids(inputs)))
 
     async def generate_non_streaming(
         self: Any, model: Any, processor: Any, inputs: dict, gen_config: Any, request_id: str
@@ -196,6 +247,25 @@ def honour_request_sampling(default_seed: int | None = None) -> None:
     base._build_generation_config = build_generation_config
     manager.generate_non_streaming = generate_non_streaming
     manager.generate_streaming = generate_streaming
+
+
+# The launcher's settings, for the processes `transformers serve` spawns (5.25 loads the model in one of its own).
+LAUNCHER_ENV = "AERIE_SERVE_LAUNCHER"
+
+
+def _prepare(model_path: str, default_seed: int | None) -> None:
+    expose_remote_architecture(model_path)
+    honour_request_sampling(default_seed)
+
+
+def _prepare_spawned_process() -> None:
+    """In a process ``transformers serve`` spawned from the launcher: the same preparation as the launcher's."""
+    import json
+
+    settings = os.environ.get(LAUNCHER_ENV)
+    if settings:
+        launcher = json.loads(settings)
+        _prepare(launcher["model"], launcher["default_seed"])
 
 
 def _tail(path: Path, n: int = 20) -> str:
@@ -275,8 +345,10 @@ def main(argv: list[str] | None = None) -> None:
         except (IndexError, ValueError):
             raise SystemExit(f"{DEFAULT_REQUEST_SEED_FLAG} takes an integer\n{usage}") from None
         del argv[at : at + 2]
-    expose_remote_architecture(argv[1])
-    honour_request_sampling(default_seed)
+    import json
+
+    os.environ[LAUNCHER_ENV] = json.dumps({"model": argv[1], "default_seed": default_seed})  # spawned processes
+    _prepare(argv[1], default_seed)
     from transformers.cli.transformers import app
 
     app(argv, prog_name="transformers")
@@ -284,3 +356,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # this launcher's module, re-imported by a process `transformers serve` spawned
+    _prepare_spawned_process()

@@ -100,4 +100,13 @@ class TrainConfig:
 
 
 # Settings a resumed run may change: they do not alter what is computed.
-RESUME_MAY_CHANGE = ("threads", "log_every", "checkpoint_every", "resume", "device", "tensorboard", "wandb_project", "attention_kernel")
+RESUME_MAY_CHANGE = (
+    "threads",
+    "log_every",
+    "checkpoint_every",
+    "resume",
+    "device",
+    "tensorboard",
+    "wandb_project",
+    "attention_kernel",
+)

@@ -32,12 +32,14 @@ _compiled_flex = None
 
 
 def _flex(device: torch.device):
-    """flex_attention compiled once per process on CUDA (the fused kernel); eager elsewhere."""
+    """flex_attention compiled on CUDA (the fused kernel; torch.compile's default shape policy: a second window
+    length recompiles it once with dynamic lengths, so packed batches' varying row extents do not recompile
+    again); eager elsewhere."""
     global _compiled_flex
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
