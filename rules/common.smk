@@ -193,16 +193,29 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
 
     _tokens_per_sample = expected_tokens_per_sample(config, Path("results"), PLANS)
     _expected_samples = (
-        {n: e.expected_samples for n, e in _preview.datasets.items()} if _preview is not None else None
+        {n: e.expected_samples for n, e in _preview.datasets.items()}
+        if _preview is not None
+        else None
     )
     print(
-        disk_preview(config, PLANS, Path("results"), _tokens_per_sample, expected_samples=_expected_samples),
+        disk_preview(
+            config,
+            PLANS,
+            Path("results"),
+            _tokens_per_sample,
+            expected_samples=_expected_samples,
+        ),
         file=sys.stderr,
     )
     # hours per GPU stage, from committed measurements only (aerie.time_preview)
     from aerie.time_preview import planned_samples, time_preview
 
-    print(time_preview(config, planned_samples(PLANS, _expected_samples), _tokens_per_sample), file=sys.stderr)
+    print(
+        time_preview(
+            config, planned_samples(PLANS, _expected_samples), _tokens_per_sample
+        ),
+        file=sys.stderr,
+    )
 
 
 # drafter.init: the dry run shows where the start folder is and what is taken from it; a real run without the folder
