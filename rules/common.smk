@@ -125,7 +125,7 @@ def get_final_outputs():
         f"results/bench/{RUN}.json",
         f"results/bench/{RUN}.png",
         "results/report/spend.png",  # rule report_figures (all figures of snakemake --report)
-        f"results/publish/{RUN}",  # rule model_card: the drafter folder to publish, with its model card
+        f"results/publish/{RUN}",  # model_card (its rule): the drafter folder to publish, with its model card
     ]
 
 

@@ -4,8 +4,9 @@ Layers (a module may import from its own layer or a lower one, never a higher on
   0  aerie.artifacts                      atomic publishing, packed safetensors, JSONL
   1  aerie.formats.*, aerie.target_model.*      one module per on-disk format; everything about the target model
   2  everything else (the stages, the drafter, the API client, benchmarks, prompt sources)
-  3  the planning layer: aerie.plan, aerie.config_file, aerie.disk, aerie.fit (the config, the shard plan, the
-     previews); it resolves a run's settings and hands them down (aerie.api.settings.ApiRun for the API job)
+  3  the planning layer: aerie.plan, aerie.config_file, aerie.disk, aerie.fit, aerie.time_preview (the config,
+     the shard plan, the previews); it resolves a run's settings and hands them down (aerie.api.settings.ApiRun
+     for the API job)
 and no import cycle anywhere, counting imports inside functions too. Within layer 2 the API package never reads
 prompt sources (aerie.prompts & co. price prompts with aerie.api.money, so they sit above it): its jobs get their
 prompts from the prompt shards (aerie.formats.prompts) and the plan's resolved settings.
@@ -63,7 +64,7 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-PLANNING = ("aerie.plan", "aerie.config_file", "aerie.disk", "aerie.fit")
+PLANNING = ("aerie.plan", "aerie.config_file", "aerie.disk", "aerie.fit", "aerie.time_preview")
 PROMPT_SOURCES = ("aerie.prompts", "aerie.prompt_sources", "aerie.prompt_cache")
 
 

@@ -320,6 +320,7 @@ OPEN_OBJECTS = {
     "datasets.*.responses": "overrides of the responses section, checked against it by aerie.plan.responses_config",
     "datasets.*.source": "closed per source kind by its allOf/then branches",
     "bench.chat_template_kwargs": "the target's chat template's own keyword arguments (thinking, enable_thinking ...)",
+    "datasets.*.source#then.chat_template_kwargs": "recorded answers' template keyword arguments, the template's own",
     "responses.provider.sort": "OpenRouter's sort object (or a string)",
     "responses.provider.max_price": "OpenRouter's price caps, passed as is",
     "responses.provider.preferred_min_throughput": "OpenRouter's percentile object (or a number)",
