@@ -485,7 +485,7 @@ def bench_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None,
     # In-process, each drafter holds its own copy of the target's input embeddings (Eagle3Drafter
     # .load_target_embeddings copies them; SGLang's EAGLE worker shares them): [V, H] each, Kimi's 2.35 GB in bf16.
     embeddings = int(text["vocab_size"]) * int(text["hidden_size"]) * a
-    fit.parts["drafter + untrained reference"] = 2 * (drafter_weight_bytes(config, text, a) + embeddings)
+    fit.parts.update(_inprocess_drafters(config, text, a, embeddings))
     fit.parts["forward"] = sequence * forward_bytes_per_token(text, a)
     # The prefill's logits over the whole prompt where the target's forward takes no logits_to_keep (remote-code
     # wrappers such as Kimi's: aerie.bench.speculative asks for the last position only where it can).
@@ -494,6 +494,34 @@ def bench_fit(config: dict[str, Any], facts: TargetFacts, gpu_bytes: int | None,
     fit.notes.append(f"one sequence of {prompt_tokens:,} prompt + bench.max_new_tokens tokens")
     fit.setting = "set bench.backend: sglang (tensor parallel over sglang.tp), or give the job more GPUs"
     return fit
+
+
+def _inprocess_drafters(config: dict[str, Any], text: dict[str, Any], a: int, embeddings: int) -> dict[str, int]:
+    """The drafters the in-process benchmark holds at once: the trained one and each drafter reference (untrained,
+    and every drafter folder: its stored tensors at the target's dtype where the folder is here, else the trained
+    drafter's size), each with its own copy of the target's embeddings."""
+    from aerie.bench.settings import resolve_references
+    from aerie.drafter.folder import EMBED_NAME, DrafterFolderError, read_drafter_folder
+
+    trained = drafter_weight_bytes(config, text, a)
+    parts = {"trained drafter": trained + embeddings}
+    try:
+        refs = resolve_references(config["bench"])  # relative folders: the workflow directory (cwd)
+    except ValueError:
+        refs = []  # the bench settings' own check names the problem
+    for r in refs:
+        if r.kind == "untrained":
+            parts["untrained reference"] = trained + embeddings
+        elif r.kind == "drafter":
+            size = trained
+            if r.folder is not None:
+                try:
+                    stored = read_drafter_folder(r.folder).tensors
+                    size = sum(math.prod(t.shape) * a for n, t in stored.items() if n != EMBED_NAME)
+                except DrafterFolderError:
+                    pass  # refused with its reasons by the bench settings' check
+            parts[f"reference {r.name}"] = size + embeddings
+    return parts
 
 
 def _sglang_bench_fit(

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import REPO
 from tiny_world import char_chat_tokenizer, write_prompts
 
 from aerie.bench import sglang_server
 from aerie.bench.job import gated_benchmark
+from aerie.drafter.model import Eagle3Drafter
+from aerie.drafter.shape import DrafterConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 SPECIALS = ["<unk>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -34,16 +38,19 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     tok.save_pretrained(target)
     drafter = tmp_path / "results" / "drafter" / "run"
     drafter.mkdir(parents=True)
-    (drafter / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLMEagle3"],
-                "vocab_size": len(vocab),
-                "draft_vocab_size": 64,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True},
-            }
-        )
+    # A real drafter folder (config.json + weights, as aerie exports it): references are checked tensor for tensor.
+    shape = DrafterConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=len(vocab),
+        draft_vocab_size=64,
+        aux_layer_ids=[1, 2, 3],
     )
+    torch.manual_seed(0)
+    Eagle3Drafter(shape).save_pretrained(drafter)
     (drafter / "eval.json").write_text(json.dumps({"simulated_acceptance_length_by_steps": [1.9, 2.6, 2.9]}))
     prompt_files = []
     for name, texts in (
@@ -321,7 +328,7 @@ def test_a_published_drafter_folder_is_served_with_the_same_flags_and_a_loss_to_
     server with the trained drafter's flags, on the same prompts. It accepts more (the stand-in: 4 tokens per verify
     step vs 3), so the gate fails on every set, naming it and the figures, and says to serve it instead."""
     published = world["out"].parent / "published"
-    published.mkdir()
+    shutil.copytree(world["drafter"], published)  # the weights: a reference folder is checked tensor for tensor
     cfg = json.loads((world["drafter"] / "config.json").read_text())
     (published / "config.json").write_text(json.dumps({**cfg, "fake_accept": 4}))
     logs: list[str] = []

@@ -568,7 +568,8 @@ import aerie.drafter.distributed as distributed
 distributed.processes_for = lambda gpus, cfg: gpus  # pretend CUDA shows the granted GPUs: torchrun runs on CPU (gloo)
 a = json.loads(sys.argv[1])
 snakemake = NS(input=NS(hidden=a["hidden"], vocab=a["vocab"]),
-               params=NS(target=a["target"], drafter=a["drafter"], aux_layer_ids=a["aux_layer_ids"]),
+               params=NS(target=a["target"], drafter=a["drafter"], aux_layer_ids=a["aux_layer_ids"], card={},
+                         sglang={}),
                output=[a["out"]], log=[a["log"]], threads=2, resources=NS(gpu=2))
 runpy.run_path(a["script"], init_globals={"snakemake": snakemake})
 """

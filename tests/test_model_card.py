@@ -121,6 +121,7 @@ def test_the_published_folder_links_the_drafter_and_adds_the_bench_and_the_card(
     (drafter / "model.safetensors").write_bytes(b"weights")
     (drafter / "tensorboard" / "events.out.tfevents.1").write_bytes(b"curves")
     (drafter / "README.md").write_text("the export card\n")
+    (drafter / ".snakemake_timestamp").write_text("")  # Snakemake's marker of the directory output: never linked
     bench = tmp_path / "results" / "bench" / "demo.json"
     bench.parent.mkdir(parents=True)
     bench.write_text(json.dumps(BENCH_3))

@@ -149,8 +149,9 @@ def test_sglang_backends_outside_sglangs_env_are_refused_before_any_job(workdir:
     assert "--workflow-profile profiles/gpu-host" in out and "--software-deployment-method conda" in out
     assert "set bench.backend: inprocess" in out
     assert "Job stats" not in out  # refused while the DAG was built: no plan was printed
-    # The same with bench.backend inprocess: now rule hidden is the one refused.
-    rc, out = dry_run(workdir, "--configfile", configfile, "--config", "bench={'backend': 'inprocess'}")
+    # The same with bench.backend inprocess (and references it can decode): now rule hidden is the one refused.
+    inprocess = "bench={'backend': 'inprocess', 'references': ['ngram']}"
+    rc, out = dry_run(workdir, "--configfile", configfile, "--config", inprocess)
     assert rc != 0 and "hidden.backend: sglang runs rule hidden in SGLang's own environment" in out, out
     assert "set hidden.backend: hf" in out
     # sglang importable by this Python (a package of that name first on its path): the jobs would run here.

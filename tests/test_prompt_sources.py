@@ -310,7 +310,7 @@ def kimi_stand_in_config(workdir: Path, rows: int = 5) -> dict:
 def test_kimi_example_names_hub_datasets_and_never_downloads_in_a_dry_run(workdir: Path) -> None:
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
     sources = {name: ds["source"] for name, ds in config["datasets"].items() if ds["source"]["kind"] != "recorded"}
-    assert len(sources) == 6 and all(s["kind"] == "hf" and s.get("name") for s in sources.values())
+    assert len(sources) == 5 and all(s["kind"] == "hf" and s.get("name") for s in sources.values())
     assert sources["math"]["name"] == "openai/gsm8k" and sources["ultrachat"]["split"] == "train_sft"
     # Nothing cached (HF_HOME is this test's own): the dry run stops at the first dataset, naming the fetch step.
     rc, out = dry_run(workdir, config)
@@ -327,8 +327,8 @@ def test_kimi_example_plans_every_named_dataset_from_local_stand_ins(workdir: Pa
     rc, out = dry_run(workdir, config, conda=True)  # its SGLang rules need conda deployment (profiles/gpu-host)
     assert rc == 0, out
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", out, flags=re.M))
-    # 5 datasets x 3 shards (5 prompts); MT-bench (5 stand-in rows, 80 held out) is benchmark-only
-    assert int(counts["prompts"]) == 5 * 3 and int(counts["bench_prompts"]) == 1
+    # 5 datasets x 3 shards (5 prompts); the published cards' benchmarks are bench sets, one job each
+    assert int(counts["prompts"]) == 5 * 3 and int(counts["bench_set"]) == len(config["bench"]["sets"]) == 3, out
 
 
 # ---- the prompt cache (aerie.prompt_cache): converted once, read by every later parse ------------------------

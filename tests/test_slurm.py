@@ -120,8 +120,8 @@ def compare(local: Path, slurm: Path) -> dict[str, bool]:
     return result
 
 
-# rules/prompts.smk and rules/report.smk: jobs of a second or less, never worth an sbatch round trip.
-LOCAL_RULES = ("prompts", "bench_prompts", "report_figures", "tokenizer_check", "model_card")
+# rules/prompts.smk, rules/report.smk and bench_set: jobs of a second or less, never worth an sbatch round trip.
+LOCAL_RULES = ("prompts", "bench_prompts", "bench_set", "report_figures", "tokenizer_check", "model_card")
 
 
 def expected_jobs(workdir: Path, configfile: Path) -> dict[str, int]:
