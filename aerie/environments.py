@@ -19,6 +19,7 @@ Torch-free: imported while Snakemake parses the workflow.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -54,6 +55,22 @@ def conda_directive(config: Mapping[str, Any], rule: str) -> str:
 def conda_deployment_on(methods: Iterable[Any]) -> bool:
     """Whether Snakemake's ``deployment_settings.deployment_method`` (a set of enums or names) includes conda."""
     return any(getattr(m, "name", str(m)).lower() == "conda" for m in methods)
+
+
+def preview_without_conda(workflow: Any) -> str | None:
+    """Under ``snakemake -n`` with conda deployment on and no ``conda`` on PATH (a laptop looking at the price
+    first): the message that ends the dry run cleanly after aerie's previews, which need no conda. Snakemake itself
+    would go on to ask conda where its environments live while it builds the DAG and fail there. None otherwise."""
+    if not getattr(workflow.output_settings, "dryrun", False) or not workflow.is_main_process:
+        return None
+    if not conda_deployment_on(workflow.deployment_settings.deployment_method) or shutil.which("conda"):
+        return None
+    return (
+        "aerie preview: complete above (shard plan, money, recorded responses, disk, fit, time). conda is not on PATH "
+        "here, so Snakemake cannot list the jobs of a conda-deployment profile (it asks conda for its environments "
+        "while it builds the DAG); this dry run ends here, nothing run, nothing spent. On the GPU host install conda "
+        "(e.g. Miniforge) and run the same command to see the jobs."
+    )
 
 
 def sglang_importable() -> bool:

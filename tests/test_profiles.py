@@ -121,6 +121,26 @@ def test_gpu_host_profile_resolves_per_rule_resources_and_environments(workdir: 
     assert_sglang_envs(out)
 
 
+def test_the_preview_runs_where_conda_is_not(workdir: Path) -> None:
+    """README's preview command (the GPU profile: conda deployment) on a machine without conda: every preview is
+    printed and the dry run ends cleanly saying why the job list is not, instead of Snakemake's conda failure."""
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if d and not (Path(d) / "conda").exists()]
+    env = {**os.environ, "PATH": os.pathsep.join(path)}
+    configfile = str(kimi_workdir(workdir))
+    rc, out = dry_run(workdir, "--workflow-profile", str(PROFILES / "gpu-host"), "--configfile", configfile, env=env)
+    assert rc == 0, out
+    for preview in ("aerie shard plan", "aerie cost preview", "aerie disk preview", "aerie fit plan", "time preview"):
+        assert preview in out, (preview, out)
+    assert "conda is not on PATH here" in out and "nothing run, nothing spent" in out, out
+    assert "Is conda installed" not in out and "Job stats" not in out
+    # With conda there, the same command lists the jobs (the message is not printed).
+    rc, out = dry_run(
+        workdir, "--workflow-profile", str(PROFILES / "gpu-host"), "--configfile", configfile,
+        env=conda_on_path(workdir.parent),
+    )  # fmt: skip
+    assert rc == 0 and "Job stats" in out and "conda is not on PATH" not in out, out
+
+
 def assert_sglang_envs(out: str) -> None:
     for rule, setting in (("hidden", "hidden.backend"), ("bench", "bench.backend")):
         assert (
