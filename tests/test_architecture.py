@@ -172,3 +172,32 @@ def test_parse_time_imports_no_heavy_module() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", f"parse-time modules {modules} import {proc.stdout.strip()}"
+
+
+# A stage function reads top to bottom as the stage's outline; past this it is split into named steps.
+MAX_FUNCTION_LINES = 120
+
+
+def long_functions(source: str, name: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function (methods and nested ones included) of ``source`` longer than ``limit`` lines."""
+    return [
+        f"{name}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_function_in_the_package_is_longer_than_the_limit() -> None:
+    found = [
+        hit
+        for path in sorted((REPO / "aerie").rglob("*.py"))
+        for hit in long_functions(path.read_text(), str(path.relative_to(REPO)))
+    ]
+    assert not found, f"split these into named steps (at most {MAX_FUNCTION_LINES} lines each): {found}"
+
+
+def test_the_length_check_sees_a_long_nested_function() -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    source = f"class C:\n    def short(self):\n        pass\n\n    async def outline(self):\n{body}\n"
+    assert long_functions(source, "m.py") == [f"m.py:5 outline: {MAX_FUNCTION_LINES + 1} lines"]
+    assert long_functions("def f():\n    return 1\n", "m.py") == []

@@ -505,75 +505,141 @@ async def _run(
 ) -> None:
     """Request every pending prompt of every lane, at most ``concurrency`` in flight in all, until all are done
     or stopped."""
-    in_flight = [0]  # the run's, every lane together
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, ttl_dns_cache=300)
+    # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
+    async with aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False
+    ) as session:
+        await _Dispatch(runs, spend, session, session_id, log).run(concurrency, progress_interval)
 
-    def halt(run: _LaneRun, reason: str, kind: str = "fatal") -> None:
-        if run.stop_kind is None:
-            run.stop_reason, run.stop_kind = reason, kind
-            log(f"{run.lane.dataset}: STOPPING: {reason}")
-            for shard in run.shards:
-                if shard.work.log is not None:
-                    shard.work.log(f"{shard.name}: STOPPING: {reason}")
-        wake(len(waiters))  # workers waiting for room see the stop at once
 
-    # Admission counts what is in flight at the expected per-sample figure, so the overshoot is at most the
-    # difference between the expected and the actual cost of the requests in flight. A request that would
-    # only fit once some in flight come back (shorter than expected) waits for them; the stop is final only
-    # when nothing is in flight and one more request still does not fit. (Stopping at the first refusal
-    # would end a dataset whose quota equals concurrency x expected length after its first wave.)
-    # Waiting workers are woken one at a time - by a request coming back, a reading of the account - and each
-    # that is admitted wakes the next, so a wake-up costs what it admits plus one check, not one check per
-    # waiting worker (2,000 of them near the end of a budget).
-    waiters: deque[asyncio.Future] = deque()
-    refreshing: list[asyncio.Future | None] = [None]
+class _Dispatch:
+    """One responses run's requests: admission against the budget and quotas, the workers, retries, the account
+    readings and the progress lines. The outline is :meth:`run`; each step below has one job.
 
-    async def refresh() -> None:
-        for name, watcher in spend.watchers.items():
-            await watcher.poll(accounts[name], spend.journals(name), in_flight[0])
-            watcher.exact = True  # read again, or unreadable: the figure stands either way
-        refreshing[0] = None
-        wake()
+    Admission counts what is in flight at the expected per-sample figure, so the overshoot is at most the
+    difference between the expected and the actual cost of the requests in flight. A request that would only fit
+    once some in flight come back (shorter than expected) waits for them; the stop is final only when nothing is in
+    flight and one more request still does not fit. (Stopping at the first refusal would end a dataset whose quota
+    equals concurrency x expected length after its first wave.) Waiting workers are woken one at a time - by a
+    request coming back, a reading of the account - and each that is admitted wakes the next, so a wake-up costs
+    what it admits plus one check, not one check per waiting worker (2,000 of them near the end of a budget).
+    """
 
-    def wake(n: int = 1) -> None:
-        while n > 0 and waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                n -= 1
+    def __init__(
+        self,
+        runs: list[_LaneRun],
+        spend: RunSpend,
+        session: aiohttp.ClientSession,
+        session_id: str,
+        log: Callable[[str], None],
+    ) -> None:
+        self.runs, self.spend, self.session, self.session_id, self.log = runs, spend, session, session_id, log
+        self.in_flight = 0  # the run's, every lane together
+        self.waiters: deque[asyncio.Future] = deque()
+        self.refreshing: asyncio.Future | None = None
+        self.turn = 0  # the lane a worker looks at first: datasets take turns
+        # Each account is read on a connection of its own: with every request slot busy, a poll through the
+        # main pool would wait for a free one and see the account only when the run is over.
+        self.accounts = {
+            name: aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(w.ca_bundle)),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            for name, w in spend.watchers.items()
+        }
 
-    async def wait_for_room() -> None:
-        waiter = asyncio.get_running_loop().create_future()
-        waiters.append(waiter)
-        await waiter
+    # ---- the outline ---------------------------------------------------------------------------------------
 
-    def admit(run: _LaneRun, spent: float, reserved: float) -> str:
+    async def run(self, concurrency: int, progress_interval: float | None) -> None:
+        runs = self.runs
+        interval = progress_interval or min(r.lane.limits.progress_interval for r in runs)
+        workers = min(concurrency, sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs))
+        reporter = asyncio.create_task(self.report_progress(interval))
+        try:
+            await asyncio.gather(*(self.worker() for _ in range(workers)))
+            reporter.cancel()
+            # A last reading with nothing of this job in flight (what the account shows lags by seconds).
+            for name, watcher in self.spend.watchers.items():
+                await watcher.poll(self.accounts[name], self.spend.journals(name))
+        finally:
+            reporter.cancel()
+            if self.refreshing is not None:
+                self.refreshing.cancel()
+            for account in self.accounts.values():
+                await account.close()
+        self.progress_lines()
+
+    async def worker(self) -> None:
+        while True:
+            run, waiting = self.pick()
+            if run is None:
+                if not waiting:
+                    self.wake(len(self.waiters))  # nothing left for anyone: the others see it too
+                    return
+                await self.wait_for_room()
+                continue
+            self.wake()  # admitted: there may be room for the next waiting worker as well
+            shard, prompt = run.queue.popleft()
+            self.count_in_flight(run, shard, +1)
+            record = None
+            try:
+                record = await self.request(run, shard, self.make_sample(run, prompt))
+            finally:
+                self.count_in_flight(run, shard, -1)
+                if record is not None:
+                    self.keep(run, shard, record)
+                self.wake()  # after the figures: a waiting worker re-checks against the actual cost
+
+    # ---- admission -----------------------------------------------------------------------------------------
+
+    def pick(self) -> tuple[_LaneRun | None, bool]:
+        """The next lane that admits a request (advancing the turn), and whether any lane may admit one later."""
+        waiting = False
+        runs, n = self.runs, len(self.runs)
+        spent = self.spend.spent()
+        reserved = sum(r.in_flight * r.per_cost() for r in runs)
+        for i in range(n):
+            run = runs[(self.turn + i) % n]
+            if run.stop_kind is not None or not run.queue:
+                continue
+            if run.in_flight >= run.lane.limits.concurrency:
+                waiting = True
+                continue
+            verdict = self.admit(run, spent, reserved)
+            if verdict == "go":
+                self.turn = (self.turn + i + 1) % n
+                return run, True
+            waiting |= verdict == "wait"
+        return None, waiting
+
+    def admit(self, run: _LaneRun, spent: float, reserved: float) -> str:
         """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted); ``spent``: the run's
         spend, ``reserved``: every request in flight at its dataset's expected cost."""
         guard = run.lane.guard
-        if guard.budget_usd is not None:
-            per_cost = run.per_cost()
-            if spent + reserved + per_cost > guard.budget_usd:
-                if in_flight[0] > 0:
-                    return "wait"
-                if any(not w.exact for w in spend.watchers.values()):
-                    # The account was last read with requests in flight: it may count some of their answers twice
-                    # (billed, not yet journaled). Read it again before a final stop.
-                    if refreshing[0] is None:
-                        refreshing[0] = asyncio.ensure_future(refresh())
-                    return "wait"
-                halt(
-                    run,
-                    f"budget: {usd(spent)} spent ({spend.words()}) of responses.budget_usd ${guard.budget_usd:.2f}; "
-                    "finished samples are kept in the journal - raise the budget and rerun to finish the rest",
-                    "budget",
-                )
-                return "stop"
+        if guard.budget_usd is not None and spent + reserved + run.per_cost() > guard.budget_usd:
+            if self.in_flight > 0:
+                return "wait"
+            if any(not w.exact for w in self.spend.watchers.values()):
+                # The account was last read with requests in flight: it may count some of their answers twice
+                # (billed, not yet journaled). Read it again before a final stop.
+                if self.refreshing is None:
+                    self.refreshing = asyncio.ensure_future(self.refresh())
+                return "wait"
+            self.halt(
+                run,
+                f"budget: {usd(spent)} spent ({self.spend.words()}) of responses.budget_usd "
+                f"${guard.budget_usd:.2f}; finished samples are kept in the journal - raise the budget and rerun to "
+                "finish the rest",
+                "budget",
+            )
+            return "stop"
         if guard.token_cap is not None:
             used = guard.tokens_before + run.tokens
             if used + (run.in_flight + 1) * run.per_tokens() > guard.token_cap:
                 if run.in_flight > 0:
                     return "wait"
-                halt(
+                self.halt(
                     run,
                     f"output-token quota: {used:,} of the dataset's max_output_tokens {guard.token_cap:,} used; "
                     "the dataset is complete with the samples that fit",
@@ -582,228 +648,192 @@ async def _run(
                 return "stop"
         return "go"
 
-    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, ttl_dns_cache=300)
-    # No cookie jar: an API client has no use for cookies, and the jar costs time on every response.
-    async with aiohttp.ClientSession(
-        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), raise_for_status=False
-    ) as session:
+    def halt(self, run: _LaneRun, reason: str, kind: str = "fatal") -> None:
+        if run.stop_kind is None:
+            run.stop_reason, run.stop_kind = reason, kind
+            self.log(f"{run.lane.dataset}: STOPPING: {reason}")
+            for shard in run.shards:
+                if shard.work.log is not None:
+                    shard.work.log(f"{shard.name}: STOPPING: {reason}")
+        self.wake(len(self.waiters))  # workers waiting for room see the stop at once
 
-        async def one(run: _LaneRun, shard: _Shard, sample: _Sample) -> dict[str, Any] | None:
-            lane, limits = run.lane, run.lane.limits
-            sid = sample.prompt["id"]
-            attempt = 0
-            while True:
-                attempt += 1
-                t0 = time.monotonic()
-                # Before the request leaves: if this process dies while it is in flight, the next run
-                # knows the sample may have been billed without an answer.
-                shard.intents.append(
-                    {
-                        "format": INTENT_FORMAT,
-                        "event": "sent",
-                        "session": session_id,
-                        "id": sid,
-                        "t": round(time.time(), 3),
-                        "params_hash": run.phash,
-                        "attempt": attempt,
-                    }
+    def wake(self, n: int = 1) -> None:
+        while n > 0 and self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                n -= 1
+
+    async def wait_for_room(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        await waiter
+
+    async def refresh(self) -> None:
+        for name, watcher in self.spend.watchers.items():
+            await watcher.poll(self.accounts[name], self.spend.journals(name), self.in_flight)
+            watcher.exact = True  # read again, or unreadable: the figure stands either way
+        self.refreshing = None
+        self.wake()
+
+    # ---- one request ---------------------------------------------------------------------------------------
+
+    def make_sample(self, run: _LaneRun, p: dict[str, Any]) -> _Sample:
+        # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
+        lane = run.lane
+        ids = lane.render_ids(p["messages"], p.get("tools")) if lane.settings.backend == "sglang" else None
+        body = request_body(lane.settings, p["messages"], ids, tools=p.get("tools"))
+        return _Sample(p, json.dumps(body, ensure_ascii=False).encode(), ids)
+
+    async def request(self, run: _LaneRun, shard: _Shard, sample: _Sample) -> dict[str, Any] | None:
+        """The sample's record, retrying what may succeed on a retry; None when it failed for good or the run
+        stopped (the intents log says how)."""
+        limits, sid = run.lane.limits, sample.prompt["id"]
+        attempt = 0
+        while True:
+            attempt += 1
+            t0 = time.monotonic()
+            # Before the request leaves: if this process dies while it is in flight, the next run knows the
+            # sample may have been billed without an answer.
+            self.intent(shard, "sent", sid, attempt, params_hash=run.phash)
+            try:
+                fields = await self.send(run, sample)
+            except RetryableError as e:
+                kind, message, wait = e.kind, str(e), e.retry_after
+            except aiohttp.ClientPayloadError as e:
+                kind, message, wait = "torn", f"torn body: {e}", None
+            except aiohttp.ClientConnectorCertificateError as e:
+                # A certificate the client does not trust will not be trusted on a retry either.
+                self.fail_for_good(shard, sid, attempt, "tls_certificate")
+                self.halt(
+                    run,
+                    f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
+                    "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off",
                 )
-                try:
-                    async with session.post(
-                        run.url, data=sample.body, headers=run.headers, timeout=run.timeout, ssl=run.ssl
-                    ) as resp:
-                        raw = await resp.read()
-                        status, retry_after = resp.status, resp.headers.get("Retry-After")
-                    try:
-                        body = json.loads(raw) if raw else None
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        if status == 200:
-                            raise RetryableError("torn", f"unparseable 200 body ({len(raw)} bytes)") from None
-                        body = None
-                    if status != 200:
-                        raise classify_http_error(status, body, raw[:300].decode("utf-8", "replace"), retry_after)
-                    if lane.settings.backend == "sglang":
-                        fields = parse_sglang_generate(body, lane.split_ids, lane.eos_ids or [], lane.want_reasoning)
-                    else:
-                        fields = parse_chat_completion(body, lane.want_reasoning)
-                except RetryableError as e:
-                    kind, message, wait = e.kind, str(e), e.retry_after
-                except aiohttp.ClientPayloadError as e:
-                    kind, message, wait = "torn", f"torn body: {e}", None
-                except aiohttp.ClientConnectorCertificateError as e:
-                    # A certificate the client does not trust will not be trusted on a retry either.
-                    failed(shard, sid, attempt, "tls_certificate")
-                    shard.stats.final_errors["tls_certificate"] += 1
-                    halt(
-                        run,
-                        f"the server's TLS certificate is not trusted ({e.certificate_error}); if it is yours, "
-                        "name its CA file in responses.ca_bundle (or SSL_CERT_FILE); verification is never off",
-                    )
-                    return None
-                except TimeoutError:  # before the connection errors: aiohttp's read timeout is one of them too
-                    kind, message, wait = "timeout", f"no answer within {limits.read_timeout:g}s", None
-                except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
-                    kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
-                except FatalError as e:
-                    failed(shard, sid, attempt, e.kind)
-                    shard.stats.final_errors[e.kind] += 1
-                    halt(run, str(e))
-                    return None
-                else:
-                    return {
-                        "format": RESPONSES_FORMAT,
-                        "id": sid,
-                        "dataset": sample.prompt.get("dataset"),
-                        "messages": sample.prompt["messages"],
-                        **({"tools": sample.prompt["tools"]} if sample.prompt.get("tools") else {}),
-                        "backend": lane.settings.backend,
-                        "model": lane.settings.model,
-                        "params": run.sampling,
-                        "params_hash": run.phash,
-                        **fields,
-                        **({"prompt_token_ids": sample.prompt_ids} if sample.prompt_ids is not None else {}),
-                        "latency_s": round(time.monotonic() - t0, 3),
-                        "attempts": attempt,
-                        "session": session_id,
-                    }
-                failed(shard, sid, attempt, kind)
-                if kind in BILLABLE_FAILURES:
-                    spend.retried(lane.account, run.per_cost())
-                shard.stats.retries[kind] += 1
-                run.stats.retries[kind] += 1
-                if attempt >= limits.max_attempts:
-                    shard.stats.final_errors[kind] += 1
-                    shard.stats.failed += 1
-                    run.stats.failed += 1
-                    shard.log(f"{shard.name}: sample {sid} failed {attempt} times, last: {message}")
-                    return None
-                await asyncio.sleep(_backoff(attempt, limits, wait))
-                if run.stop_kind in ("budget", "fatal") and kind != "402_in_flight":
-                    # A fatal or budget stop: do not keep hammering; the sample stays pending for the next run.
-                    # (A quota stop retries: this request was admitted within the quota, and the shard is
-                    # published as complete only if every admitted request has its answer.)
-                    return None
+                return None
+            except TimeoutError:  # before the connection errors: aiohttp's read timeout is one of them too
+                kind, message, wait = "timeout", f"no answer within {limits.read_timeout:g}s", None
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionError) as e:
+                kind, message, wait = "connection", f"{type(e).__name__}: {e}", None
+            except FatalError as e:
+                self.fail_for_good(shard, sid, attempt, e.kind)
+                self.halt(run, str(e))
+                return None
+            else:
+                return self.record(run, sample, fields, attempt, time.monotonic() - t0)
+            if not await self.retry_after_failure(run, shard, sid, attempt, kind, message, wait):
+                return None
 
-        def failed(shard: _Shard, sid: str, attempt: int, kind: str) -> None:
-            """A request that ended without an answer: the intents log says how (docs/formats.md)."""
-            shard.intents.append(
-                {
-                    "format": INTENT_FORMAT,
-                    "event": "failed",
-                    "session": session_id,
-                    "id": sid,
-                    "attempt": attempt,
-                    "kind": kind,
-                    "t": round(time.time(), 3),
-                }
-            )
-
-        def make_sample(run: _LaneRun, p: dict[str, Any]) -> _Sample:
-            # Built when a worker takes the prompt, so 20,000 bodies are not serialized before the first request.
-            lane = run.lane
-            ids = lane.render_ids(p["messages"], p.get("tools")) if lane.settings.backend == "sglang" else None
-            body = request_body(lane.settings, p["messages"], ids, tools=p.get("tools"))
-            return _Sample(p, json.dumps(body, ensure_ascii=False).encode(), ids)
-
-        turn = [0]  # the lane a worker looks at first: datasets take turns
-
-        def pick() -> tuple[_LaneRun | None, bool]:
-            """The next lane that admits a request (advancing the turn), and whether any lane may admit one later."""
-            waiting = False
-            n = len(runs)
-            spent = spend.spent()
-            reserved = sum(r.in_flight * r.per_cost() for r in runs)
-            for i in range(n):
-                run = runs[(turn[0] + i) % n]
-                if run.stop_kind is not None or not run.queue:
-                    continue
-                if run.in_flight >= run.lane.limits.concurrency:
-                    waiting = True
-                    continue
-                verdict = admit(run, spent, reserved)
-                if verdict == "go":
-                    turn[0] = (turn[0] + i + 1) % n
-                    return run, True
-                waiting |= verdict == "wait"
-            return None, waiting
-
-        async def worker() -> None:
-            while True:
-                run, waiting = pick()
-                if run is None:
-                    if not waiting:
-                        wake(len(waiters))  # nothing left for anyone: the others see it too
-                        return
-                    await wait_for_room()
-                    continue
-                wake()  # admitted: there may be room for the next waiting worker as well
-                shard, prompt = run.queue.popleft()
-                run.in_flight += 1
-                in_flight[0] += 1
-                shard.stats.in_flight += 1
-                run.stats.in_flight += 1
-                record = None
-                try:
-                    record = await one(run, shard, make_sample(run, prompt))
-                finally:
-                    run.in_flight -= 1
-                    in_flight[0] -= 1
-                    shard.stats.in_flight -= 1
-                    run.stats.in_flight -= 1
-                    if record is not None:
-                        shard.lines[record["id"]] = shard.journal.append(record)
-                        tokens = int((record.get("usage") or {}).get("completion_tokens") or 0)
-                        for stats in (shard.stats, run.stats):
-                            stats.done += 1
-                            stats.cost += record["cost"]
-                            stats.completion_tokens += tokens
-                        for flag in record["flags"]:
-                            shard.stats.flags[flag] += 1
-                        run.done += 1
-                        run.cost += record["cost"]
-                        run.tokens += tokens
-                        spend.add(run.lane.account, record["cost"])
-                    wake()  # after the figures: a waiting worker re-checks against the actual cost
-
-        # Each account is read on a connection of its own: with every request slot busy, a poll through the
-        # main pool would wait for a free one and see the account only when the run is over.
-        accounts = {
-            name: aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=1, ssl=tls_context(w.ca_bundle)),
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-            for name, w in spend.watchers.items()
-        }
-        interval = progress_interval or min(r.lane.limits.progress_interval for r in runs)
-
-        def progress_lines() -> None:
-            for run in runs:
-                if run.queue or run.in_flight or run.stats.done:
-                    log(run.stats.line(run.lane.dataset, spend, run.lane.guard.budget_usd))
-
-        async def progress() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                for name, watcher in spend.watchers.items():
-                    await watcher.poll(accounts[name], spend.journals(name), in_flight[0])
-                wake()  # the figures may have moved either way
-                progress_lines()
-
-        workers = min(concurrency, sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs))
-        reporter = asyncio.create_task(progress())
+    async def send(self, run: _LaneRun, sample: _Sample) -> dict[str, Any]:
+        """One HTTP request: the answer's fields, or the error that classifies the failure."""
+        lane = run.lane
+        async with self.session.post(
+            run.url, data=sample.body, headers=run.headers, timeout=run.timeout, ssl=run.ssl
+        ) as resp:
+            raw = await resp.read()
+            status, retry_after = resp.status, resp.headers.get("Retry-After")
         try:
-            await asyncio.gather(*(worker() for _ in range(workers)))
-            reporter.cancel()
-            # A last reading with nothing of this job in flight (what the account shows lags by seconds).
-            for name, watcher in spend.watchers.items():
-                await watcher.poll(accounts[name], spend.journals(name))
-        finally:
-            reporter.cancel()
-            if refreshing[0] is not None:
-                refreshing[0].cancel()
-            for session_ in accounts.values():
-                await session_.close()
-        progress_lines()
+            body = json.loads(raw) if raw else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if status == 200:
+                raise RetryableError("torn", f"unparseable 200 body ({len(raw)} bytes)") from None
+            body = None
+        if status != 200:
+            raise classify_http_error(status, body, raw[:300].decode("utf-8", "replace"), retry_after)
+        if lane.settings.backend == "sglang":
+            return parse_sglang_generate(body, lane.split_ids, lane.eos_ids or [], lane.want_reasoning)
+        return parse_chat_completion(body, lane.want_reasoning)
+
+    async def retry_after_failure(
+        self, run: _LaneRun, shard: _Shard, sid: str, attempt: int, kind: str, message: str, wait: float | None
+    ) -> bool:
+        """Count a failed attempt, back off; whether to try again."""
+        self.intent(shard, "failed", sid, attempt, kind=kind)
+        if kind in BILLABLE_FAILURES:
+            self.spend.retried(run.lane.account, run.per_cost())
+        shard.stats.retries[kind] += 1
+        run.stats.retries[kind] += 1
+        if attempt >= run.lane.limits.max_attempts:
+            shard.stats.final_errors[kind] += 1
+            shard.stats.failed += 1
+            run.stats.failed += 1
+            shard.log(f"{shard.name}: sample {sid} failed {attempt} times, last: {message}")
+            return False
+        await asyncio.sleep(_backoff(attempt, run.lane.limits, wait))
+        # A fatal or budget stop: do not keep hammering; the sample stays pending for the next run. (A quota stop
+        # retries: this request was admitted within the quota, and the shard is published as complete only if
+        # every admitted request has its answer.)
+        return not (run.stop_kind in ("budget", "fatal") and kind != "402_in_flight")
+
+    def fail_for_good(self, shard: _Shard, sid: str, attempt: int, kind: str) -> None:
+        self.intent(shard, "failed", sid, attempt, kind=kind)
+        shard.stats.final_errors[kind] += 1
+
+    def intent(self, shard: _Shard, event: str, sid: str, attempt: int, **extra: Any) -> None:
+        """A line of the intents log (docs/formats.md): a request sent, or one that ended without an answer."""
+        line = {"format": INTENT_FORMAT, "event": event, "session": self.session_id, "id": sid}
+        if event == "sent":
+            shard.intents.append({**line, "t": round(time.time(), 3), **extra, "attempt": attempt})
+        else:
+            shard.intents.append({**line, "attempt": attempt, **extra, "t": round(time.time(), 3)})
+
+    def record(
+        self, run: _LaneRun, sample: _Sample, fields: dict[str, Any], attempt: int, latency: float
+    ) -> dict[str, Any]:
+        """The journal record of an answered sample (docs/formats.md, aerie.responses)."""
+        lane, prompt = run.lane, sample.prompt
+        return {
+            "format": RESPONSES_FORMAT,
+            "id": prompt["id"],
+            "dataset": prompt.get("dataset"),
+            "messages": prompt["messages"],
+            **({"tools": prompt["tools"]} if prompt.get("tools") else {}),
+            "backend": lane.settings.backend,
+            "model": lane.settings.model,
+            "params": run.sampling,
+            "params_hash": run.phash,
+            **fields,
+            **({"prompt_token_ids": sample.prompt_ids} if sample.prompt_ids is not None else {}),
+            "latency_s": round(latency, 3),
+            "attempts": attempt,
+            "session": self.session_id,
+        }
+
+    # ---- the figures ---------------------------------------------------------------------------------------
+
+    def count_in_flight(self, run: _LaneRun, shard: _Shard, n: int) -> None:
+        run.in_flight += n
+        self.in_flight += n
+        shard.stats.in_flight += n
+        run.stats.in_flight += n
+
+    def keep(self, run: _LaneRun, shard: _Shard, record: dict[str, Any]) -> None:
+        """Journal an answer and add it to the shard's, the lane's and the run's figures."""
+        shard.lines[record["id"]] = shard.journal.append(record)
+        tokens = int((record.get("usage") or {}).get("completion_tokens") or 0)
+        for stats in (shard.stats, run.stats):
+            stats.done += 1
+            stats.cost += record["cost"]
+            stats.completion_tokens += tokens
+        for flag in record["flags"]:
+            shard.stats.flags[flag] += 1
+        run.done += 1
+        run.cost += record["cost"]
+        run.tokens += tokens
+        self.spend.add(run.lane.account, record["cost"])
+
+    def progress_lines(self) -> None:
+        for run in self.runs:
+            if run.queue or run.in_flight or run.stats.done:
+                self.log(run.stats.line(run.lane.dataset, self.spend, run.lane.guard.budget_usd))
+
+    async def report_progress(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for name, watcher in self.spend.watchers.items():
+                await watcher.poll(self.accounts[name], self.spend.journals(name), self.in_flight)
+            self.wake()  # the figures may have moved either way
+            self.progress_lines()
 
 
 async def regenerate_shard(
