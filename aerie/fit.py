@@ -609,7 +609,32 @@ def longest_prompt(config: dict[str, Any], plans: dict[str, Any]) -> int:
         bench = range(start, min(stop, start + PROMPTS_SAMPLED))
         prompts += prompts_at(name, config["datasets"][name], bench, config["datasets"], cache)
         longest = max([longest, *(estimate_prompt_tokens(p["messages"]) for p in prompts)])
+    bench_set_prompts = _bench_set_prompts(config, PROMPTS_SAMPLED)
+    longest = max([longest, *(estimate_prompt_tokens(p["messages"]) for p in bench_set_prompts)])
     return min(longest, config["tokens"].get("max_seq_len", 4096))
+
+
+def _bench_set_prompts(config: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """The first prompts of each ``bench.sets`` set the benchmark decodes (HumanEval's are long): rule bench_set's
+    file where it is written, else the set's source as that rule would read it; a set not readable yet (a Hub set
+    not in the cache) is left out (the bench_set job names it)."""
+    from aerie.artifacts import read_jsonl
+    from aerie.bench.sets import SETS_DIR, bench_sets, read_bench_set
+    from aerie.prompt_sources import PromptSourceError
+    from aerie.prompts import prompt_cache_dir
+
+    n = min(limit, int(config["bench"].get("max_prompts") or limit))
+    out: list[dict[str, Any]] = []
+    for name, spec in bench_sets(config).items():
+        written = Path(SETS_DIR) / f"{name}.jsonl"
+        try:
+            records = read_jsonl(written) if written.exists() else None
+            if records is None:
+                records, _ = read_bench_set(name, spec, prompt_cache_dir(Path("results")), log=lambda _m: None)
+        except (PromptSourceError, OSError, ValueError):
+            continue
+        out += list(records)[:n]
+    return out
 
 
 def fit_plan(

@@ -188,3 +188,26 @@ def test_a_config_copy_is_not_changed() -> None:
     before = copy.deepcopy(config)
     fit_plan(config, nvidia_smi=None)
     assert config == before
+
+
+def test_the_inprocess_bench_holds_a_drafter_per_reference_and_its_sets_bound_the_sequence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each drafter reference is one more drafter (and embeddings copy) beside the trained one: a folder not here
+    yet is sized as the trained drafter; prompt lookup holds nothing. A bench set's prompts (HumanEval's are long)
+    bound the sequence as the datasets' held-out prompts do."""
+    from aerie.fit import longest_prompt
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"question": "x" * 40_000}) + "\n")
+    refs = ["untrained", "ngram", "lightseekorg/kimi-k2.5-eagle3"]
+    base = {"bench.backend": "inprocess", "bench.references": refs}
+    bench = jobs(fit_plan(kimi_config(**base), nvidia_smi=None))["bench"]
+    held = {k for k in bench.parts if "drafter" in k or "reference" in k}
+    assert held == {"trained drafter", "untrained reference", "reference lightseekorg/kimi-k2.5-eagle3"}, bench.parts
+    assert bench.parts["reference lightseekorg/kimi-k2.5-eagle3"] == bench.parts["trained drafter"]
+    alone = jobs(fit_plan(kimi_config(**{**base, "bench.references": ["ngram"]}), nvidia_smi=None))["bench"]
+    assert alone.total == bench.total - 2 * bench.parts["trained drafter"]
+    sets = {"long": {"source": {"kind": "jsonl", "path": "long.jsonl", "text_field": "question"}}}
+    assert longest_prompt(kimi_config(**{**base, "bench.sets": {}}), {}) == 1
+    assert longest_prompt(kimi_config(**{**base, "bench.sets": sets}), {}) >= 10_000
