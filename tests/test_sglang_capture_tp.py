@@ -1,11 +1,11 @@
-"""The first GPU step on Kimi K2.5's own path, on CPU: the K2.5 wrapper, two tensor-parallel ranks, the lm_head copy.
+"""The first GPU step on Kimi K2.5's own path, on CPU: the K2.5 wrapper, eight tensor-parallel ranks, the lm_head copy.
 
 ``aerie-sglang-capture make-tiny kimi`` writes a random target in Kimi K2.5's form (the wrapper, a DeepseekV3
 ``text_config``, weights under ``language_model.``, its modeling and tiktoken tokenizer code for
-``trust_remote_code``). ``check --tp 2`` runs here against tests/sglang_standin.py's ``SGLangTP``: two worker
-processes that load the wrapper as SGLang 0.5.23's ``models/kimi_k25.py`` does and run a real tensor-parallel
-forward over gloo (row-parallel projections summed by all-reduce). Verified against that stand-in only, not
-against SGLang on a GPU: see the stand-in's docstring for what it reproduces.
+``trust_remote_code``). ``check --tp 8`` (the user's host) runs here against tests/sglang_standin.py's
+``SGLangTP``: eight worker processes that load the wrapper as SGLang 0.5.23's ``models/kimi_k25.py`` does and run a
+real tensor-parallel forward over gloo (row-parallel projections summed by all-reduce). Verified against that
+stand-in only, not against SGLang on a GPU: see the stand-in's docstring for what it reproduces.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ TINY_KIMI = dict(  # CPU-sized text model (make-tiny's defaults are sized for SG
     hidden_size=64,
     intermediate_size=128,
     moe_intermediate_size=32,
-    num_attention_heads=2,
-    num_key_value_heads=2,
+    num_attention_heads=8,  # split over 8 tensor-parallel ranks, as K2.5's 64 heads are on the 8-GPU host
+    num_key_value_heads=8,
     q_lora_rank=32,
     kv_lora_rank=16,
     qk_rope_head_dim=8,
@@ -81,10 +81,11 @@ def test_make_tiny_kimi_is_kimis_form(tiny_kimi) -> None:
     assert type(tok).__name__ == "TikTokenTokenizer" and tok.convert_tokens_to_ids("<|im_end|>") == 163586
 
 
-def test_check_on_the_kimi_wrapper_with_two_tensor_parallel_ranks(tiny_kimi, tmp_path) -> None:
-    """README's first GPU step, Kimi run: PASS, with the layer mapping, both ranks and the lm_head copy reported."""
+def test_check_on_the_kimi_wrapper_with_eight_tensor_parallel_ranks(tiny_kimi, tmp_path) -> None:
+    """README's first GPU step, Kimi run, at the user's TP 8: PASS, with the layer mapping, every rank agreeing
+    and the lm_head copy reported (each rank holds one of the 8 heads; ~1 CPU minute for 8 gloo processes)."""
     out = tmp_path / "report.json"
-    args = ["check", "--target", str(tiny_kimi), "--layers", "1", "3", "4", "--tp", "2", "--trust-remote-code"]
+    args = ["check", "--target", str(tiny_kimi), "--layers", "1", "3", "4", "--tp", "8", "--trust-remote-code"]
     r = run_tool(
         [*args, "--seqs", "2", "--len", "12", "--backend", "sglang_standin:SGLangTP", "--out", str(out)], tmp_path
     )
@@ -95,7 +96,7 @@ def test_check_on_the_kimi_wrapper_with_two_tensor_parallel_ranks(tiny_kimi, tmp
     assert info["model_class"] == "KimiK25ForConditionalGeneration" and info["layers_to_capture"] == [2, 4, 5]
     assert info["row_parallel_layers"] == 2 * 6  # o_proj + one down_proj a layer (dense first, shared experts)
     assert [row["closest_hidden_states_index"] for row in report["aux"].values()] == [2, 4, 5]
-    assert report["tp"] == 2 and report["tp_rank_agreement"] < 1e-4
+    assert report["tp"] == 8 and report["tp_rank_agreement"] < 1e-4
     copy = report["lm_head_copy"]  # on a GPU host: cuda:0 (SGLang's rank-0 GPU), with reserved_bytes measured
     assert copy["device"] == "cpu" and copy["shape"] == [163840, 64] and copy["dtype"] == "bfloat16"
     assert copy["weight_bytes"] == 163840 * 64 * 2
@@ -145,8 +146,9 @@ def test_rank_digests_tell_replicated_states_from_others() -> None:
 
 
 def test_the_first_gpu_step_runs_kimis_path_with_valid_commands() -> None:
-    """The first GPU step (docs/sglang-capture-check.md) lists the Kimi wrapper runs (one GPU, two-way TP, the
-    refusal), and every `aerie-sglang-capture` line in it parses with the tool's own argument parser."""
+    """The first GPU step (docs/sglang-capture-check.md) lists the Kimi wrapper runs (one GPU, eight-way TP as the
+    user's host runs K2.5, the refusal), and every `aerie-sglang-capture` line in it parses with the tool's own
+    argument parser."""
     import re
     import shlex
 
@@ -163,6 +165,6 @@ def test_the_first_gpu_step_runs_kimis_path_with_valid_commands() -> None:
     parsed = [build_parser().parse_args(args) for args in runs]
     kimi = [a for a in parsed if a.cmd == "check" and "kimi" in str(a.target)]
     assert any(a.cmd == "make-tiny" and a.kind == "kimi" for a in parsed)
-    assert {(a.tp, a.expect_refusal) for a in kimi} == {(1, False), (2, False), (1, True)}
+    assert {(a.tp, a.expect_refusal) for a in kimi} == {(1, False), (8, False), (1, True)}
     assert all(a.trust_remote_code for a in kimi)
     assert [a.layers[0] for a in kimi if a.expect_refusal] == [0]
