@@ -30,3 +30,7 @@ rule all:
 
 onstart:
     refuse_over_budget()
+
+
+# A preview on a machine without conda stops here, every part of it printed (rules/common.smk).
+end_dry_run_without_conda()

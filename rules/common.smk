@@ -218,21 +218,6 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
     )
 
 
-# A dry run on a machine without conda (the preview, on a laptop): everything above is printed; end it cleanly
-# instead of Snakemake's "Is conda installed" failure while it builds the DAG (aerie.environments).
-if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.environments import preview_without_conda
-
-    _no_conda = preview_without_conda(workflow)
-    if _no_conda:
-        if config["drafter"].get("init"):
-            from aerie.drafter.folder import init_preview_text
-
-            print(init_preview_text(config), file=sys.stderr)
-        print(_no_conda, file=sys.stderr)
-        sys.exit(0)
-
-
 # drafter.init: the dry run shows where the start folder is and what is taken from it; a real run without the folder
 # stops here, before any job runs (training could not start from it after the responses were paid for).
 if workflow.is_main_process and config["drafter"].get("init"):
@@ -245,6 +230,18 @@ if workflow.is_main_process and config["drafter"].get("init"):
             init_folder_of(config)
         except FileNotFoundError as e:
             raise WorkflowError(f"bad configuration: drafter.init: {e}") from None
+
+
+def end_dry_run_without_conda():
+    """Called at the end of the Snakefile, once every included file printed its part of the preview: a dry run on a
+    machine without conda (the preview, on a laptop) ends cleanly here instead of Snakemake's "Is conda installed"
+    failure while it builds the DAG (aerie.environments)."""
+    from aerie.environments import preview_without_conda
+
+    message = preview_without_conda(workflow)
+    if message:
+        print(message, file=sys.stderr)
+        sys.exit(0)
 
 
 def refuse_over_budget():

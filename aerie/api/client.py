@@ -771,11 +771,11 @@ class _Dispatch:
 
     def intent(self, shard: _Shard, event: str, sid: str, attempt: int, **extra: Any) -> None:
         """A line of the intents log (docs/formats.md): a request sent, or one that ended without an answer."""
-        line = {"format": INTENT_FORMAT, "event": event, "session": self.session_id, "id": sid}
-        if event == "sent":
-            shard.intents.append({**line, "t": round(time.time(), 3), **extra, "attempt": attempt})
-        else:
-            shard.intents.append({**line, "attempt": attempt, **extra, "t": round(time.time(), 3)})
+        shard.intents.append(
+            {"format": INTENT_FORMAT, "event": event, "session": self.session_id, "id": sid, "attempt": attempt}
+            | extra
+            | {"t": round(time.time(), 3)}
+        )
 
     def record(
         self, run: _LaneRun, sample: _Sample, fields: dict[str, Any], attempt: int, latency: float
