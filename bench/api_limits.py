@@ -20,6 +20,11 @@ Scenarios (``--only`` picks some):
   provider has finished everything. Before, a rerun whose first wave fits in what the budget leaves after the
   killed requests is saved by its account polls (they see those billed 30 s later, before its second wave);
   ``rerun-400``'s first wave does not fit;
+- ``one-key-1`` / ``one-key-2``: one run alone / two runs at once (two results folders, one config each, started
+  together) on one API key against a hostile emulator (answers of lognormal length, mean 100 tokens, and 429s,
+  5xx, errors inside 200, torn bodies and resets: 20% of requests), each ``budget_usd: 0.50``,
+  ``concurrency: 200``, 4,000 prompts; before = 4161ae5 (one budget per run), after = the key ledger
+  (aerie.api.key_ledger): billed for the key in all against one budget;
 - ``scale``: the user's size without Snakemake: 5 datasets x 2 shards x 2,000 prompts through the job's own path
   (``aerie.api.job.regenerate_api_shards``) at ``concurrency: 2000``, 2 s answers (40 output tokens), a budget
   for ~60% of it and one dataset quota'd at half its prompts: in-flight high-water, billed vs budget, quota, wall
@@ -53,9 +58,14 @@ from api_world import api_pipeline_config  # noqa: E402
 from run_record import code_identity, command_line, machine, machine_load, write_json_atomic  # noqa: E402
 
 BEFORE = "27746c1"
+BEFORE_OF = {"one-key-1": "4161ae5", "one-key-2": "4161ae5"}  # the scenarios of a later change, and its parent
+HOSTILE = "429=0.04,429-retry-after=0.04,500=0.03,503=0.03,200-error=0.03,torn=0.015,reset=0.015"
 KEY = "sk-bench-api-limits"
 PER_REQUEST = 8 * 0.45e-6 + 100 * 1.9e-6  # 8 prompt words + 100 output tokens at Chutes' prices
-SCENARIOS = ("budget-1", "budget-4x1", "budget-1x4", "quota-1", "quota-4x1", "rerun", "rerun-400", "scale")
+SCENARIOS = (
+    "budget-1", "budget-4x1", "budget-1x4", "quota-1", "quota-4x1", "rerun", "rerun-400", "one-key-1", "one-key-2",
+    "scale",
+)  # fmt: skip
 
 
 def snapshot(ref: str, dest: Path) -> Path:
@@ -108,14 +118,16 @@ def write_config(work: Path, base: str, target: Path, datasets: dict, **response
     return api_pipeline_config(work, base, target, datasets, **responses)
 
 
-def snakemake(tree: Path, work: Path, cfg: Path, *args: str, popen: bool = False):
+def snakemake(
+    tree: Path, work: Path, cfg: Path, *args: str, popen: bool = False, env: dict | None = None, log: Path | None = None
+):
+    """A snakemake of the code in ``tree``; ``popen``: started, not waited for (its output to ``log``, if given)."""
     cmd = [sys.executable, "-m", "snakemake", "-s", str(tree / "Snakefile"), "--directory", str(work), *args,
            "--configfile", str(cfg)]  # fmt: skip
-    env = {**os.environ, "OPENROUTER_API_KEY": KEY}
+    env = {**os.environ, "OPENROUTER_API_KEY": KEY, **(env or {})}
     if popen:
-        return subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
-        )
+        sink = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child holds it
+        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
 
 
@@ -214,6 +226,42 @@ def rerun_scenario(code: str, tree: Path, folder: Path, target: Path, concurrenc
         "billed_usd": round(stats["charged_usd"], 6),
         "over_budget": round(stats["charged_usd"] / budget - 1, 4),
         "billed_unseen": stats["outcomes"].get("client-gone", 0),
+    }
+
+
+def one_key_scenario(code: str, tree: Path, folder: Path, target: Path, runs: int) -> dict:
+    """``runs`` snakemake invocations at once, each its own results folder and config, on one key and one hostile
+    emulator, each with the same budget; the emulator's bill once everything is finished."""
+    budget = 0.50
+    emu = Emulator(folder, "--latency-mean", "0.5", "--output-tokens-dist", "lognormal", "--faults", HOSTILE)
+    state = {"AERIE_STATE_DIR": str(folder / "state")}  # the key's ledger: this measurement's own
+    try:
+        procs = []
+        for k in range(runs):
+            work = folder / f"work-{k}"
+            work.mkdir(parents=True)
+            cfg = write_config(
+                work, emu.base, target, {"talk": {"n": 4000, "shard_size": 4000}}, concurrency=200, budget_usd=budget
+            )
+            args = ("--cores", "1", "responses", "--config", "allow_over_budget=True")
+            procs.append(snakemake(tree, work, cfg, *args, popen=True, env=state, log=folder / f"run-{k}.log"))
+        t0 = time.monotonic()
+        for proc in procs:
+            proc.wait(timeout=3600)
+        wall = time.monotonic() - t0
+        outs = [(folder / f"run-{k}.log").read_text() for k in range(runs)]
+        stats = emu.drained()
+    finally:
+        emu.stop()
+    return {
+        "runs": runs,
+        "budget_usd": budget,
+        "billed_usd": round(stats["charged_usd"], 6),
+        "over_budget": round(stats["charged_usd"] / budget - 1, 4),
+        "max_in_flight": stats["max_in_flight"],
+        "requests": stats["requests"],
+        "stops": [next((x.strip() for x in reversed(o.splitlines()) if "STOPPING" in x), "") for o in outs],
+        "seconds": round(wall, 1),
     }
 
 
@@ -361,6 +409,20 @@ def tables(result: dict) -> str:
                 f"| N = {r['killed_in_flight']} | {code} | {started} s after the kill | ${then:.4f} | "
                 f"${r['billed_usd']:.4f} | {100 * r['over_budget']:+.1f}% |"
             )
+    one_key = [(n, c) for n in ("one-key-1", "one-key-2") for c in ("before", "after") if (n, c) in rows]
+    if one_key:
+        out += [
+            "",
+            "| one key, budget $0.50 per run, hostile emulator, concurrency 200 | code | billed for the key | "
+            "over one budget | most in flight |",
+            "|---|---|---|---|---|",
+        ]
+        for name, code in one_key:
+            r = rows[(name, code)]
+            what = "1 run alone" if r["runs"] == 1 else f"{r['runs']} runs at once (two folders)"
+            out.append(
+                f"| {what} | {code} | ${r['billed_usd']:.4f} | {100 * r['over_budget']:+.1f}% | {r['max_in_flight']} |"
+            )
     r = rows.get(("scale", "after"))
     if r:
         out += [
@@ -394,6 +456,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         trees = {"before": snapshot(BEFORE, tmp / "before"), "after": snapshot(args.after, tmp / "after")}
+        for ref in sorted({BEFORE_OF[n] for n in args.only if n in BEFORE_OF}):
+            trees[ref] = snapshot(ref, tmp / f"before-{ref}")
         target = save_tiny_llama_target(tmp / "target")
         cases = {
             "budget-1": ({"talk": {"n": 4000, "shard_size": 4000}}, ["--cores", "1"], {"budget_usd": 0.5}),
@@ -417,7 +481,10 @@ def main() -> None:
                 folder = tmp / f"{name}-{code}"
                 folder.mkdir()
                 load = machine_load()
-                if name.startswith("rerun"):
+                tree = trees[BEFORE_OF[name]] if code == "before" and name in BEFORE_OF else trees[code]
+                if name.startswith("one-key"):
+                    row = one_key_scenario(code, tree, folder, target, int(name[-1]))
+                elif name.startswith("rerun"):
                     row = rerun_scenario(code, trees[code], folder, target, 400 if name == "rerun-400" else 200)
                 elif name == "scale":
                     row = scale_scenario(folder, trees[code])
@@ -427,7 +494,7 @@ def main() -> None:
                     if "budget_usd" in responses:
                         row["budget_usd"] = responses["budget_usd"]
                         row["over_budget"] = round(row["billed_usd"] / responses["budget_usd"] - 1, 4)
-                row = {"scenario": name, "code": code, "commit": (trees[code] / ".commit").read_text().strip(), **row,
+                row = {"scenario": name, "code": code, "commit": (tree / ".commit").read_text().strip(), **row,
                        "load": load["loadavg"]}  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -48,3 +48,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_key_ledgers(tmp_path_factory):
+    """Every responses job keeps a ledger per API key outside its results folder (aerie.api.key_ledger); the tests'
+    jobs and the snakemake runs they start (which inherit the environment) keep theirs in a folder of the session,
+    never in the user's ~/.local/state."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AERIE_STATE_DIR", str(tmp_path_factory.mktemp("aerie-state")))
+        yield

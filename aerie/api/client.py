@@ -20,7 +20,9 @@ owner of its limits:
   is bounded by what is in flight: at most ``concurrency`` x (actual - expected cost per request). The spend
   counted is the journals' plus what the provider's account billed that no journal holds (``RunSpend``:
   billed retries, requests lost to interrupted runs, and requests sent before an interruption that the
-  account does not show yet, priced at the expected cost), polled while running (``GET /key``);
+  account does not show yet, priced at the expected cost), polled while running (``GET /key``); other runs
+  on the same key (another results folder or config) count too: their spend and leases, from the key's ledger
+  (aerie.api.key_ledger), and a request is admitted only inside a lease taken under the ledger's lock;
 - before each request is sent an intent line goes to ``shard-NNNNN.intents.jsonl`` (and a line after each
   failure), so a restarted run knows which requests may have been billed without an answer;
 - the budget is a stop (raise it and rerun); the output-token quota is not: a dataset whose
@@ -63,6 +65,7 @@ from aerie.api.journal import (
     read_journal,
     unseen_intents,
 )
+from aerie.api.key_ledger import LEASE_REQUESTS, KeyLedger
 from aerie.api.money import JOURNALED, PendingRequests, Unjournaled, split_unjournaled, usd
 from aerie.artifacts import atomic_write_bytes
 from aerie.formats.responses import COMPLETION_FORMAT, QUOTA_REASON, RESPONSES_FORMAT, write_completion
@@ -146,6 +149,9 @@ class AccountWatcher:
         self.floor, self.pending, self.headers, self.ca_bundle = floor, pending, headers or {}, ca_bundle
         self.weights = weights
         self.retried = 0.0  # expected cost of this job's failed requests the provider may have billed
+        # What other runs on the key journaled since this job opened its ledger (aerie.api.key_ledger): their
+        # answers are in the account's growth too, and their ledger counts them already.
+        self.others_spent: Callable[[], float] = lambda: 0.0
         self.started = time.time()
         self._record = record
         self.billed = floor  # what the account shows beyond the journals, at the last reading
@@ -157,7 +163,8 @@ class AccountWatcher:
         self.errors = 0
 
     def unexplained(self, usage: float, journal_spend: float) -> float:
-        return max(0.0, (usage - self.baseline_usage) - (journal_spend - self.baseline_journal))
+        growth = (usage - self.baseline_usage) - (journal_spend - self.baseline_journal)
+        return max(0.0, growth - self.others_spent())
 
     def figure(self, billed: float) -> float:
         """What the budget counts: the billed figure, or what the pending requests may still add, if more."""
@@ -202,18 +209,29 @@ class AccountWatcher:
 class RunSpend:
     """The run's spend as the budget sees it: per account, the journals at the start (``before``) and what this
     process journaled since; plus, per account, what its ``AccountWatcher`` counts beyond the journals, and a
-    fixed ``lost_usd`` (a one-shard caller's reconcile)."""
+    fixed ``lost_usd`` (a one-shard caller's reconcile). ``keys``: per account, the key's ledger (other runs on the
+    same key: what they spent since this job started and their leases count against the budget too)."""
 
     def __init__(
         self,
         before: dict[str | None, float] | None = None,
         watchers: dict[str, AccountWatcher] | None = None,
         lost_usd: float = 0.0,
+        keys: dict[str, KeyLedger] | None = None,
     ):
         self.before = dict(before or {})
         self.now: dict[str | None, float] = {}
         self.watchers = dict(watchers or {})
         self.fixed_lost = lost_usd
+        self.keys = dict(keys or {})
+
+    def others(self) -> float:
+        """What other runs on this run's keys spent since it started, plus what their leases still hold."""
+        return sum(k.others.committed for k in self.keys.values())
+
+    def others_in_flight(self) -> bool:
+        """Whether a live run on one of the keys holds a lease (its answers come back, or it gives it back)."""
+        return any(k.others.live_reserved > 1e-12 for k in self.keys.values())
 
     def add(self, account: str | None, cost: float) -> None:
         self.now[account] = self.now.get(account, 0.0) + cost
@@ -243,6 +261,13 @@ class RunSpend:
             parts.append(Unjournaled(lost=self.fixed_lost).words())
         parts += [w.words() for w in self.watchers.values() if w.lost > 0]
         return " + ".join(parts)
+
+    def others_words(self) -> str:
+        """`` + $0.30 by 1 other run on the key (spent since this run started, and its leases)``, or ``""``."""
+        runs = sum(k.others.runs for k in self.keys.values())
+        if self.others() <= 0 and not runs:
+            return ""
+        return f" + {usd(self.others())} by other runs on the key ({runs} open; spent since this job started + leases)"
 
 
 @dataclass
@@ -513,6 +538,10 @@ async def _run(
         await _Dispatch(runs, spend, session, session_id, log).run(concurrency, progress_interval)
 
 
+# How often a job refreshes its entries in the key ledgers and re-checks a budget another run's leases hold.
+KEY_SYNC_S = 0.5
+
+
 class _Dispatch:
     """One responses run's requests: admission against the budget and quotas, the workers, retries, the account
     readings and the progress lines. The outline is :meth:`run`; each step below has one job.
@@ -556,6 +585,7 @@ class _Dispatch:
         interval = progress_interval or min(r.lane.limits.progress_interval for r in runs)
         workers = min(concurrency, sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs))
         reporter = asyncio.create_task(self.report_progress(interval))
+        sharer = asyncio.create_task(self.share_keys()) if self.spend.keys else None
         try:
             await asyncio.gather(*(self.worker() for _ in range(workers)))
             reporter.cancel()
@@ -564,6 +594,8 @@ class _Dispatch:
                 await watcher.poll(self.accounts[name], self.spend.journals(name))
         finally:
             reporter.cancel()
+            if sharer is not None:
+                sharer.cancel()
             if self.refreshing is not None:
                 self.refreshing.cancel()
             for account in self.accounts.values():
@@ -617,8 +649,8 @@ class _Dispatch:
         """ "go", "wait" (room may open when requests in flight come back) or "stop" (halted); ``spent``: the run's
         spend, ``reserved``: every request in flight at its dataset's expected cost."""
         guard = run.lane.guard
-        if guard.budget_usd is not None and spent + reserved + run.per_cost() > guard.budget_usd:
-            if self.in_flight > 0:
+        if guard.budget_usd is not None and not self.fits_budget(run, spent, reserved):
+            if self.in_flight > 0 or self.spend.others_in_flight():
                 return "wait"
             if any(not w.exact for w in self.spend.watchers.values()):
                 # The account was last read with requests in flight: it may count some of their answers twice
@@ -628,7 +660,7 @@ class _Dispatch:
                 return "wait"
             self.halt(
                 run,
-                f"budget: {usd(spent)} spent ({self.spend.words()}) of responses.budget_usd "
+                f"budget: {usd(spent)} spent ({self.spend.words()}){self.spend.others_words()} of responses.budget_usd "
                 f"${guard.budget_usd:.2f}; finished samples are kept in the journal - raise the budget and rerun to "
                 "finish the rest",
                 "budget",
@@ -647,6 +679,43 @@ class _Dispatch:
                 )
                 return "stop"
         return "go"
+
+    def fits_budget(self, run: _LaneRun, spent: float, reserved: float) -> bool:
+        """Whether the next request of ``run`` fits the budget with what the other runs on its key hold; on a key
+        with a ledger it must also fit this job's lease, else a new lease is taken under the ledger's lock."""
+        budget, per = run.lane.guard.budget_usd, run.per_cost()
+        if spent + reserved + self.spend.others() + per > budget:
+            return False
+        key = self.spend.keys.get(run.lane.account)
+        if key is None:
+            return True
+        mine, committed = self.committed(run.lane.account)
+        if key.covers(committed + per):
+            return True
+        return key.take(
+            mine,
+            committed,
+            per,
+            lambda: budget - spent - reserved - self.spend.others(),
+            per * min(LEASE_REQUESTS, run.lane.limits.concurrency),
+        )
+
+    def committed(self, account: str | None) -> tuple[float, float]:
+        """This job's spend on ``account`` (journaled since it started), and that plus its requests in flight there
+        at the expected cost: what its lease on the key's ledger must cover."""
+        mine = self.spend.now.get(account, 0.0)
+        return mine, mine + sum(r.in_flight * r.per_cost() for r in self.runs if r.lane.account == account)
+
+    async def share_keys(self) -> None:
+        """Keep this job's entries in the key ledgers current (spend, heartbeat; an idle lane gives back its lease
+        headroom), and wake a waiting worker: another run's spend or leases may have moved."""
+        while True:
+            await asyncio.sleep(KEY_SYNC_S)
+            for account, key in self.spend.keys.items():
+                mine, committed = self.committed(account)
+                busy = any(r.queue and r.stop_kind is None for r in self.runs if r.lane.account == account)
+                key.sync(mine, committed, busy)
+            self.wake()
 
     def halt(self, run: _LaneRun, reason: str, kind: str = "fatal") -> None:
         if run.stop_kind is None:

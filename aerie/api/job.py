@@ -19,6 +19,11 @@ outputs wait for the next run, which requests only their missing samples).
 At the start the job reconciles each provider account with the journals (``start_account``): what the account
 billed beyond them (billed retries, requests lost to interrupted runs) and what requests sent before an
 interruption may still add (priced at the expected cost until they settle) count against the budget.
+
+One budget per key across runs: a second run on the same key (another results folder or config) is another
+process, so each account's job also keeps an entry in the key's ledger beside the account (aerie.api.key_ledger,
+outside the results folder); what the other runs on the key spend and hold counts against this run's budget, and
+this run's requests go out only inside leases taken under the ledger's lock.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from aerie.api.client import (
     regenerate,
 )
 from aerie.api.journal import journal_path, read_journal
+from aerie.api.key_ledger import KeyLedger, key_ledger_path
 from aerie.api.money import (
     ACCOUNT_LAG_S,
     JOURNALED,
@@ -343,18 +349,73 @@ def regenerate_api_shards(
     before = {a: sum(spend[d]["cost"] for d in run.account_datasets(a)) for a in accounts}
     watchers = {}
     job = f"responses ({len(tasks)} shards)"
-    for a in sorted({run.datasets[d].account for d in by_dataset} - {None}):
+    spending = sorted({run.datasets[d].account for d in by_dataset} - {None})
+    for a in spending:
         key = keys[next(d for d in by_dataset if run.datasets[d].account == a)]
         _, watcher = start_account(run, a, results_dir, expected, key, job, log)
         if watcher is not None:
             watchers[a] = watcher
+    # Opened after the account was read: another run's spend from the reading on is counted once, either in the
+    # account's growth (until the ledger opened) or from the ledger (after).
+    ledgers = open_key_ledgers(run, spending, keys, results_dir, log)
+    for a, ledger in ledgers.items():
+        if a in watchers:
+            watchers[a].others_spent = lambda ledger=ledger: ledger.others.spent
     done = sum(
         len(read_journal(journal_path(t.out), run.datasets[t.dataset].settings.params_hash()).finished) for t in tasks
     )
     progress = job_progress("responses", sum(len(p) for p in prompts.values()), unit="sample", log=log, initial=done)
-    run_spend_now = ProgressSpend(before, watchers, progress=progress)
+    run_spend_now = ProgressSpend(before, watchers, keys=ledgers, progress=progress)
     log(f"spent so far: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
 
+    with close_key_ledgers(ledgers, run_spend_now):
+        results = _regenerate_lanes(run, by_dataset, guards, keys, prompts, run_spend_now, results_dir, log)
+    progress.close()
+    log(f"spent: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
+    return results
+
+
+def open_key_ledgers(
+    run: ApiRun, accounts: list[str], keys: dict[str, str | None], results_dir: Path, log: Callable[[str], None]
+) -> dict[str, KeyLedger]:
+    """Per account this job spends from with a key: this run's entry in the key's ledger (aerie.api.key_ledger)."""
+    ledgers = {}
+    label = f"{socket.gethostname()}:{Path(results_dir).resolve()}"
+    for a in accounts:
+        d = next(d for d in run.account_datasets(a) if keys.get(d))
+        responses = run.datasets[d].responses
+        path = key_ledger_path(responses["base_url"], keys[d])
+        ledgers[a] = KeyLedger(path, label=label, settle_s=settle_seconds(responses), log=log)
+        ledgers[a].open()
+    return ledgers
+
+
+@contextlib.contextmanager
+def close_key_ledgers(ledgers: dict[str, KeyLedger], spend: RunSpend):
+    """Leave the key ledgers when the job ends: cleanly (the entries go) when the lanes finished; on an error or
+    an interrupt the entries stay, holding nothing but what may still be in flight (priced at the lease: a
+    killed job's answers may still be billed), until the process is gone and its requests have settled."""
+    clean = False
+    try:
+        yield
+        clean = True
+    finally:
+        for a, ledger in ledgers.items():
+            mine = spend.now.get(a, 0.0)
+            ledger.close(clean, mine, 0.0 if clean else max(0.0, ledger.lease - mine))
+
+
+def _regenerate_lanes(
+    run: ApiRun,
+    by_dataset: dict[str, list[ApiShardTask]],
+    guards: dict[str, MoneyGuard],
+    keys: dict[str, str | None],
+    prompts: dict[Path, list[dict[str, Any]]],
+    spend: RunSpend,
+    results_dir: Path,
+    log: Callable[[str], None],
+) -> dict[Path, dict[str, Any] | str]:
+    """Every dataset's lane, through the run's own server where a dataset asks for one."""
     sglang = any(run.datasets[d].backend == "sglang" for d in by_dataset)
     render_ids, split_ids, eos_ids = _sglang_ids(run.target) if sglang else (None, None, None)
     with _server(run, list(by_dataset), results_dir / "logs" / "responses.server.log") as base:
@@ -382,18 +443,15 @@ def regenerate_api_shards(
                     eos_ids=eos_ids if responses["backend"] == "sglang" else None,
                 )
             )
-        results = asyncio.run(
+        return asyncio.run(
             regenerate(
                 lanes,
                 concurrency=run.concurrency,
-                spend=run_spend_now,
+                spend=spend,
                 progress_interval=run.progress_interval_s,
                 log=log,
             )
         )
-    progress.close()
-    log(f"spent: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
-    return results
 
 
 def regenerate_api_shard(
