@@ -16,7 +16,14 @@ from test_api import exact_cost, job_config, make_prompts, write_prompt_file
 
 from aerie.api.emulator import EmulatorSettings, serve_in_thread
 from aerie.api.journal import journal_path, read_journal
-from aerie.api.key_ledger import KEY_LEDGER_FORMAT, KeyLedger, key_ledger_path, read_key_ledger, state_dir
+from aerie.api.key_ledger import (
+    KEY_LEDGER_FORMAT,
+    KeyLedger,
+    key_ledger_path,
+    other_runs_note,
+    read_key_ledger,
+    state_dir,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,6 +47,9 @@ def test_the_ledger_lives_outside_the_results_folder_and_never_holds_the_key(tmp
         assert "SECRET" not in f.name and b"SECRET" not in f.read_bytes()
     doc = read_key_ledger(path)
     assert doc["format"] == KEY_LEDGER_FORMAT and doc["runs"][a.run_id]["reserved"] == 4.0
+    # The preview of another run on the key names it; this run's own entry is not "another run".
+    assert other_runs_note(path, "host:/runs/b").startswith("1 other run(s) on this API key (host:/runs/a) hold $4.00")
+    assert other_runs_note(path, "host:/runs/a") == ""
 
 
 def test_leases_of_two_runs_never_add_up_past_the_budget(tmp_path: Path) -> None:

@@ -650,6 +650,8 @@ class _Dispatch:
         spend, ``reserved``: every request in flight at its dataset's expected cost."""
         guard = run.lane.guard
         if guard.budget_usd is not None and not self.fits_budget(run, spent, reserved):
+            if (key := self.spend.keys.get(run.lane.account)) is not None:
+                key.give_back(*self.committed(run.lane.account))  # two runs must not wait on each other's headroom
             if self.in_flight > 0 or self.spend.others_in_flight():
                 return "wait"
             if any(not w.exact for w in self.spend.watchers.values()):

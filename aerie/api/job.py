@@ -51,7 +51,7 @@ from aerie.api.client import (
     regenerate,
 )
 from aerie.api.journal import journal_path, read_journal
-from aerie.api.key_ledger import KeyLedger, key_ledger_path
+from aerie.api.key_ledger import KeyLedger, key_ledger_path, run_label
 from aerie.api.money import (
     ACCOUNT_LAG_S,
     JOURNALED,
@@ -380,7 +380,7 @@ def open_key_ledgers(
 ) -> dict[str, KeyLedger]:
     """Per account this job spends from with a key: this run's entry in the key's ledger (aerie.api.key_ledger)."""
     ledgers = {}
-    label = f"{socket.gethostname()}:{Path(results_dir).resolve()}"
+    label = run_label(results_dir)
     for a in accounts:
         d = next(d for d in run.account_datasets(a) if keys.get(d))
         responses = run.datasets[d].responses

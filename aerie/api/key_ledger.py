@@ -71,6 +71,11 @@ def key_ledger_path(base_url: str, api_key: str, env: dict[str, str] | None = No
     return state_dir(env) / "keys" / f"{digest}.json"
 
 
+def run_label(results_dir: Path) -> str:
+    """Which run an entry belongs to: its host and results folder (a later job of the same run has the same)."""
+    return f"{socket.gethostname()}:{Path(results_dir).resolve()}"
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -241,6 +246,14 @@ class KeyLedger:
             self.takes += 1
         return fits
 
+    def give_back(self, spent: float, committed: float) -> None:
+        """The budget refused this run's next request: give back the lease's unused headroom (it may be just what
+        another run waits for), keeping what is in flight; the others are read afresh either way."""
+        with self._locked():
+            if self.lease > committed + _EPS:
+                self.lease = committed
+                self._publish(spent, committed - spent)
+
     def sync(self, spent: float, committed: float, busy: bool) -> None:
         """Read the others and refresh this run's entry: its spend, its heartbeat; an idle run (``busy`` False: no
         request waiting to be sent) gives back its unused lease headroom."""
@@ -270,3 +283,16 @@ def read_key_ledger(path: Path) -> dict[str, Any]:
         return json.loads(Path(path).read_text())
     except FileNotFoundError:
         return {"format": KEY_LEDGER_FORMAT, "runs": {}}
+
+
+def other_runs_note(path: Path, label: str) -> str:
+    """For the cost preview: the runs on the key's ledger other than ``label`` (this results folder), or ``""``."""
+    runs = [e for e in read_key_ledger(path).get("runs", {}).values() if e.get("label") != label]
+    if not runs:
+        return ""
+    held = sum(float(e.get("reserved") or 0.0) for e in runs)
+    names = ", ".join(sorted(str(e.get("label") or "?") for e in runs)[:3]) + (" ..." if len(runs) > 3 else "")
+    return (
+        f"{len(runs)} other run(s) on this API key ({names}) hold ${held:.2f} of leases now: what they spend while "
+        "this run goes counts against its budget too (docs/formats.md, Key ledger)"
+    )

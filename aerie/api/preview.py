@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aerie.api.key_ledger import key_ledger_path, other_runs_note, run_label
 from aerie.api.money import (
     ACCOUNT_LAG_S,
     JOURNALED,
@@ -97,6 +98,23 @@ def preview_account(
     return money, ""
 
 
+def _key_ledger_notes(run: ApiRun, datasets: list[str], results_dir: Path) -> list[str]:
+    """Other runs on a key this run spends from, from the key's ledger (aerie.api.key_ledger), when the key is set."""
+    label = run_label(results_dir)
+    notes, seen = [], set()
+    for d in datasets:
+        responses = run.datasets[d].responses
+        key = api_key_from_env(responses) if run.datasets[d].account else None
+        if not key:
+            continue
+        path = key_ledger_path(responses["base_url"], key)
+        if path not in seen:
+            seen.add(path)
+            if note := other_runs_note(path, label):
+                notes.append(note)
+    return notes
+
+
 def _quota_raised(completion: dict[str, Any], quota: int | None) -> bool:
     recorded = completion.get("max_output_tokens")
     return recorded is not None and (quota is None or quota > recorded)
@@ -172,6 +190,7 @@ def cost_preview(run: ApiRun, results_dir: Path, live: bool = True) -> CostPrevi
     spent = sum(s["cost"] for s in spend.values())
     account, note = preview_account(run, datasets, results_dir, spend, expected, live)
     text = format_preview(list(estimates.values()), spent, budget, prices_seen, account, note)
+    notes += _key_ledger_notes(run, datasets, results_dir)
     text += "".join(f"\n  NOTE {n}" for n in notes)
     words = f"{usd(spent)} {JOURNALED}"
     if account is not None and account.unjournaled.total:
