@@ -79,6 +79,24 @@ def test_leases_of_two_runs_never_add_up_past_the_budget(tmp_path: Path) -> None
     assert b.lease == 2.0 and read_key_ledger(path)["runs"][b.run_id]["reserved"] == pytest.approx(1.5)
 
 
+def test_a_refused_run_gives_back_its_headroom(tmp_path: Path) -> None:
+    """Two runs, each with a sliver of lease headroom left and nothing in flight, each refused because the other's
+    sliver counts: both would wait for ever. A refused run gives its headroom back, so the other sees only what is
+    really in flight."""
+    path = tmp_path / "k.json"
+    a, b = ledger(path, "a"), ledger(path, "b")
+    a.open(), b.open()
+    assert a.take(0.0, 0.0, 1.0, lambda: 10.0 - a.others.committed, 5.0)
+    assert b.take(0.0, 0.0, 1.0, lambda: 10.0 - b.others.committed, 5.0)
+    a.sync(4.6, 4.6, busy=True)  # answered; 0.4 of headroom left, less than a request
+    b.give_back(4.6, 4.6)  # b: answered too, and refused
+    assert b.lease == 4.6 and b.others.reserved == pytest.approx(0.4)
+    a.give_back(4.6, 4.6)
+    assert a.others.reserved == 0.0 and a.others.live_reserved == 0.0
+    b.sync(4.6, 4.6, busy=True)
+    assert b.others.reserved == 0.0 and b.others.spent == pytest.approx(4.6)
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

@@ -259,7 +259,7 @@ class RunSpend:
         parts = [f"{usd(self.journaled())} {JOURNALED}"]
         if self.fixed_lost:
             parts.append(Unjournaled(lost=self.fixed_lost).words())
-        parts += [w.words() for w in self.watchers.values() if w.lost > 0]
+        parts += [w.words() for w in self.watchers.values() if w.lost >= 5e-5]  # what prints as $0.0000: noise
         return " + ".join(parts)
 
     def others_words(self) -> str:
@@ -686,13 +686,15 @@ class _Dispatch:
         """Whether the next request of ``run`` fits the budget with what the other runs on its key hold; on a key
         with a ledger it must also fit this job's lease, else a new lease is taken under the ledger's lock."""
         budget, per = run.lane.guard.budget_usd, run.per_cost()
-        if spent + reserved + self.spend.others() + per > budget:
-            return False
         key = self.spend.keys.get(run.lane.account)
         if key is None:
-            return True
+            return spent + reserved + self.spend.others() + per <= budget
+        if spent + reserved + per > budget:
+            return False
         mine, committed = self.committed(run.lane.account)
         if key.covers(committed + per):
+            # The lease was granted under the lock with every run's figures, so the others' do not count again
+            # (they would also count a lease's own unused headroom against it).
             return True
         return key.take(
             mine,
