@@ -53,8 +53,8 @@ def test_the_ledger_lives_outside_the_results_folder_and_never_holds_the_key(tmp
 
 
 def test_leases_of_two_runs_never_add_up_past_the_budget(tmp_path: Path) -> None:
-    """Run A leases 4 of a $10 budget; B sees A's lease and can take at most the 6 left; A's spend after B opened
-    counts for B, A's spend before does not; a run that leaves keeps its spend counted and gives its lease back."""
+    """Run A has spent 2 of a $10 budget and leases 4 more; B, joining, counts A's spend and lease and can take at
+    most the 4 left; a run that leaves keeps its spend counted and gives its lease back."""
     path = tmp_path / "k.json"
     budget = 10.0
     a, b = ledger(path, "a"), ledger(path, "b")
@@ -62,18 +62,22 @@ def test_leases_of_two_runs_never_add_up_past_the_budget(tmp_path: Path) -> None
     assert a.take(2.0, 2.0, 1.0, lambda: budget - 2.0 - a.others.committed, 4.0)  # spent 2 before B came
     assert a.lease == 6.0  # committed 2 + 4 of headroom
     b.open()
-    assert b.others.runs == 1 and b.others.reserved == pytest.approx(4.0) and b.others.spent == 0.0
-    assert not b.take(0.0, 0.0, 6.5, lambda: budget - b.others.committed, 8.0)  # 6.5 > 10 - 4 (A's lease)
+    assert b.others.runs == 1 and b.others.spent == pytest.approx(2.0) and b.others.reserved == pytest.approx(4.0)
+    assert not b.take(0.0, 0.0, 4.5, lambda: budget - b.others.committed, 8.0)  # 4.5 > 10 - 6 (A's spend and lease)
     assert b.take(0.0, 0.0, 1.0, lambda: budget - b.others.committed, 8.0)
-    assert b.lease == pytest.approx(6.0)  # headroom capped by what the budget leaves
-    # A answers 3 of its leased requests ($3); its lease shrinks by as much: B sees $3 spent, $1 still leased.
+    assert b.lease == pytest.approx(4.0)  # headroom capped by what the budget leaves
+    # A answers 3 of its leased requests ($3); its lease is unchanged: B sees $5 spent, $1 still leased.
     a.sync(5.0, 5.0, busy=True)
     b.sync(0.0, 0.0, busy=True)
-    assert b.others.spent == pytest.approx(3.0) and b.others.reserved == pytest.approx(1.0)
-    assert not a.take(5.0, 6.0, 1.0, lambda: budget - 5.0 - a.others.committed, 4.0)  # B's lease holds the rest
-    a.close(True, 5.0, 0.0)
+    assert b.others.spent == pytest.approx(5.0) and b.others.reserved == pytest.approx(1.0)
+    # A, 1 more in flight: the budget has nothing left for another (5 + 1 + B's 4).
+    assert not a.take(5.0, 6.0, 1.0, lambda: budget - 6.0 - a.others.committed, 4.0)
+    # A ends; its last answer was not published before: the ended entry carries it to B.
+    a.close(True, 6.0, 0.0)
     b.sync(0.0, 0.0, busy=True)
-    assert b.others.runs == 0 and b.others.reserved == 0.0 and b.others.spent == pytest.approx(3.0)
+    assert b.others.runs == 0 and b.others.reserved == 0.0 and b.others.spent == pytest.approx(6.0)
+    late = ledger(path, "late")  # a run that opens after A ended does not count A
+    assert late.open().spent == 0.0 and late.others.reserved == pytest.approx(4.0)
     # An idle run gives back its headroom: what it still has in flight stays leased.
     b.sync(0.5, 2.0, busy=False)
     assert b.lease == 2.0 and read_key_ledger(path)["runs"][b.run_id]["reserved"] == pytest.approx(1.5)
@@ -219,4 +223,6 @@ def test_two_runs_at_once_on_one_key_stay_within_one_budget(tmp_path: Path) -> N
     )
     assert journaled == pytest.approx(billed)
     assert sum(n for k, n in stats["outcomes"].items() if k != "ok") > 0, stats["outcomes"]  # faults were met
-    assert not read_key_ledger(key_ledger_path(base, "sk-shared"))["runs"]  # both left cleanly
+    ended = read_key_ledger(key_ledger_path(base, "sk-shared"))["runs"].values()
+    assert len(ended) == 2 and all(e["ended"] and e["reserved"] == 0 for e in ended)  # both left cleanly
+    assert sum(e["spent"] for e in ended) == pytest.approx(billed)  # with their last answers

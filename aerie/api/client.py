@@ -149,8 +149,8 @@ class AccountWatcher:
         self.floor, self.pending, self.headers, self.ca_bundle = floor, pending, headers or {}, ca_bundle
         self.weights = weights
         self.retried = 0.0  # expected cost of this job's failed requests the provider may have billed
-        # What other runs on the key journaled since this job opened its ledger (aerie.api.key_ledger): their
-        # answers are in the account's growth too, and their ledger counts them already.
+        # What other runs on the key journaled since this job's first reading of the account (their entries in the
+        # key's ledger, aerie.api.key_ledger): their answers are in the account's growth too, and counted already.
         self.others_spent: Callable[[], float] = lambda: 0.0
         self.started = time.time()
         self._record = record
@@ -210,7 +210,7 @@ class RunSpend:
     """The run's spend as the budget sees it: per account, the journals at the start (``before``) and what this
     process journaled since; plus, per account, what its ``AccountWatcher`` counts beyond the journals, and a
     fixed ``lost_usd`` (a one-shard caller's reconcile). ``keys``: per account, the key's ledger (other runs on the
-    same key: what they spent since this job started and their leases count against the budget too)."""
+    same key: what their jobs spent and their leases count against the budget too)."""
 
     def __init__(
         self,
@@ -226,7 +226,8 @@ class RunSpend:
         self.keys = dict(keys or {})
 
     def others(self) -> float:
-        """What other runs on this run's keys spent since it started, plus what their leases still hold."""
+        """What the other runs on this run's keys spent (their open jobs, and those that left since this one
+        started), plus what their leases still hold."""
         return sum(k.others.committed for k in self.keys.values())
 
     def others_in_flight(self) -> bool:
@@ -263,11 +264,11 @@ class RunSpend:
         return " + ".join(parts)
 
     def others_words(self) -> str:
-        """`` + $0.30 by 1 other run on the key (spent since this run started, and its leases)``, or ``""``."""
+        """`` + $0.30 by other runs on the key (1 open; spent + leased)``, or ``""``."""
         runs = sum(k.others.runs for k in self.keys.values())
         if self.others() <= 0 and not runs:
             return ""
-        return f" + {usd(self.others())} by other runs on the key ({runs} open; spent since this job started + leases)"
+        return f" + {usd(self.others())} by other runs on the key ({runs} open; spent + leased)"
 
 
 @dataclass

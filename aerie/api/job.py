@@ -350,25 +350,27 @@ def regenerate_api_shards(
     watchers = {}
     job = f"responses ({len(tasks)} shards)"
     spending = sorted({run.datasets[d].account for d in by_dataset} - {None})
-    for a in spending:
-        key = keys[next(d for d in by_dataset if run.datasets[d].account == a)]
-        _, watcher = start_account(run, a, results_dir, expected, key, job, log)
-        if watcher is not None:
-            watchers[a] = watcher
-    # Opened after the account was read: another run's spend from the reading on is counted once, either in the
-    # account's growth (until the ledger opened) or from the ledger (after).
+    # The key ledgers open before the accounts are read: another run's spend from then on is counted from the
+    # ledger, and what it publishes after the reading is taken out of the account's growth (counted once).
     ledgers = open_key_ledgers(run, spending, keys, results_dir, log)
-    for a, ledger in ledgers.items():
-        if a in watchers:
-            watchers[a].others_spent = lambda ledger=ledger: ledger.others.spent
-    done = sum(
-        len(read_journal(journal_path(t.out), run.datasets[t.dataset].settings.params_hash()).finished) for t in tasks
-    )
-    progress = job_progress("responses", sum(len(p) for p in prompts.values()), unit="sample", log=log, initial=done)
-    run_spend_now = ProgressSpend(before, watchers, keys=ledgers, progress=progress)
-    log(f"spent so far: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
-
-    with close_key_ledgers(ledgers, run_spend_now):
+    run_spend_now: ProgressSpend | None = None
+    with close_key_ledgers(ledgers, lambda a: run_spend_now.now.get(a, 0.0) if run_spend_now else 0.0):
+        for a in spending:
+            key = keys[next(d for d in by_dataset if run.datasets[d].account == a)]
+            _, watcher = start_account(run, a, results_dir, expected, key, job, log)
+            if watcher is not None:
+                watchers[a] = watcher
+                if a in ledgers:
+                    read = ledgers[a].refresh().spent
+                    watcher.others_spent = lambda ledger=ledgers[a], read=read: ledger.others.spent - read
+        done = sum(
+            len(read_journal(journal_path(t.out), run.datasets[t.dataset].settings.params_hash()).finished)
+            for t in tasks
+        )
+        total = sum(len(p) for p in prompts.values())
+        progress = job_progress("responses", total, unit="sample", log=log, initial=done)
+        run_spend_now = ProgressSpend(before, watchers, keys=ledgers, progress=progress)
+        log(f"spent so far: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
         results = _regenerate_lanes(run, by_dataset, guards, keys, prompts, run_spend_now, results_dir, log)
     progress.close()
     log(f"spent: {run_spend_now.words()} = {usd(run_spend_now.spent())}")
@@ -391,7 +393,7 @@ def open_key_ledgers(
 
 
 @contextlib.contextmanager
-def close_key_ledgers(ledgers: dict[str, KeyLedger], spend: RunSpend):
+def close_key_ledgers(ledgers: dict[str, KeyLedger], spent_of: Callable[[str], float]):
     """Leave the key ledgers when the job ends: cleanly (the entries go) when the lanes finished; on an error or
     an interrupt the entries stay, holding nothing but what may still be in flight (priced at the lease: a
     killed job's answers may still be billed), until the process is gone and its requests have settled."""
@@ -401,7 +403,7 @@ def close_key_ledgers(ledgers: dict[str, KeyLedger], spend: RunSpend):
         clean = True
     finally:
         for a, ledger in ledgers.items():
-            mine = spend.now.get(a, 0.0)
+            mine = spent_of(a)  # journaled by this job on the account
             ledger.close(clean, mine, 0.0 if clean else max(0.0, ledger.lease - mine))
 
 

@@ -9,7 +9,7 @@ every host that shares the state folder): ``<state>/keys/<hash>.json``, where ``
 key itself is never written). It is read and changed only under an exclusive ``flock`` of ``<hash>.lock`` beside it
 (on NFS, ``flock`` needs NFSv4 or lockd; a state folder on a local disk makes runs on different hosts independent).
 
-Per run (format :data:`KEY_LEDGER_FORMAT`): ``spent``, what it journaled since it opened the ledger; ``reserved``, the
+Per run (format :data:`KEY_LEDGER_FORMAT`): ``spent``, what its job journaled since it opened; ``reserved``, the
 rest of its *lease*; its label (host and results folder), pid, settle time and heartbeat. The lease is a ceiling on
 what the run may have committed since it opened - journaled plus in flight at the expected cost per request - before
 it must come back under the lock: taking a new lease reads the other runs and grants at most what the budget leaves
@@ -18,8 +18,13 @@ second writes the file ~16 times a second, not 2,000). Every request of every ru
 granted under the lock, so the leases never add up to more than the budget: the overshoot of all runs on a key
 together is the single-client one, ``requests in flight x (actual - expected cost)``, summed over the runs.
 
-What another run spent is counted once: from this ledger (``others_spent``), and taken out of the account's growth
-that the account polls (aerie.api.client.AccountWatcher) would otherwise count as spend no journal holds.
+Whose spend counts: everything the other open runs' jobs journaled on the key - also before this one started - and
+the spend of runs that left while this one was open. So runs that overlap share one budget: each run's
+``budget_usd`` holds for all of them together (two runs started at once with $100 each spend $100 in all; a run
+that joins one which has spent $60 of its $100 has $40 left while they overlap). A run that ended before this one
+started is not in the ledger and does not count (the key's own limit is the account-wide cap). Counted once: from
+this ledger, and what the others publish after this job's first reading of the account is taken out of the growth
+the account polls (aerie.api.client.AccountWatcher) would otherwise count as spend no journal holds.
 
 Crash safety. A run that ends cleanly removes its entry; one that stops on an error or an interrupt leaves it with its
 lease reserved (what it may still have had in flight). A run killed (``kill -9``, a lost node) leaves its last entry:
@@ -92,7 +97,8 @@ def _pid_alive(pid: int) -> bool:
 class OtherRuns:
     """The other runs on the key, as the last locked read saw them (USD)."""
 
-    spent: float = 0.0  # journaled since this run opened the ledger (runs that left included)
+    # journaled by their jobs (all of it: also before this job opened; runs that left since included)
+    spent: float = 0.0
     reserved: float = 0.0  # the rest of their leases: in flight at the expected cost, and headroom
     live_reserved: float = 0.0  # of which held by live runs (it comes back as answers or is released)
     runs: int = 0  # entries besides this run's (dead ones within their settle time included)
@@ -125,11 +131,9 @@ class KeyLedger:
         self.takes = 0  # leases taken (writes of the file, heartbeats aside)
         self._published: tuple[float, float] | None = None  # (spent, reserved) last written
         self._beat = 0.0  # when this run's entry was last written
-        self._base: dict[str, float] = {}  # other runs' spend when this run opened the ledger
         self._seen: dict[str, float] = {}  # other runs' spend at the last read (kept after they leave)
         self._doc: dict[str, Any] | None = None
         self._dirty = False
-        self._opened = False
 
     # ---- the lock and the file ---------------------------------------------------------------------------------
 
@@ -177,12 +181,20 @@ class KeyLedger:
         for rid, entry in list(runs.items()):
             if rid == self.run_id:
                 continue
+            spent, reserved = float(entry.get("spent") or 0.0), float(entry.get("reserved") or 0.0)
+            if entry.get("ended"):
+                # A job that ended cleanly leaves its final spend for the runs that knew it (its last answers may
+                # not have been published before), until its requests have settled; a run that opens later does
+                # not count it.
+                if rid in self._seen:
+                    self._seen[rid] = spent
+                if now >= float(entry.get("heartbeat") or 0.0) + float(entry.get("settle_s") or 0.0):
+                    del runs[rid]
+                    self._dirty = True
+                continue
             dead = self._dead(entry, now)
             if dead and entry.get("label") == self.label:
                 continue  # a killed job of this same run: the new job prices its requests from the intents log
-            spent, reserved = float(entry.get("spent") or 0.0), float(entry.get("reserved") or 0.0)
-            if not self._opened:
-                self._base[rid] = spent
             self._seen[rid] = spent
             if dead and now >= float(entry.get("heartbeat") or 0.0) + float(entry.get("settle_s") or 0.0):
                 del runs[rid]
@@ -196,7 +208,7 @@ class KeyLedger:
                 others.live_reserved += reserved
             others.reserved += reserved
             others.runs += 1
-        others.spent = sum(s - self._base.get(rid, 0.0) for rid, s in self._seen.items())
+        others.spent = sum(self._seen.values())
         self.others = others
 
     def _publish(self, spent: float, reserved: float) -> None:
@@ -218,15 +230,21 @@ class KeyLedger:
     # ---- what the client asks ----------------------------------------------------------------------------------
 
     def open(self) -> OtherRuns:
-        """Enter this run, nothing spent or leased yet; from now on the other runs' spend is counted."""
+        """Enter this run, nothing spent or leased yet; the other runs' jobs' spend counts against its budget."""
         with self._locked():
-            self._opened = True
             self._publish(0.0, 0.0)
         if self.others.runs:
             self.log(
                 f"key ledger {self.path}: {self.others.runs} other run(s) on this key hold "
-                f"${self.others.reserved:.4f}; their spend from now on counts against this run's budget"
+                f"${self.others.spent:.4f} spent and ${self.others.reserved:.4f} leased: it counts against this "
+                "run's budget"
             )
+        return self.others
+
+    def refresh(self) -> OtherRuns:
+        """Read the other runs' figures (and drop settled dead ones) without changing this run's entry."""
+        with self._locked():
+            pass
         return self.others
 
     def covers(self, committed: float) -> bool:
@@ -268,15 +286,13 @@ class KeyLedger:
                 self._publish(*figures)
 
     def close(self, clean: bool, spent: float, in_flight: float) -> None:
-        """Leave. ``clean``: nothing in flight, the entry goes (this run's spend is in its journals and the
-        account). Otherwise the entry stays with ``in_flight`` reserved until this process is gone and its requests
-        have settled."""
-        with self._locked() as doc:
+        """Leave. ``clean``: nothing in flight; the entry keeps only this job's final spend, marked ended, for the
+        runs that knew it (runs opening later ignore it) until its settle time. Otherwise it stays a live-looking
+        entry with ``in_flight`` reserved until this process is gone and its requests have settled."""
+        with self._locked():
+            self._publish(spent, 0.0 if clean else in_flight)
             if clean:
-                if doc["runs"].pop(self.run_id, None) is not None:
-                    self._dirty = True
-            else:
-                self._publish(spent, in_flight)
+                self._doc["runs"][self.run_id]["ended"] = True
 
 
 def read_key_ledger(path: Path) -> dict[str, Any]:
@@ -289,7 +305,7 @@ def read_key_ledger(path: Path) -> dict[str, Any]:
 
 def other_runs_note(path: Path, label: str) -> str:
     """For the cost preview: the runs on the key's ledger other than ``label`` (this results folder), or ``""``."""
-    runs = [e for e in read_key_ledger(path).get("runs", {}).values() if e.get("label") != label]
+    runs = [e for e in read_key_ledger(path).get("runs", {}).values() if e.get("label") != label and not e.get("ended")]
     if not runs:
         return ""
     held = sum(float(e.get("reserved") or 0.0) for e in runs)
