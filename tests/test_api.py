@@ -683,6 +683,24 @@ def test_samples_failing_every_attempt_leave_the_shard_unpublished_with_a_clear_
     assert not out.exists() and not read_journal(journal_path(out)).finished
 
 
+def test_a_request_that_fails_for_good_gives_its_place_and_budget_room_back(tmp_path: Path) -> None:
+    """Every request fails for good (one attempt each); the budget has room for one request in flight at a time.
+    Each failure hands its reservation back - its place among those in flight and its expected cost - so every
+    sample is tried and the run ends naming them all. A failure that kept its reservation would leave the next
+    request waiting forever for room (issue 30 item 7: that change passed every test): here, a timeout."""
+    out = tmp_path / "shard-00000.jsonl"
+    per = exact_cost(100)
+    guard = MoneyGuard(budget_usd=1.5 * per, expected_cost=per)
+    limits = ClientLimits(concurrency=2, max_attempts=1, backoff_base=0.0)
+    with serve_in_thread(EmulatorSettings(faults={"500": 1.0})) as base:
+        job = regenerate_shard(
+            make_prompts(4), out, settings(base), api_key="sk-test", limits=limits, guard=guard, log=lambda m: None
+        )
+        with pytest.raises(RegenerationStopped, match=r"4 samples have no response after responses.max_attempts"):
+            asyncio.run(asyncio.wait_for(job, timeout=10))
+    assert not out.exists()
+
+
 # ---- TLS -------------------------------------------------------------------------------------------
 
 
@@ -871,6 +889,41 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
     assert spent + 40 * expected <= 100 * expected + 1e-9, (spent / expected, 40)
     assert spent + 40 * expected >= 100 * expected - 2 * expected
     assert any("40 samples were sent before an interruption" in line for line in logged), logged
+
+
+def test_a_finished_datasets_journals_and_unanswered_requests_count_against_the_shared_budget(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two datasets share one budget; this job has work for `chat` only. `done` holds 30 journaled answers, and a
+    killed job left 20 of its requests sent and never answered (the account shows none of them yet). Both count:
+    its journals in the run's spend, its unanswered requests at its journals' mean cost - so `chat` gets what is
+    left, 50 requests. (Issue 30 item 7: leaving `done`'s journals out, or pricing its requests at $0 because it
+    has no work in the job, each passed every test: `chat` would spend 30 or 20 requests too many.)"""
+    from aerie.api.job import regenerate_api_shard
+    from aerie.api.journal import INTENT_FORMAT
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    results = tmp_path / "results"
+    per = exact_cost(100)
+    done_out = results / "done" / "responses" / "shard-00000.jsonl"
+    chat_out = results / "chat" / "responses" / "shard-00000.jsonl"
+    with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
+        config = job_config(base, {"done": {}, "chat": {}}, budget_usd=100 * per)
+        done = [{**p, "id": f"done/{i}", "dataset": "done"} for i, p in enumerate(make_prompts(50, tag="done"))]
+        regenerate_api_shard(write_prompt_file(tmp_path / "done.jsonl", done[:30]), done_out, api_run(config), "done")
+        killed = intents_path(done_out.with_name("shard-00001.jsonl"))
+        sent = {"format": INTENT_FORMAT, "event": "sent", "session": "killed", "attempt": 1, "t": time.time()}
+        killed.write_text("".join(json.dumps({**sent, "id": p["id"]}) + "\n" for p in done[30:]))
+        chat = [{**p, "id": f"chat/{i}", "dataset": "chat"} for i, p in enumerate(make_prompts(200, tag="chat"))]
+        with pytest.raises(RegenerationStopped, match=r"budget: "):
+            regenerate_api_shard(
+                write_prompt_file(tmp_path / "chat.jsonl", chat), chat_out, api_run(config), "chat", log=lambda m: None
+            )
+    journaled = read_journal(journal_path(done_out)).cost
+    mean = journaled / 30
+    spent = read_journal(journal_path(chat_out)).cost
+    assert journaled + 20 * mean + spent <= 100 * per + 1e-9, (journaled / per, spent / per)
+    assert journaled + 20 * mean + spent >= 98 * per, (journaled / per, spent / per)
 
 
 def test_the_job_logs_its_progress_with_rate_eta_and_dollars(tmp_path: Path, monkeypatch) -> None:

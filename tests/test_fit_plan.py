@@ -183,6 +183,22 @@ def test_the_fit_plan_reads_no_weights_and_imports_no_torch() -> None:
     assert proc.stdout.strip().endswith("[]") and "aerie fit plan" in proc.stdout
 
 
+def test_the_in_process_responses_fit_holds_a_batch_of_sequences() -> None:
+    """responses.backend hf generates responses.batch_size sequences at once: the KV cache, the logits and the
+    forward grow with the batch, the weights do not (issue 30 item 7: an estimate that ignored the batch size
+    passed every test)."""
+    one, four = (
+        jobs(fit_plan(kimi_config(**{"responses.backend": "hf", "responses.batch_size": b}), nvidia_smi=None))[
+            "responses"
+        ]
+        for b in (1, 4)
+    )
+    for part in ("KV cache", "logits", "forward"):
+        assert four.parts[part] == 4 * one.parts[part] > 0, part
+    assert four.parts["target weights"] == one.parts["target weights"]
+    assert four.total > one.total and "4 sequences of 2,048 prompt" in " ".join(four.notes)
+
+
 def test_a_config_copy_is_not_changed() -> None:
     config = kimi_config()
     before = copy.deepcopy(config)

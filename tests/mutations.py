@@ -1,0 +1,322 @@
+"""Mutation checks: break one mechanism at a time in the working tree, run the tests that must notice, put it back
+(by replacing the broken text back, so other edits to the file survive). Two groups:
+
+- ``money``: the money mechanisms of the API client (issue 23 item 5);
+- ``issue30``: the ten changes issue 30 item 7 found the whole non-slow suite green on (softmax without the row
+  max, a memory estimate without the batch size, a prompt cache key without max_prompts, marker checks, reference
+  divergences, a gate without a speedup, an open reasoning block, a reservation kept after a failure, a finished
+  dataset's journals and requests in flight left out of the shared budget).
+
+    python tests/mutations.py                      # every mutation but the slow ones (minutes: some need Snakemake)
+    python tests/mutations.py issue30              # one group (money, issue30, slow)
+    python tests/mutations.py "quota admit off"    # by name
+
+Prints a table: the mechanism, the file, whether a test failed (pytest's exit status 1; any other status is an
+error of the harness, shown as such). Not collected by pytest (it edits the code); tests/test_mutations_current.py
+checks that every original text still occurs exactly once in its file, so a refactor cannot leave a mutation that
+no longer applies.
+"""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = "tests/test_api.py"
+
+MONEY = {
+    "budget: in-flight not reserved": (
+        "aerie/api/client.py",
+        "        reserved = sum(r.in_flight * r.per_cost() for r in runs)",
+        "        reserved = 0.0",
+        [f"{FAST}::test_budget_counts_in_flight_requests_and_never_overshoots"],
+    ),
+    "quota admit off": (
+        "aerie/api/client.py",
+        "        if guard.token_cap is not None:\n            used = guard.tokens_before + run.tokens",
+        "        if False:\n            used = guard.tokens_before + run.tokens",
+        [
+            f"{FAST}::test_output_token_quota_completes_the_dataset_with_the_samples_that_fit",
+            f"{FAST}::test_a_quota_of_one_wave_keeps_admitting_as_short_answers_come_back",
+        ],
+    ),
+    "budget: stop at the first refusal (no in-flight wait)": (
+        "aerie/api/client.py",
+        '            if self.in_flight > 0:\n                return "wait"',
+        '            if False:\n                return "wait"',
+        [f"{FAST}::test_a_budget_waits_for_requests_in_flight_when_answers_cost_less_than_expected"],
+    ),
+    "quota: stop at the first refusal (no in-flight wait)": (
+        "aerie/api/client.py",
+        '                if run.in_flight > 0:\n                    return "wait"',
+        '                if False:\n                    return "wait"',
+        [f"{FAST}::test_a_quota_of_one_wave_keeps_admitting_as_short_answers_come_back"],
+    ),
+    "a final budget stop decided on a reading taken with requests in flight": (
+        "aerie/api/client.py",
+        "            if any(not w.exact for w in self.spend.watchers.values()):",
+        "            if False:",
+        [f"{FAST}::test_a_final_budget_stop_is_decided_on_a_reading_without_requests_in_flight"],
+    ),
+    "start-of-run reconciliation off": (
+        "aerie/api/job.py",
+        "        floor=money.billed_unjournaled,",
+        "        floor=0.0,",
+        [f"{FAST}::test_a_job_start_counts_what_the_account_billed_beyond_the_journals"],
+    ),
+    "account not polled while running": (
+        "aerie/api/client.py",
+        "        self.billed = max(self.floor, self.unexplained(float(usage), journal_spend))",
+        "        self.billed = self.floor",
+        [f"{FAST}::test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds"],
+    ),
+    "preview ignores spend beyond the journals": (
+        "aerie/api/money.py",
+        "    used = spent_total + unjournaled.total",
+        "    used = spent_total",
+        [
+            f"{FAST}::test_the_preview_counts_spend_beyond_the_journals_against_the_budget",
+            "tests/test_api_pipeline.py::test_kill_9_at_peak_in_flight_then_the_lost_spend_counts_against_the_budget",
+        ],
+    ),
+    "cost preview hands 0 lost to the onstart refusal": (
+        "aerie/api/preview.py",
+        "        account.lost if account else 0.0,",
+        "        0.0,",
+        ["tests/test_api_pipeline.py::test_kill_9_at_peak_in_flight_then_the_lost_spend_counts_against_the_budget"],
+    ),
+    "refuse_over_budget off (rules/common.smk)": (
+        "rules/common.smk",
+        '        and not config["allow_over_budget"]',
+        "        and False",
+        ["tests/test_api_pipeline.py::test_dry_run_previews_cost_and_a_real_run_refuses_over_budget"],
+    ),
+    "402 in-flight budget treated as final": (
+        "aerie/api/backends.py",
+        '            return RetryableError("402_in_flight", f"HTTP 402 ({source}): {message}", wait or 1.0)',
+        '            return FatalError("402_in_flight", f"HTTP 402 ({source}): {message}")',
+        [f"{FAST}::test_402_in_flight_is_retried_within_max_attempts_then_reported"],
+    ),
+    "402 credits retried": (
+        "aerie/api/backends.py",
+        '        return FatalError("402_credits", f"HTTP 402 ({source or \'credits\'}): {message}")',
+        '        return RetryableError("402_credits", f"HTTP 402 ({source or \'credits\'}): {message}")',
+        [f"{FAST}::test_fatal_errors_stop_with_the_server_message_and_keep_finished_work"],
+    ),
+    "account ledger never written": (
+        "aerie/api/money.py",
+        '(whose journals it counts)."""\n    import time',
+        '(whose journals it counts)."""\n    return\n    import time',
+        [
+            f"{FAST}::test_a_job_start_counts_what_the_account_billed_beyond_the_journals",
+            f"{FAST}::test_requests_sent_before_an_interruption_are_priced_until_the_account_shows_them",
+        ],
+    ),
+    "restart pricing off (unanswered intents not priced)": (
+        "aerie/api/money.py",
+        "    if items:\n        sent_first",
+        "    if False:\n        sent_first",
+        [f"{FAST}::test_requests_sent_before_an_interruption_are_priced_until_the_account_shows_them"],
+    ),
+    "restart pricing dropped by the watcher": (
+        "aerie/api/client.py",
+        "        if self.pending is None:\n            return billed",
+        "        if True:\n            return billed",
+        [f"{FAST}::test_requests_sent_before_an_interruption_are_priced_until_the_account_shows_them"],
+    ),
+    "cross-dataset sharing: concurrency per dataset, not per run": (
+        "aerie/api/client.py",
+        "        workers = min(concurrency, sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs))",
+        "        workers = sum(min(len(r.queue), r.lane.limits.concurrency) for r in runs)",
+        [f"{FAST}::test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota"],
+    ),
+    "cross-dataset sharing: budget reserves only its own dataset's requests in flight": (
+        "aerie/api/client.py",
+        "spent + reserved + run.per_cost() > guard.budget_usd",
+        "spent + run.in_flight * run.per_cost() + run.per_cost() > guard.budget_usd",
+        [f"{FAST}::test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota"],
+    ),
+    "report: spend beyond the journals left out": (
+        "aerie/api/money.py",
+        "        return self.journaled_usd + sum(u.retries + u.lost for u in self.billed.values()) + self.unattributed",
+        "        return self.journaled_usd",
+        [f"{FAST}::test_the_money_story_adds_up_to_the_account"],
+    ),
+    "report: billed retries named lost": (
+        "aerie/api/money.py",
+        "d: (r.billable_failures * r.expected_cost, len(r.unanswered) * r.expected_cost) for d, r in requests.items()",
+        "d: (0.0, (r.billable_failures + len(r.unanswered)) * r.expected_cost) for d, r in requests.items()",
+        [f"{FAST}::test_the_money_story_adds_up_to_the_account"],
+    ),
+    "slow: restart pricing off, under Snakemake (kill -9, rerun at once)": (
+        "aerie/api/money.py",
+        "    if items:\n        sent_first",
+        "    if False:\n        sent_first",
+        [
+            "tests/test_api_pipeline.py::"
+            "test_a_rerun_at_once_after_kill_9_prices_answers_still_in_flight_and_the_report_adds_up_to_the_account"
+        ],
+    ),
+    "slow: budget reserves only its own dataset's requests in flight, under Snakemake": (
+        "aerie/api/client.py",
+        "spent + reserved + run.per_cost() > guard.budget_usd",
+        "spent + run.in_flight * run.per_cost() + run.per_cost() > guard.budget_usd",
+        [
+            "tests/test_api_pipeline.py::test_shards_and_datasets_scheduled_at_once_share_one_concurrency_budget_and_quota"
+        ],
+    ),
+    "intents: failures not logged (every retry counted as interrupted)": (
+        "aerie/api/client.py",
+        '        self.intent(shard, "failed", sid, attempt, kind=kind)\n        if kind in BILLABLE_FAILURES:',
+        "        if kind in BILLABLE_FAILURES:",
+        [
+            f"{FAST}::test_intents_are_journaled_before_each_request_and_every_request_is_accounted_for",
+            f"{FAST}::test_the_money_story_adds_up_to_the_account",
+        ],
+    ),
+}
+
+
+ISSUE_30 = {
+    "softmax without the row max: chunked TTT attention": (
+        "aerie/drafter/layers.py",
+        "torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1)",
+        "(lambda x: x.exp() / x.exp().sum(-1, keepdim=True))(torch.cat([scores, *diag], dim=-1).float())",
+        [
+            "tests/test_ttt_flex.py::test_large_scores_in_fp32_stay_finite_and_exact",
+            "tests/test_ttt_flex.py::test_flex_forward_equals_chunked_and_exact",
+        ],
+    ),
+    "softmax without the row max: flex path's log-sum-exp merge": (
+        "aerie/drafter/ttt_flex.py",
+        "w = torch.softmax(torch.stack([lse0.view(B, kvh, g, T).float(), *diag], dim=-1), dim=-1)",
+        "w = (lambda x: x.exp() / x.exp().sum(-1, keepdim=True))"
+        "(torch.stack([lse0.view(B, kvh, g, T).float(), *diag], dim=-1))",
+        ["tests/test_ttt_flex.py::test_lse_merge_and_chunked_gradients_equal_exact"],
+    ),
+    "drafter memory estimate ignores the batch size": (
+        "aerie/drafter/memory.py",
+        "activation_bytes(d, K, a, B, T)",
+        "activation_bytes(d, K, a, 1, T)",
+        ["tests/test_drafter_memory.py::test_estimate_follows_the_batch_size"],
+    ),
+    "responses fit ignores the batch size": (
+        "aerie/fit.py",
+        '    batch = max(r["batch_size"] if r["backend"] == "hf" else r.get("concurrency", 1) for r in local)',
+        "    batch = 1",
+        ["tests/test_fit_plan.py::test_the_in_process_responses_fit_holds_a_batch_of_sequences"],
+    ),
+    "prompt cache key ignores max_prompts": (
+        "aerie/prompts.py",
+        '"max_prompts": dataset.get("max_prompts"),',
+        '"max_prompts": None,',
+        ["tests/test_prompt_sources.py::test_a_changed_max_prompts_is_a_new_cache_entry"],
+    ),
+    "tokenizer check: a marker numbered otherwise than its files passes": (
+        "aerie/target_model/markers.py",
+        "server == ours and want in (None, ours[0]):",
+        "server == ours:",
+        ["tests/test_tokenizer_check.py::test_a_marker_the_loader_numbers_otherwise_than_its_files_is_refused"],
+    ),
+    "tokenizer check: a marker split only by tokenizer.encode passes": (
+        "aerie/target_model/markers.py",
+        "server == ours and want in (None, ours[0]):",
+        "want in (None, ours[0]):",
+        ["tests/test_tokenizer_check.py::test_a_marker_split_only_by_tokenizer_encode_is_refused"],
+    ),
+    "SGLang bench report drops the references' divergences": (
+        "aerie/bench/serving.py",
+        "        for m in methods\n        for d in (_lossless_check(r, m)",
+        "        for m in methods[:1]\n        for d in (_lossless_check(r, m)",
+        ["tests/test_bench_serving.py::test_a_reference_servers_divergences_are_kept_and_fail_the_gate"],
+    ),
+    "gate passes a report with no speedup figure": (
+        "aerie/bench/gate.py",
+        "    if speedup is not None and speedup >= gate.min_speedup:",
+        "    if speedup is None or speedup >= gate.min_speedup:",
+        ["tests/test_bench_gate.py::test_a_report_without_a_speedup_figure_does_not_pass"],
+    ),
+    "a reasoning block left open at the end of the turn passes": (
+        "aerie/target_model/turns.py",
+        '    return "at the end of the turn" if after(text[pos:], is_open) else ""',
+        '    return "" if after(text[pos:], is_open) else ""',
+        ["tests/test_templates.py::test_a_turn_that_ends_inside_the_open_reasoning_block_is_refused"],
+    ),
+    "a request that fails for good keeps its reservation (in flight)": (
+        "aerie/api/client.py",
+        "            finally:\n                self.count_in_flight(run, shard, -1)",
+        "            finally:\n                if record is not None:\n"
+        "                    self.count_in_flight(run, shard, -1)",
+        [f"{FAST}::test_a_request_that_fails_for_good_gives_its_place_and_budget_room_back"],
+    ),
+    "the shared budget leaves out a finished dataset's journals": (
+        "aerie/api/job.py",
+        'sum(spend[d]["cost"] for d in run.account_datasets(a))',
+        'sum(spend[d]["cost"] for d in run.account_datasets(a) if d in by_dataset)',
+        [f"{FAST}::test_a_finished_datasets_journals_and_unanswered_requests_count_against_the_shared_budget"],
+    ),
+    "a finished dataset's requests in flight priced at $0 on restart": (
+        "aerie/api/job.py",
+        'expected[d] = done["cost"] / done["samples"] if done["samples"] else',
+        "expected[d] = 0.0 if done else",
+        [f"{FAST}::test_a_finished_datasets_journals_and_unanswered_requests_count_against_the_shared_budget"],
+    ),
+}
+
+MUTATIONS = {**MONEY, **ISSUE_30}
+GROUPS = {
+    "money": [n for n in MONEY if not n.startswith("slow:")],
+    "slow": [n for n in MONEY if n.startswith("slow:")],
+    "issue30": list(ISSUE_30),
+}
+
+
+def run(names):
+    rows = []
+    for name in names:
+        rel, old, new, tests = MUTATIONS[name]
+        path = REPO / rel
+        text = path.read_text()
+        assert text.count(old) == 1, (name, text.count(old))
+        # put back by replacing the first occurrence of the broken text: it must be the one written here
+        assert text.replace(old, new).find(new) == text.find(old), name
+        path.write_text(text.replace(old, new))
+        try:
+            t0 = time.time()
+            proc = subprocess.run(
+                ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=1500,
+            )
+            tail = [
+                line
+                for line in proc.stdout.splitlines()
+                if line.startswith(("FAILED", "ERROR")) or " passed" in line or " failed" in line
+            ]
+            rows.append((name, rel, proc.returncode, round(time.time() - t0), tail[-3:]))
+        finally:
+            cur = path.read_text()
+            assert cur.count(new) >= 1
+            path.write_text(cur.replace(new, old, 1))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def verdict(returncode: int) -> str:
+    """pytest's exit status 1: a test failed (the mutation was caught); 0: none did; else the run itself failed."""
+    return {1: "yes", 0: "**NO**"}.get(returncode, f"error (pytest exit {returncode})")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:] or ["money", "issue30"]
+    names = [n for a in args for n in GROUPS.get(a, [a])]
+    unknown = [n for n in names if n not in MUTATIONS]
+    if unknown:
+        sys.exit(f"unknown mutations {unknown}; groups: {', '.join(GROUPS)}")
+    rows = run(names)
+    print("\n| mechanism broken | file | a test failed | s |\n|---|---|---|---|")
+    for name, rel, rc, secs, _ in rows:
+        print(f"| {name} | {rel} | {verdict(rc)} | {secs} |")
