@@ -4,8 +4,8 @@ Each of these used to fail hours into a run, after the API spend: an NVIDIA driv
 the SGLang environment's torch, a glibc older than SGLang's wheel needs, a container's 64 MB ``/dev/shm`` under the
 capture's shared-memory batches, a disk smaller than the hidden states, too few or too small GPUs, no conda, an
 SGLang environment that does not import. Rule ``host_check`` (rules/host.smk) runs first - before rule
-``responses`` unless ``host_check.api_elsewhere`` says the API stage runs on another machine, and before the first
-GPU job in any case - and refuses the host, naming the fix of each condition it fails
+``responses`` unless ``host_check.api_elsewhere`` says the API stage runs on another machine, then before the first
+GPU job (:func:`check_consumers`) - and refuses the host, naming the fix of each condition it fails
 (``results/host/check.json``, docs/formats.md).
 
 What is checked against what (:class:`HostNeeds`, decided from the plan by :func:`aerie.fit.host_needs`), and
@@ -18,6 +18,7 @@ Torch-free: imported while Snakemake parses the workflow (the dry run lists the 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -104,6 +105,17 @@ class Check:
 
 class HostCheckError(RuntimeError):
     """The host fails one or more checks; the message names each and its fix."""
+
+
+def check_consumers(backends: Sequence[str], api_elsewhere: bool) -> list[str]:
+    """The rules that take the check file as an input, given the run's responses backends (one per dataset): the
+    first jobs that spend. Rule responses (API backends), unless ``host_check.api_elsewhere`` (the API stage may
+    run on another machine); rule responses_hf (in-process generation on the GPUs); else rule hidden, the first GPU
+    job when the responses come from elsewhere. Only these: a new input of a finished job re-runs it under the
+    profiles' ``rerun-triggers: [mtime, input]``, and every later job comes after one of them."""
+    api = any(b not in ("hf", "recorded") for b in backends) and not api_elsewhere
+    consumers = [*(["responses"] if api else []), *(["responses_hf"] if "hf" in backends else [])]
+    return consumers or ["hidden"]
 
 
 # ---- the host's facts ----------------------------------------------------------------------------------------
@@ -450,15 +462,20 @@ def needs_text(needs: HostNeeds) -> str:
 
 
 def host_record(needs: HostNeeds, facts: HostFacts, checks: Sequence[Check]) -> dict[str, Any]:
-    return {
-        "format": CHECK_FORMAT,
-        "host": platform.node(),
-        "ok": all(c.ok is not False for c in checks),
-        "checks": [asdict(c) for c in checks],
-        "needs": asdict(needs),
-        "facts": {k: v for k, v in asdict(facts).items() if k != "nvidia_smi"}
-        | {"nvidia_smi": (facts.nvidia_smi or "").strip().splitlines()},
-    }
+    """The check file's content (``aerie.host-check/1``, docs/formats.md), as JSON reads it back."""
+    return json.loads(
+        json.dumps(
+            {
+                "format": CHECK_FORMAT,
+                "host": platform.node(),
+                "ok": all(c.ok is not False for c in checks),
+                "checks": [asdict(c) for c in checks],
+                "needs": asdict(needs),
+                "facts": {k: v for k, v in asdict(facts).items() if k != "nvidia_smi"}
+                | {"nvidia_smi": (facts.nvidia_smi or "").strip().splitlines()},
+            }
+        )
+    )
 
 
 def run_host_check(

@@ -78,7 +78,7 @@ if API_RESPONSES:
             # checked before any request is paid: the target's tokenizer keeps its markers one id (rules/target.smk)
             tokenizer_check=ancient(TOKENIZER_CHECK),
             # this host's floor, before any request is paid (rules/host.smk; none with host_check.api_elsewhere)
-            host_check=host_check_input("responses"),
+            host_check=HOST_CHECK_INPUTS.get("responses", []),
         output:
             API_OUTPUTS,
         log:
@@ -136,7 +136,7 @@ if IN_PROCESS_RESPONSES:
             target=get_target_input(),
             # checked before any request is paid: the target's tokenizer keeps its markers one id (rules/target.smk)
             tokenizer_check=ancient(TOKENIZER_CHECK),
-            host_check=host_check_input("responses_hf"),  # this host's floor (rules/host.smk)
+            host_check=HOST_CHECK_INPUTS.get("responses_hf", []),  # this host's floor (rules/host.smk)
         output:
             IN_PROCESS_OUTPUTS,
         log:
