@@ -13,6 +13,7 @@ if not workflow.overwrite_configfiles:
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/prompts.smk"
+include: "rules/host.smk"
 include: "rules/responses.smk"
 include: "rules/tokens.smk"
 include: "rules/hidden.smk"

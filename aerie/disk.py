@@ -10,6 +10,7 @@ run finished it: aerie.shard_store) is published as a hard link to that entry, w
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,26 +73,37 @@ def tokens_in_shard(path: Path) -> int:
         return int(f.get_slice("input_ids").get_shape()[0])
 
 
-def disk_preview(
+@dataclass
+class PendingHidden:
+    """What the pending hidden shards will write (:func:`pending_hidden`)."""
+
+    hidden: int
+    num_aux: int
+    per_token: int  # bytes
+    shards: int = 0  # pending
+    exact: int = 0  # counted from their tokens shards
+    stored: int = 0  # in the capture store already (hard links: no new data)
+    tokens: float = 0.0
+    per_dataset: dict[str, float] = field(default_factory=dict)  # tokens
+
+    @property
+    def bytes(self) -> int:
+        """Data bytes the run adds (the shards in the capture store add none)."""
+        return int(self.tokens * self.per_token)
+
+
+def pending_hidden(
     config: dict[str, Any],
     plans: dict[str, Any],
     results_dir: Path,
     tokens_per_sample: dict[str, float],
     expected_samples: dict[str, int] | None = None,
-) -> str | None:
-    """One paragraph for ``snakemake -n``; None when the hidden size is unknown (no local target, no key).
-
-    ``tokens_per_sample``: per dataset, the expected prompt + output tokens of a sample still to generate.
-    ``expected_samples``: per API dataset, the responses its output-token quota leaves room for (the cost
-    preview's figure); the estimated samples of its pending shards are cut to those plus the ones already
-    journaled, so a dataset's disk is capped at its quota like its dollars.
-    """
+) -> PendingHidden | None:
+    """The pending hidden shards and their estimated bytes; None when the hidden size is unknown (no local target,
+    no key). Arguments as :func:`disk_preview`'s."""
     hidden = target_hidden_size(config["target"])
     if hidden is None:
-        return (
-            "aerie disk preview: unknown target hidden size (set target.hidden_size to preview the disk "
-            "the hidden shards will use)"
-        )
+        return None
     ids = config["hidden"].get("aux_layer_ids")
     num_aux = len(ids) if ids else 3
     hcfg = config["hidden"]
@@ -106,22 +118,20 @@ def disk_preview(
 
     # Asked only for a pending shard whose store entry exists (hashes its tokens shard when the target is there).
     in_store = capture_reusable(config_key_function(config))
-    shards = exact = stored = 0
-    tokens = 0.0
-    per_dataset: dict[str, float] = {}
+    out = PendingHidden(hidden, num_aux, per_token)
     for name, plan in plans.items():
         counted, estimated_samples = 0.0, 0
         for shard in plan.shard_names:
             hidden_path = results_dir / name / "hidden" / f"shard-{shard}.safetensors"
             if hidden_path.exists():
                 continue
-            shards += 1
+            out.shards += 1
             tok_path = results_dir / name / "tokens" / f"shard-{shard}.safetensors"
             if tok_path.exists() and in_store(hidden_path, tok_path):
-                stored += 1
+                out.stored += 1
             elif tok_path.exists():
                 counted += tokens_in_shard(tok_path)
-                exact += 1
+                out.exact += 1
             else:
                 start, stop = plan.shard_range(int(shard))
                 estimated_samples += stop - start
@@ -130,19 +140,43 @@ def disk_preview(
 
             journaled = int(dataset_journal_totals(results_dir / name / "responses")["samples"])
             estimated_samples = min(estimated_samples, journaled + expected_samples[name])
-        per_dataset[name] = counted + estimated_samples * tokens_per_sample.get(name, 0.0)
-        tokens += per_dataset[name]
+        out.per_dataset[name] = counted + estimated_samples * tokens_per_sample.get(name, 0.0)
+        out.tokens += out.per_dataset[name]
+    return out
+
+
+def disk_preview(
+    config: dict[str, Any],
+    plans: dict[str, Any],
+    results_dir: Path,
+    tokens_per_sample: dict[str, float],
+    expected_samples: dict[str, int] | None = None,
+) -> str | None:
+    """One paragraph for ``snakemake -n``; None when the hidden size is unknown (no local target, no key).
+
+    ``tokens_per_sample``: per dataset, the expected prompt + output tokens of a sample still to generate.
+    ``expected_samples``: per API dataset, the responses its output-token quota leaves room for (the cost
+    preview's figure); the estimated samples of its pending shards are cut to those plus the ones already
+    journaled, so a dataset's disk is capped at its quota like its dollars.
+    """
+    p = pending_hidden(config, plans, results_dir, tokens_per_sample, expected_samples)
+    if p is None:
+        return (
+            "aerie disk preview: unknown target hidden size (set target.hidden_size to preview the disk "
+            "the hidden shards will use)"
+        )
+    shards, stored, tokens, per_token = p.shards, p.stored, p.tokens, p.per_token
     if not shards:
         return "aerie disk preview: every hidden shard exists"
     linked = "in the capture store already (published as hard links: no new data)"
     if stored == shards:
         return f"aerie disk preview: {shards} pending hidden shards, all {linked}: ~0.00 GiB"
     gib = 2**30 / per_token
-    parts = ", ".join(f"{n} ~{t / gib:,.1f}" for n, t in per_dataset.items() if t)
-    layout = layout_description(hcfg, hidden, num_aux, per_token)
+    parts = ", ".join(f"{n} ~{t / gib:,.1f}" for n, t in p.per_dataset.items() if t)
+    layout = layout_description(config["hidden"], p.hidden, p.num_aux, per_token)
     new = f", {stored} of them {linked}; the other {shards - stored}:" if stored else ","
     return (
-        f"aerie disk preview: {shards} pending hidden shards{new} ~{tokens:,.0f} tokens ({exact} counted from "
+        f"aerie disk preview: {shards} pending hidden shards{new} ~{tokens:,.0f} tokens ({p.exact} counted from "
         f"their tokens shards, the rest estimated) x {per_token:,} bytes/token ({layout}) "
         f"= ~{tokens * per_token / 2**30:,.2f} GiB" + (f" ({parts} GiB)" if parts else "")
     )

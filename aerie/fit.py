@@ -652,3 +652,73 @@ def fit_plan(
         if facts.weights_from and not job.unknown and job.rule != "drafter":
             job.notes.append(f"target: weights from {facts.weights_from}, dims from {facts.config_from}")
     return FitPlan(gpu_bytes, source, jobs)
+
+
+# ---- the host's floor (rule host_check) ----------------------------------------------------------------------
+
+
+def capture_shm(config: dict[str, Any]) -> tuple[int | None, str]:
+    """(bytes, how counted) of one SGLang capture batch through /dev/shm: rank 0 copies each forward's aux and final
+    states into shared memory, and every forward of a batch stays there until the batch is split
+    (aerie.sglang_capture.worker). A batch holds at most hidden.batch_tokens, a longer sequence runs alone.
+    (None, why) when the capture is not SGLang's or the target's hidden size is unknown."""
+    from aerie.disk import target_hidden_size
+
+    if config["hidden"].get("backend") != "sglang":
+        return None, "hidden.backend is not sglang: no capture batch passes through /dev/shm"
+    hidden = target_hidden_size(config["target"])
+    if hidden is None:
+        return None, "the target's hidden size is unknown (set target.hidden_size)"
+    batch, longest = config["hidden"].get("batch_tokens", 8192), config["tokens"].get("max_seq_len", 4096)
+    states = len(config["hidden"].get("aux_layer_ids") or [0, 0, 0]) + 1
+    a = DTYPE_BYTES.get(config["target"].get("dtype", "auto"), 2)
+    tokens = max(batch, longest)
+    return tokens * states * hidden * a, (
+        f"one capture batch: max(hidden.batch_tokens {batch:,}, tokens.max_seq_len {longest:,}) tokens x {states} "
+        f"states x {hidden:,} x {a} bytes"
+    )
+
+
+def host_needs(
+    config: dict[str, Any],
+    plans: dict[str, Any],
+    results_dir: Path,
+    *,
+    conda_deployment: bool,
+    fit: FitPlan | None = None,
+    before: list[str] | None = None,
+) -> Any:
+    """What rule host_check asks of the host (aerie.host_check.HostNeeds), from the plan: the GPUs of each GPU job
+    (resources.<rule>_gpus) and the fit plan's largest estimate per GPU, the rules in SGLang's environment, one
+    capture batch's shared memory (:func:`capture_shm`), the disk preview's pending hidden states."""
+    from aerie.api.preview import cost_preview
+    from aerie.disk import expected_tokens_per_sample, pending_hidden
+    from aerie.environments import SGLANG_SETTINGS, uses_sglang
+    from aerie.host_check import HostNeeds
+    from aerie.plan import api_run
+
+    fit = fit if fit is not None else fit_plan(config, plans)
+    on_gpu = [j for j in fit.jobs if j.gpus >= 1]
+    sized = [j for j in on_gpu if not j.unknown and j.parts and "the CPU" not in j.where]
+    largest = max(sized, key=lambda j: j.total, default=None)
+    preview = cost_preview(api_run(config, plans), results_dir)
+    expected = {n: e.expected_samples for n, e in preview.datasets.items()} if preview is not None else None
+    pending = pending_hidden(
+        config, plans, results_dir, expected_tokens_per_sample(config, results_dir, plans), expected
+    )
+    shm, shm_from = capture_shm(config)
+    return HostNeeds(
+        gpus=max((j.gpus for j in on_gpu), default=0),
+        gpu_rules={j.rule: j.gpus for j in on_gpu},
+        gpu_device=str(config["target"].get("device", "auto")),
+        gpu_memory_bytes=largest.total if largest else None,
+        gpu_memory_job=f"{largest.rule}, {largest.where}" if largest else "",
+        sglang_rules=[r for r in SGLANG_SETTINGS if uses_sglang(config, r)],
+        shm_bytes=shm,
+        shm_from=shm_from,
+        disk_bytes=pending.bytes if pending is not None else None,
+        disk_path=str(results_dir),
+        conda=conda_deployment,
+        skip=list((config.get("host_check") or {}).get("skip") or []),
+        before=list(before or []),
+    )

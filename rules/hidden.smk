@@ -22,6 +22,7 @@ rule hidden:
         target=get_target_input(),
         # No file: while the DAG is built, before any job, refuses hidden.backend sglang outside SGLang's env.
         environment=rule_environment_check(workflow, config, "hidden"),
+        host_check=HOST_CHECK_INPUTS.get("hidden", []),  # this host's floor (rules/host.smk)
     output:
         get_shards("hidden", "safetensors"),
     log:

@@ -77,6 +77,8 @@ if API_RESPONSES:
             target=get_target_input() if API_RESPONSES_NEED_TARGET else [],
             # checked before any request is paid: the target's tokenizer keeps its markers one id (rules/target.smk)
             tokenizer_check=ancient(TOKENIZER_CHECK),
+            # this host's floor, before any request is paid (rules/host.smk; none with host_check.api_elsewhere)
+            host_check=HOST_CHECK_INPUTS.get("responses", []),
         output:
             API_OUTPUTS,
         log:
@@ -134,6 +136,7 @@ if IN_PROCESS_RESPONSES:
             target=get_target_input(),
             # checked before any request is paid: the target's tokenizer keeps its markers one id (rules/target.smk)
             tokenizer_check=ancient(TOKENIZER_CHECK),
+            host_check=HOST_CHECK_INPUTS.get("responses_hf", []),  # this host's floor (rules/host.smk)
         output:
             IN_PROCESS_OUTPUTS,
         log:
