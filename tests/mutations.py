@@ -1,14 +1,16 @@
 """Mutation checks: break one mechanism at a time in the working tree, run the tests that must notice, put it back
-(by replacing the broken text back, so other edits to the file survive). Two groups:
+(by replacing the broken text back, so other edits to the file survive). Groups:
 
 - ``money``: the money mechanisms of the API client (issue 23 item 5);
 - ``issue30``: the ten changes issue 30 item 7 found the whole non-slow suite green on (softmax without the row
   max, a memory estimate without the batch size, a prompt cache key without max_prompts, marker checks, reference
   divergences, a gate without a speedup, an open reasoning block, a reservation kept after a failure, a finished
-  dataset's journals and requests in flight left out of the shared budget).
+  dataset's journals and requests in flight left out of the shared budget);
+- ``key_ledger``: one budget per key across runs (issue 30 item 5);
+- ``slow``: money mechanisms that only the Snakemake tests reach.
 
     python tests/mutations.py                      # every mutation but the slow ones (minutes: some need Snakemake)
-    python tests/mutations.py issue30              # one group (money, issue30, slow)
+    python tests/mutations.py issue30              # one group (money, issue30, key_ledger, slow)
     python tests/mutations.py "quota admit off"    # by name
 
 Prints a table: the mechanism, the file, whether a test failed (pytest's exit status 1; any other status is an
@@ -43,7 +45,7 @@ MONEY = {
     ),
     "budget: stop at the first refusal (no in-flight wait)": (
         "aerie/api/client.py",
-        '            if self.in_flight > 0:\n                return "wait"',
+        '            if self.in_flight > 0 or self.spend.others_in_flight():\n                return "wait"',
         '            if False:\n                return "wait"',
         [f"{FAST}::test_a_budget_waits_for_requests_in_flight_when_answers_cost_less_than_expected"],
     ),
@@ -133,8 +135,8 @@ MONEY = {
     ),
     "cross-dataset sharing: budget reserves only its own dataset's requests in flight": (
         "aerie/api/client.py",
-        "spent + reserved + run.per_cost() > guard.budget_usd",
-        "spent + run.in_flight * run.per_cost() + run.per_cost() > guard.budget_usd",
+        "        reserved = sum(r.in_flight * r.per_cost() for r in runs)",
+        "        reserved = sum(r.in_flight * r.per_cost() for r in runs[:1])  # the first dataset's only",
         [f"{FAST}::test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota"],
     ),
     "report: spend beyond the journals left out": (
@@ -160,8 +162,8 @@ MONEY = {
     ),
     "slow: budget reserves only its own dataset's requests in flight, under Snakemake": (
         "aerie/api/client.py",
-        "spent + reserved + run.per_cost() > guard.budget_usd",
-        "spent + run.in_flight * run.per_cost() + run.per_cost() > guard.budget_usd",
+        "        reserved = sum(r.in_flight * r.per_cost() for r in runs)",
+        "        reserved = sum(r.in_flight * r.per_cost() for r in runs[:1])  # the first dataset's only",
         [
             "tests/test_api_pipeline.py::test_shards_and_datasets_scheduled_at_once_share_one_concurrency_budget_and_quota"
         ],
@@ -264,11 +266,36 @@ ISSUE_30 = {
     ),
 }
 
-MUTATIONS = {**MONEY, **ISSUE_30}
+# One budget per key across runs (issue 30 item 5, aerie/api/key_ledger.py): each breaks what two runs on one key
+# need to stay within one budget.
+KEY = "tests/test_key_ledger.py"
+KEY_LEDGER = {
+    "key ledger: the other runs' spend and leases not counted": (
+        "aerie/api/key_ledger.py",
+        "        others.spent = sum(self._seen.values())\n",
+        "        others = OtherRuns()  # nothing counted\n",
+        [f"{KEY}::test_two_runs_at_once_on_one_key_stay_within_one_budget"],
+    ),
+    "key ledger: a lease granted whatever the budget leaves": (
+        "aerie/api/key_ledger.py",
+        "            fits = need <= left + _EPS\n",
+        "            fits = True\n",
+        [f"{KEY}::test_leases_of_two_runs_never_add_up_past_the_budget"],
+    ),
+    "key ledger: a clean end drops the entry (its last answers counted by nobody)": (
+        "aerie/api/key_ledger.py",
+        '                self._doc["runs"][self.run_id]["ended"] = True',
+        '                del self._doc["runs"][self.run_id]',
+        [f"{KEY}::test_leases_of_two_runs_never_add_up_past_the_budget"],
+    ),
+}
+
+MUTATIONS = {**MONEY, **ISSUE_30, **KEY_LEDGER}
 GROUPS = {
     "money": [n for n in MONEY if not n.startswith("slow:")],
     "slow": [n for n in MONEY if n.startswith("slow:")],
     "issue30": list(ISSUE_30),
+    "key_ledger": list(KEY_LEDGER),
 }
 
 
