@@ -36,9 +36,10 @@ CHECK_FORMAT = "aerie.host-check/1"
 GIB = 1024**3
 
 # ---- SGLang 0.5.23's floor (envs/sglang.yaml pins sglang==0.5.23), in one place ----------------------------------
-# Read from its wheel's metadata on PyPI: sglang 0.5.23 requires torch==2.14.1, whose default PyPI build is for
-# CUDA 13.0; the wheels of sglang-kernel, flashinfer and deep-ep it pulls are tagged cp311 / manylinux_2_34, so pip
-# finds them only for CPython 3.11 on glibc >= 2.34 (Ubuntu 22.04+, Debian 12+, RHEL/Rocky/Alma 9+).
+# From the review of sglang 0.5.23 against the pip index that issue 30 records (not re-read here: no index access
+# from CI): sglang 0.5.23 requires torch==2.14.1, whose default PyPI build is for CUDA 13, and ships only a cp311
+# manylinux_2_34 wheel, so pip finds it only for CPython 3.11 on glibc >= 2.34 (Ubuntu 22.04+, Debian 12+,
+# RHEL/Rocky/Alma 9+). When the SGLang env's torch imports, its own torch.version.cuda decides the driver floor.
 SGLANG_TORCH_CUDA = "13.0"  # the CUDA of the torch sglang 0.5.23 pins, when the env's own torch cannot be asked
 SGLANG_GLIBC = (2, 34)  # manylinux_2_34
 SGLANG_PYTHON = (3, 11)  # cp311
@@ -443,6 +444,21 @@ def refusal(checks: Sequence[Check]) -> str | None:
 
 
 # ---- the dry run's part, the job -----------------------------------------------------------------------------
+
+
+def env_build_warning(needs: HostNeeds, glibc: str | None) -> str:
+    """Snakemake builds every conda environment on the machine that runs it, before any job - rule host_check
+    included - starts: with an SGLang rule in the run and a glibc older than its wheels need there, pip fails while
+    building ``envs/sglang.yaml`` with its own error. The line said at parse time instead, or ``""``."""
+    if not (needs.conda and needs.sglang_rules) or (glibc and _version(glibc)[:2] >= SGLANG_GLIBC):
+        return ""
+    found = f"glibc {glibc}" if glibc else "no glibc (musl?)"
+    return (
+        f"WARNING host check: this machine has {found}; Snakemake builds envs/sglang.yaml here (for rules "
+        f"{', '.join(needs.sglang_rules)}) and pip finds no sglang {TESTED_SGLANG_VERSION} wheel below glibc 2.34. "
+        "Build the environments on the GPU host (Ubuntu 22.04+, Debian 12+, RHEL/Rocky/Alma 9+, or a container of "
+        "one) with `snakemake --conda-create-envs-only`, or keep SGLang out of the run"
+    )
 
 
 def needs_text(needs: HostNeeds) -> str:

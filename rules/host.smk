@@ -57,8 +57,14 @@ rule host_check:
         "../scripts/host_check.py"
 
 
-# `snakemake -n` lists the checks and what each needs.
-if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.host_check import needs_text
+# `snakemake -n` lists the checks and what each needs; the conda environments are built before rule host_check
+# can run, so an SGLang environment this machine cannot build is said now.
+if workflow.is_main_process:
+    from aerie.host_check import env_build_warning, glibc_version, needs_text
 
-    print(needs_text(HOST_NEEDS()), file=sys.stderr)
+    if getattr(workflow.output_settings, "dryrun", False):
+        print(needs_text(HOST_NEEDS()), file=sys.stderr)
+    if conda_deployment_on(workflow.deployment_settings.deployment_method) and (
+        warning := env_build_warning(HOST_NEEDS(), glibc_version())
+    ):
+        print(warning, file=sys.stderr)

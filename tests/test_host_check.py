@@ -132,6 +132,20 @@ def test_conda_off_names_the_profile_for_a_missing_sglang() -> None:
     assert "hidden.backend: hf / bench.backend: inprocess" in by_name["sglang_env"].fix
 
 
+def test_an_sglang_env_this_machine_cannot_build_is_said_at_parse_time() -> None:
+    """Snakemake builds the conda environments before rule host_check runs: below glibc 2.34 pip would fail on
+    envs/sglang.yaml with its own error, so the parse says why first (and only when it would build it)."""
+    from aerie.host_check import env_build_warning
+
+    warning = env_build_warning(kimi_needs(), "2.28")
+    assert "glibc 2.28" in warning and "envs/sglang.yaml" in warning and "--conda-create-envs-only" in warning
+    assert "hidden, bench" in warning
+    assert env_build_warning(kimi_needs(), "2.35") == ""
+    assert env_build_warning(kimi_needs(conda=False), "2.28") == ""  # conda off: nothing is built here
+    assert env_build_warning(kimi_needs(sglang_rules=[]), "2.28") == ""  # no SGLang rule: no SGLang env
+    assert "no glibc" in env_build_warning(kimi_needs(), None)
+
+
 def test_what_a_run_does_not_need_is_skipped_with_the_reason() -> None:
     """The demo on a CPU machine: no SGLang, no conda deployment, target.device auto and no GPU here."""
     demo = HostNeeds(gpus=1, gpu_rules={"responses": 1, "hidden": 1}, disk_bytes=GIB // 10, before=["responses"])
