@@ -66,8 +66,15 @@ ARMS = {
         eval_fraction=0.1,
     ),
 }
-# (A third arm, the warm start with the L2-SP pull init_pull, did not fit the shared machine's hour: not measured.)
-WARM_ARMS = ("warm",)
+# The levers against forgetting (``run --arms``, the ``levers`` results): the same warm start with the L2-SP pull
+# toward the published weights (decoupled: each step w -= lr * init_pull * (w - w_start); at lr 3e-4 a pull of 30
+# takes ~0.9% of the drift back per step), and the same warm start stopped after two epochs.
+LEVERS = {
+    "warm-pull": {**ARMS["warm"], "init_pull": 30.0},
+    "warm-short": {**ARMS["warm"], "epochs": 2},
+}
+ALL_ARMS = {**ARMS, **LEVERS}
+DEFAULT_ARMS = list(ARMS)
 BENCH = dict(max_new_tokens=64, num_draft_steps=3, max_prompts=16)  # per set
 
 
@@ -183,13 +190,23 @@ def code_version() -> str:
 
 
 # ---- one seed --------------------------------------------------------------------------------------------------
+def is_warm(arm: str) -> bool:
+    """The arms that start from the published folder (and keep its draft vocab)."""
+    return arm.startswith("warm")
+
+
+def recipes(arms: list[str]) -> dict:
+    """What a seed file records and a rerun must match: the published drafter's recipe and each arm's."""
+    return {"published": PUBLISH, **{a: ALL_ARMS[a] for a in arms}}
+
+
 def train_arm(f: dict, arm: str, seed: int, threads: int, work: Path) -> dict:
     from aerie.drafter.config import TrainConfig
     from aerie.drafter.loop import train_drafter
 
-    extra = {"init": str(f["published"])} if arm in WARM_ARMS else {}
-    cfg = TrainConfig(**ARMS[arm], **extra, seed=seed, threads=threads, resume=False, checkpoint_every=0)
-    vocab = f["warm_vocab"] if arm in WARM_ARMS else f["scratch_vocab"]
+    extra = {"init": str(f["published"])} if is_warm(arm) else {}
+    cfg = TrainConfig(**ALL_ARMS[arm], **extra, seed=seed, threads=threads, resume=False, checkpoint_every=0)
+    vocab = f["warm_vocab"] if is_warm(arm) else f["scratch_vocab"]
     out = work / "drafters" / f"{arm}-{seed}"
     t0 = time.perf_counter()
     ev = train_drafter(f["domain_hidden"], vocab, f["target"], out, cfg, log=lambda _: None)
@@ -308,13 +325,14 @@ def study_of(work: Path) -> str:
     return next(name for name, fams in STUDIES.items() if fams == families)
 
 
-def run_seed(work: Path, seed: int, out: Path, threads: int) -> dict:
+def run_seed(work: Path, seed: int, out: Path, threads: int, arms_wanted: list[str] | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     f = files(work)
     load = {"before": os.getloadavg()}
-    order = list(ARMS) if seed % 2 == 0 else list(reversed(ARMS))  # who trains first alternates
+    wanted = arms_wanted or DEFAULT_ARMS
+    order = list(wanted) if seed % 2 == 0 else list(reversed(wanted))  # who trains first alternates
     arms = {arm: train_arm(f, arm, seed, threads, work) for arm in order}
     load["after_training"] = os.getloadavg()
     sets = bench_sets(f, {"published": f["published"], **{a: r["folder"] for a, r in arms.items()}}, threads)
@@ -324,7 +342,7 @@ def run_seed(work: Path, seed: int, out: Path, threads: int) -> dict:
         "seed": seed,
         "study": study_of(work),
         "general_families": STUDIES[study_of(work)],
-        "recipes": {"published": PUBLISH, **ARMS},
+        "recipes": recipes(wanted),
         "bench_settings": BENCH,
         "draft_vocab_size": DRAFT_VOCAB,
         "data": data_facts(f),
@@ -361,16 +379,17 @@ def run_all(args: argparse.Namespace) -> None:
     f = files(work)
     if not getattr(args, "prepared", False) and not (f["scratch_vocab"].exists() and f["warm_vocab"].exists()):
         prepare_vocabs(work)
+    arms = getattr(args, "arms", None) or DEFAULT_ARMS
     for seed in args.seeds:
         path = args.out / f"seed-{seed}.json"
         if path.exists():
             done = json.loads(path.read_text())
-            if done["recipes"] != {"published": PUBLISH, **ARMS} or done["bench_settings"] != BENCH:
+            if done["recipes"] != recipes(arms) or done["bench_settings"] != BENCH:
                 raise SystemExit(f"{path} was made with other settings: use another --out")
             print(f"{path.name}: done", flush=True)
             continue
         cmd = [sys.executable, __file__, "one", "--work", str(work), "--seed", str(seed), "--out", str(args.out)]
-        cmd += ["--threads", str(args.threads)]
+        cmd += ["--threads", str(args.threads), "--arms", *arms]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         r = json.loads(path.read_text())
@@ -385,7 +404,9 @@ def run_all(args: argparse.Namespace) -> None:
 
 
 # ---- the table (torch-free: bench/tables.py) -----------------------------------------------------------------
-METHODS = ("published", "scratch", "warm", "ngram")
+def methods_of(result: dict) -> list[str]:
+    """The published drafter, the seed's arms in recipe order, prompt lookup."""
+    return ["published", *(a for a in result["recipes"] if a != "published"), "ngram"]
 
 
 def load_results(out: Path) -> dict[int, dict]:
@@ -411,17 +432,24 @@ def warm_start_table(out: Path = OUT) -> str:
         return [float(results[k]["sets"][s]["methods"][m]["acceptance_length"]) for k in seeds]
 
     sets = list(results[seeds[0]]["sets"])
+    r0 = results[seeds[0]]
+    arms = [a for a in r0["recipes"] if a != "published"]
+    if any(list(r["recipes"]) != list(r0["recipes"]) for r in results.values()):
+        raise SystemExit(f"{out}: seed files of different arms")
     rows = []
-    for m in METHODS:
+    for m in methods_of(r0):
         rows.append([f"`{m}`", *(spread(acc(s, m)) for s in sets)])
     head = ["drafter", *(f"{s} set: measured acceptance" for s in sets)]
+    # each arm against the published drafter; the warm start against scratch; each lever against the plain warm start
+    pairs = [("warm", "scratch")] if {"warm", "scratch"} <= set(arms) else []
+    pairs += [(a, "published") for a in sorted(arms, key=lambda a: (a != "warm", a))]
+    pairs += [(a, "warm") for a in arms if a.startswith("warm-") and "warm" in arms]
     tests = []
     for s in sets:
-        for a, b in (("warm", "scratch"), ("warm", "published"), ("scratch", "published")):
+        for a, b in pairs:
             tests.append([f"{a} - {b}", s, gap_text(paired_test(acc(s, a), acc(s, b)))])
-    r0 = results[seeds[0]]
     d = r0["data"]
-    train = {a: [results[k]["train"][a] for k in seeds] for a in ARMS}
+    train = {a: [results[k]["train"][a] for k in seeds] for a in arms}
     lossless = all(v["lossless"] for r in results.values() for st in r["sets"].values() for v in st["methods"].values())
     loads = [
         x
@@ -437,17 +465,14 @@ def warm_start_table(out: Path = OUT) -> str:
         f"({d['domain']['generated_tokens']:,} generated tokens), the user's; "
         + ", ".join(f"{s} {r0['sets'][s]['prompts']} held-out prompts" for s in sets)
         + f". Draft vocab {r0['draft_vocab_size']} ids: scratch counted on the domain set (coverage "
-        f"{vocab['scratch']['coverage']:.3f}), warm start keeps the published one (coverage of the domain set "
-        f"{vocab['warm']['coverage']:.3f}). Best held-out epoch: scratch "
-        + "/".join(str(t["best_epoch"]) for t in train["scratch"])
-        + ", warm "
-        + "/".join(str(t["best_epoch"]) for t in train["warm"])
-        + f" of {ARMS['warm']['epochs']}. Recipes: published "
-        + ", ".join(f"{k} {v}" for k, v in r0["recipes"]["published"].items())
-        + "; scratch "
-        + ", ".join(f"{k} {v}" for k, v in r0["recipes"]["scratch"].items())
-        + "; warm "
-        + ", ".join(f"{k} {v}" for k, v in r0["recipes"]["warm"].items())
+        f"{vocab['scratch']['coverage']:.3f}), a warm start keeps the published one (coverage of the domain set "
+        f"{vocab['warm']['coverage']:.3f}). Best held-out epoch: "
+        + ", ".join(
+            f"{a} " + "/".join(str(t["best_epoch"]) for t in train[a]) + f" of {r0['recipes'][a]['epochs']}"
+            for a in arms
+        )
+        + ". Recipes: "
+        + "; ".join(f"{a} " + ", ".join(f"{k} {v}" for k, v in r0["recipes"][a].items()) for a in r0["recipes"])
         + "; bench "
         + ", ".join(f"{k} {v}" for k, v in r0["bench_settings"].items())
         + f". Code {', '.join(sorted({r['code'] for r in results.values()}))}; load average (1 min) "
@@ -483,11 +508,13 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     r.add_argument("--out", type=Path, default=OUT)
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--arms", nargs="+", choices=sorted(ALL_ARMS), default=DEFAULT_ARMS)
     o = sub.add_parser("one")
     o.add_argument("--work", type=Path, required=True)
     o.add_argument("--seed", type=int, required=True)
     o.add_argument("--out", type=Path, default=OUT)
     o.add_argument("--threads", type=int, default=1)
+    o.add_argument("--arms", nargs="+", choices=sorted(ALL_ARMS), default=DEFAULT_ARMS)
     t = sub.add_parser("table")
     t.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
@@ -498,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "run":
         run_all(args)
     elif args.cmd == "one":
-        run_seed(args.work.resolve(), args.seed, args.out / f"seed-{args.seed}.json", args.threads)
+        run_seed(args.work.resolve(), args.seed, args.out / f"seed-{args.seed}.json", args.threads, args.arms)
     else:
         print(warm_start_table(args.out))
 

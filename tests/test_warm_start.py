@@ -523,6 +523,36 @@ def test_the_warm_start_table_is_the_paired_comparison_per_set(tmp_path) -> None
         ws.run_all(argparse_ns(work=tmp_path, seeds=[9], out=tmp_path, threads=1, prepared=True))
 
 
+def test_the_levers_table_compares_each_lever_with_the_plain_warm_start(tmp_path) -> None:
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import warm_start as ws
+
+    arms = ["warm", "warm-pull", "warm-short"]
+    for seed, (warm, pull) in enumerate([(2.6, 2.9), (2.5, 2.7), (2.7, 2.8)]):
+        r = _seed_result(ws, seed, warm, 2.0)
+        r["recipes"] = ws.recipes(arms)
+        r["train"] = {a: r["train"]["warm"] for a in arms}
+        for st in r["sets"].values():
+            base = st["methods"].pop("scratch")
+            st["methods"]["warm-pull"] = {
+                **base,
+                "acceptance_length": pull + (st["methods"]["warm"]["acceptance_length"] - warm),
+            }
+            st["methods"]["warm-short"] = dict(st["methods"]["warm"])
+        (tmp_path / f"seed-{seed}.json").write_text(json.dumps(r))
+    text = ws.warm_start_table(tmp_path)
+    assert "| `warm-pull` | 3.300 ± 0.100 | 2.800 ± 0.100 |" in text and "`scratch`" not in text
+    assert "| warm-pull - warm | domain | +0.200 [" in text and "| warm-pull - published | domain | +0.800 [" in text
+    assert "warm-pull ttt_steps 3" in text and "init_pull 30.0" in text
+    # a run of other arms into the same folder is refused
+    (tmp_path / "publisher").mkdir()
+    (tmp_path / "publisher" / "study.yaml").write_text(json.dumps({"target": {"path": "t"}}))
+    with pytest.raises(SystemExit, match="other settings"):
+        ws.run_all(argparse_ns(work=tmp_path, seeds=[0], out=tmp_path, threads=1, prepared=True, arms=["warm"]))
+
+
 def argparse_ns(**kw):
     import argparse
 
