@@ -69,8 +69,8 @@ def client_tls(ca_bundle: str | None) -> ssl.SSLContext | bool:
 
 
 async def run_aerie(base: str, n: int, concurrency: int, workdir: Path, ca_bundle: str | None) -> int:
-    from aerie.api.backends import BackendSettings
-    from aerie.api.client import ClientLimits, MoneyGuard, regenerate_shard
+    from aerie.responses.api.backends import BackendSettings
+    from aerie.responses.api.client import ClientLimits, MoneyGuard, regenerate_shard
 
     settings = BackendSettings(
         "openrouter", MODEL, base, 1.0, 0.95, 64, provider={"sort": "price"}, reasoning={"enabled": True}
@@ -203,7 +203,7 @@ def start_emulator(latency: float, port_file: Path, tls: tuple[Path, Path] | Non
     cmd = [
         sys.executable,
         "-m",
-        "aerie.api.emulator",
+        "aerie.emulator",
         "--port",
         "0",
         "--port-file",
@@ -228,7 +228,7 @@ def start_emulator(latency: float, port_file: Path, tls: tuple[Path, Path] | Non
 
 def measure(client: str, latency: float, n: int, concurrency: int, tls: bool = False) -> dict:
     """One client process against one fresh emulator process; the client's own figures plus the load."""
-    from aerie.api.emulator.tls import write_self_signed_certificate
+    from aerie.emulator.tls import write_self_signed_certificate
 
     load_before = machine_load()
     with tempfile.TemporaryDirectory() as tmp:

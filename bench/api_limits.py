@@ -4,7 +4,7 @@ what an immediate rerun after ``kill -9`` spends while the killed job's 30 s ans
 
 Every run is a real ``snakemake`` of a code snapshot (``git archive REF | tar -x``: before and after measured
 interleaved, against the same kind of emulator process, same prompts and sizes) in a fresh folder, against a fresh
-emulator (``python -m aerie.api.emulator``, 100 fixed output tokens at Chutes' $0.45/$1.90 per M: every request
+emulator (``python -m aerie.emulator``, 100 fixed output tokens at Chutes' $0.45/$1.90 per M: every request
 costs the same, so any overshoot is the guard's, not the answers'). The emulator's own figures are recorded:
 dollars billed (``GET /key``), the most chat requests in flight at once, output tokens billed per dataset.
 
@@ -24,9 +24,9 @@ Scenarios (``--only`` picks some):
   together) on one API key against a hostile emulator (answers of lognormal length, mean 100 tokens, and 429s,
   5xx, errors inside 200, torn bodies and resets: 20% of requests), each ``budget_usd: 0.50``,
   ``concurrency: 200``, 4,000 prompts; before = 4161ae5 (one budget per run), after = the key ledger
-  (aerie.api.key_ledger): billed for the key in all against one budget;
+  (aerie.responses.api.key_ledger): billed for the key in all against one budget;
 - ``scale``: the user's size without Snakemake: 5 datasets x 2 shards x 2,000 prompts through the job's own path
-  (``aerie.api.job.regenerate_api_shards``) at ``concurrency: 2000``, 2 s answers (40 output tokens), a budget
+  (``aerie.responses.api.job.regenerate_api_shards``) at ``concurrency: 2000``, 2 s answers (40 output tokens), a budget
   for ~60% of it and one dataset quota'd at half its prompts: in-flight high-water, billed vs budget, quota, wall
   time, CPU and peak memory of the job process (``after`` only: ``before`` ran one process per shard).
 
@@ -84,7 +84,7 @@ class Emulator:
     def __init__(self, folder: Path, *args: str):
         port_file = folder / "emulator.port"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aerie.api.emulator", "--port", "0", "--port-file", str(port_file),
+            [sys.executable, "-m", "aerie.emulator", "--port", "0", "--port-file", str(port_file),
              "--output-tokens-mean", "100", "--output-tokens-dist", "fixed", "--request-log",
              str(folder / "requests.jsonl"), *args],
             cwd=REPO,
@@ -308,7 +308,8 @@ def scale_scenario(folder: Path, tree: Path = REPO) -> dict:
     (folder / "tasks.json").write_text(json.dumps(tasks))
     code = (
         "import json, resource, sys, time; from pathlib import Path; "
-        "from aerie.api.job import ApiShardTask, regenerate_api_shards; from aerie.plan import api_run; "
+        "from aerie.responses.api.job import ApiShardTask, regenerate_api_shards; "
+        "from aerie.plan.resolve import api_run; "
         f"c = json.load(open({str(folder / 'config.json')!r})); "
         f"t = [ApiShardTask(d, Path(p), Path(o)) for d, p, o in json.load(open({str(folder / 'tasks.json')!r}))]; "
         "t0 = time.monotonic(); r = regenerate_api_shards(t, api_run(c), log=lambda m: None); "
@@ -330,7 +331,7 @@ def scale_scenario(folder: Path, tree: Path = REPO) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     job = json.loads(proc.stdout.strip().splitlines()[-1])
-    from aerie.api.journal import read_journal
+    from aerie.responses.api.journal import read_journal
 
     journaled = {n: 0 for n in datasets}
     tokens = {n: 0 for n in datasets}

@@ -71,10 +71,10 @@ def measure(lengths: list[int], packing: bool, balanced: bool, batch_size: int) 
     from aerie.drafter.config import TrainConfig
     from aerie.drafter.data import Window, balance_ranks, batch_cost, epoch_batches, padded_tokens, real_tokens
     from aerie.drafter.distributed import shard_for_rank
-    from aerie.drafter.memory import attention_cost_rows, drafter_shape
+    from aerie.drafter_kinds.eagle3.memory import attention_cost_rows, drafter_shape
 
     drafter = yaml.safe_load(CONFIG.read_text())["drafter"]
-    cfg = TrainConfig(**{**drafter, "batch_size": batch_size, "packing": packing})
+    cfg = TrainConfig.of(**{**drafter, "batch_size": batch_size, "packing": packing})
     d = drafter_shape(cfg, json.loads(TEXT_CONFIG.read_text()), 32000, 3)
     rows = attention_cost_rows(d)
     windows, start = [], 0

@@ -7,7 +7,7 @@ For each random-init target (fp32, CPU) the same padded batches (``--seqs`` x ``
 aerie.hidden's HF backend builds them) go through two paths:
 
 - ``plain``: ``model.get_decoder()(input_ids)``, the base model's forward (what any use of the target pays);
-- ``capture``: the same forward with aerie.capture.AuxHiddenCapture hooks on the 3 default aux layers, then
+- ``capture``: the same forward with aerie.target_model.capture.AuxHiddenCapture hooks on the 3 default aux layers, then
   what aerie.hidden's HF backend does per batch to collect the states: concatenate the aux layers, cut each
   sequence's rows, and copy aux + final to CPU in the storage dtype (bf16).
 
@@ -37,7 +37,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
-from aerie.capture import AuxHiddenCapture  # noqa: E402
+from aerie.target_model.capture import AuxHiddenCapture  # noqa: E402
 from aerie.target_model.config import default_aux_layer_ids  # noqa: E402
 
 GOAL = 0.25

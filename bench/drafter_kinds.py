@@ -11,15 +11,15 @@ exactly as config/kimi-rehearsal.yaml builds it (``target.rehearsal``), prompts 
 ``max_new_tokens``), hidden states captured in the compact layout at the rehearsal's aux layers, a draft vocab, and
 held-out bench prompts. ``run`` trains every kind x seed in a fresh process (its peak memory is its own), with the
 same recipe (``RECIPE``, the rehearsal's drafter settings), scores it with the training's held-out simulation and
-with aerie's in-process benchmark (``aerie.bench.run.run_benchmark``: greedy decoding vs speculative, with the
+with aerie's in-process benchmark (``aerie.benchmark.run.run_benchmark``: greedy decoding vs speculative, with the
 untrained drafter of the same kind and prompt lookup measured in the same run), and writes one JSON per kind x
 seed under ``--out`` (bench/results/drafter_kinds/). A finished JSON is never recomputed; a JSON made with another
 recipe or other data is refused. Seeds run interleaved (the kind that goes first alternates), so the shared
 machine's load drifts hit both kinds alike; the load average is kept with every figure.
 
 ``table`` prints the markdown table of every JSON under ``--out``: mean +- stdev over seeds per kind, the
-references, and paired tests across seeds (MLA - llama, each kind - prompt lookup): mean difference, its stdev,
-Student's t and the two-sided p-value.
+references, and paired tests across seeds (MLA - llama, each kind - prompt lookup): mean difference, its 95 %
+interval, Student's t p, the sign count and the exact sign-flip p.
 
 Training tokens/s is the trainer's own figure (rows per second of optimizer steps, one thread). Peak memory is
 the training process's peak resident set (``ru_maxrss``) after training, and its growth over the resident set
@@ -153,16 +153,17 @@ def train_and_bench(work: Path, kind: str, seed: int, out: Path, threads: int) -
     """Train one drafter of ``kind`` at ``seed``, benchmark it, write ``out``; figures of this process only."""
     import torch
 
-    from aerie.bench.run import run_benchmark
+    from aerie.benchmark.run import run_benchmark
+    from aerie.benchmark.settings import BenchRun, TargetLoad
     from aerie.drafter.config import TrainConfig
     from aerie.drafter.loop import train_drafter
-    from aerie.drafter.model import Eagle3Drafter
     from aerie.drafter.state import data_fingerprint
+    from aerie.drafter_kinds.eagle3.model import Eagle3Drafter
     from aerie.formats.hidden import open_hidden_shards
 
     files = data_files(work)
     torch.set_num_threads(threads)
-    cfg = TrainConfig(**RECIPE, attention=kind, seed=seed, threads=threads, resume=False, checkpoint_every=0)
+    cfg = TrainConfig.of(**RECIPE, attention=kind, seed=seed, threads=threads, resume=False, checkpoint_every=0)
     drafter_dir = work / "drafters" / f"{kind}-{seed}"
     shards = open_hidden_shards(files["hidden"])
     aux = shards[0].aux_layer_ids
@@ -175,13 +176,11 @@ def train_and_bench(work: Path, kind: str, seed: int, out: Path, threads: int) -
     load["after_training"] = os.getloadavg()
     drafter = Eagle3Drafter.from_pretrained(drafter_dir)
     report = run_benchmark(
-        files["target"],
-        drafter_dir,
+        TargetLoad(Path(files["target"]), "cpu", "float32", trust_remote_code=True),
+        {"eagle3": drafter_dir},  # the method's name in the per-seed JSON (methods.eagle3) and the table
         [files["bench_prompts"]],
         drafter_dir / "bench.json",
-        **BENCH,
-        threads=threads,
-        trust_remote_code=True,
+        BenchRun(**BENCH, threads=threads),
         log=lambda _: None,
     )
     load["after_bench"] = os.getloadavg()
@@ -314,7 +313,7 @@ def kinds_table(out: Path = OUT) -> str:
     """The markdown table of every result under ``out`` (the seeds every kind finished) and the paired tests across
     seeds (bench/paired_stats.py): MLA - llama, and each kind - prompt lookup. Torch-free (bench/tables.py)."""
     from paired_stats import paired_test
-    from tables import gap_text, spread, table
+    from tables import gap_text, paired_header, spread, table
 
     results = load_results(out)
     seeds = sorted(set.intersection(*(set(results[k]) for k in KINDS)))
@@ -359,7 +358,7 @@ def kinds_table(out: Path = OUT) -> str:
         "drafter",
         "held-out simulated acceptance",
         "per position",
-        "measured acceptance (aerie.bench)",
+        "measured acceptance (aerie.benchmark)",
         "untrained, measured",
         "train tokens/s",
         "peak RSS MiB (growth in training)",
@@ -410,8 +409,7 @@ def kinds_table(out: Path = OUT) -> str:
             "",
             table(head, rows),
             "",
-            "Paired t-tests on the per-seed differences (bench/paired_stats.py; two-sided; 'beyond the spread' = "
-            "p < 0.05):",
+            paired_header(),
             "",
             table(["comparison", "figure", "mean difference [95 % CI], p"], tests),
             "",

@@ -14,7 +14,7 @@ on the meta device, without the embeddings (the target's, not exported).
 Part 2 (CPU): no trained rehearsal target exists yet, so a DeepseekV3 target built from a config with random
 weights supplies embeddings, lm_head and norm: ``--target tiny`` (Kimi's layout: MLA, a dense first layer, then
 MoE; hidden 256, 8 heads, q_lora 96, kv_lora 64, nope 32, rope 16, v 32, vocab 2048) or ``--target rehearsal``
-(the text config aerie.rehearsal_target builds: hidden 128, 4 heads, q_lora 64, kv_lora 32, Kimi's 163,840
+(the text config aerie.targets.rehearsal builds: hidden 128, 4 heads, q_lora 64, kv_lora 32, Kimi's 163,840
 vocab; draft vocab 32000). The hidden shard holds random features of the right shapes (cost does not depend
 on values). Each kind trains one epoch (TrainConfig defaults: ttt_steps 7, batch 4, nothing
 held out); "tokens/s" is the trainer's own figure. Prints one JSON line per row, then the ratios.
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.loop import train_drafter
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
 
 KIMI_K25_TEXT = dict(  # moonshotai/Kimi-K2.5 config.json text_config (the fields the drafter reads)
     vocab_size=163840,
@@ -118,8 +118,8 @@ def kimi_rows() -> list[dict]:
 def target_config(which: str) -> DeepseekV3Config:
     if which == "tiny":
         return DeepseekV3Config(**TINY_KIMI)
-    from aerie.rehearsal_target.build import text_config  # the rehearsal target's own shapes
-    from aerie.rehearsal_target.config import RehearsalTargetConfig
+    from aerie.targets.rehearsal.build import text_config  # the rehearsal target's own shapes
+    from aerie.targets.rehearsal.config import RehearsalTargetConfig
 
     return text_config(RehearsalTargetConfig())
 
@@ -191,7 +191,7 @@ def main() -> None:
         root = Path(tmp)
         shards, vocab, target = build_inputs(root, args.seqs, args.seq_len, target_config(args.target))
         for kind in ("mla", "llama"):
-            cfg = TrainConfig(epochs=1, eval_fraction=0.0, threads=args.threads, attention=kind)
+            cfg = TrainConfig.of(epochs=1, eval_fraction=0.0, threads=args.threads, attention=kind)
             result = train_drafter(shards, vocab, target, root / f"drafter-{kind}", cfg, log=lambda _: None)
             exported = json.loads((root / f"drafter-{kind}" / "config.json").read_text())
             speeds[kind] = result["tokens_per_s"]

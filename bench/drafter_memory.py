@@ -7,7 +7,8 @@ Usage (from the repository root):
 
 ``run`` measures every point in its own subprocess, one after another (``point`` is what each runs), and keeps the
 rows in bench/results/drafter_memory.json (committed); ``table`` prints the RESULTS section made from that file:
-the rows beside ``aerie.drafter.memory``'s estimate, least-squares fits of the window bytes against T (and T^2),
+the rows beside ``aerie.drafter_kinds.eagle3.memory``'s estimate, least-squares fits of the window bytes against T (and
+T^2),
 the H200 budget of the shipped config, and the CPU tokens/s.
 
 A point: a drafter built by ``DrafterConfig.from_target`` on Kimi K2.5's text config (hidden 7168, 64 heads, MLA
@@ -48,7 +49,8 @@ sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 sys.path.insert(0, str(REPO / "tests"))  # the reference (old) TTT path lives with the tests
 
 from aerie.drafter.config import TrainConfig  # noqa: E402
-from aerie.drafter.memory import GIB, estimate_training_memory  # noqa: E402
+from aerie.drafter_kinds.eagle3.memory import estimate_training_memory  # noqa: E402
+from aerie.drafter_kinds.kind import GIB  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "drafter_memory.json"
 FORMAT = "aerie.bench.drafter-memory/1"
@@ -104,7 +106,7 @@ KEY = ("kind", "impl", "dtype", "execution", "T")
 def build_drafter(kind: str, text: dict, seed: int = 0):
     import torch
 
-    from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+    from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
 
     torch.manual_seed(seed)
     tc = SimpleNamespace(**{**text, "vocab_size": max(BENCH_EMBED_ROWS, DRAFT_VOCAB)})
@@ -116,8 +118,8 @@ def random_batch(model, B: int, T: int, steps: int, seed: int = 1):
     """One batch as data.load_batch makes it, compact layout (fp32 aux, top-k targets), and its TargetHead."""
     import torch
 
-    from aerie.drafter.data import Batch
-    from aerie.drafter.ttt import TargetHead
+    from aerie.drafter_kinds.batch import Batch
+    from aerie.drafter_kinds.eagle3.ttt import TargetHead
 
     g = torch.Generator().manual_seed(seed)
     c = model.cfg
@@ -143,7 +145,7 @@ def train_step(model, b, head, cfg: TrainConfig, impl: str, bf16: bool, opt=None
     when ``opt`` is given; returns the loss."""
     import torch
 
-    from aerie.drafter.ttt import ttt_forward
+    from aerie.drafter_kinds.eagle3.ttt import ttt_forward
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     if impl == "old":
@@ -152,7 +154,7 @@ def train_step(model, b, head, cfg: TrainConfig, impl: str, bf16: bool, opt=None
         with ctx:
             loss, _, _ = naive_forward(model, b, head, cfg, cfg.ttt_steps)
     else:
-        targets = head.prepare(b, cfg)
+        targets = head.prepare(b, cfg.mask_out_of_vocab_targets)
         with ctx:
             loss, _, _ = ttt_forward(model, b, targets, cfg.ttt_steps, cfg.step_loss_decay)
     model.zero_grad(set_to_none=True)
@@ -255,7 +257,7 @@ def point(spec: dict) -> dict:
         where = FakeTensorMode(allow_non_fake_inputs=True)
     else:
         where = contextlib.nullcontext()
-    cfg = TrainConfig(ttt_steps=TTT_STEPS, attention=spec["kind"])
+    cfg = TrainConfig.of(ttt_steps=TTT_STEPS, attention=spec["kind"])
     with where:
         model = build_drafter(spec["kind"], KIMI_TEXT)
         b, head = random_batch(model, 1, spec["T"], TTT_STEPS)
@@ -329,9 +331,10 @@ GB = 10**9
 
 
 def window_estimate(kind: str, T: int, bf16: bool) -> int:
-    """aerie.drafter.memory's figure for what a point measures: gradients, activations (and bf16 copies)."""
+    """aerie.drafter_kinds.eagle3.memory's figure for what a point measures: gradients, activations
+    (and bf16 copies)."""
     est = estimate_training_memory(
-        TrainConfig(ttt_steps=TTT_STEPS, attention=kind, max_seq_len=T, batch_size=1),
+        TrainConfig.of(ttt_steps=TTT_STEPS, attention=kind, max_seq_len=T, batch_size=1),
         KIMI_TEXT,
         DRAFT_VOCAB,
         1 if bf16 else 0,
@@ -358,7 +361,10 @@ def shipped_drafter_config() -> dict:
     start's published-drafter shape and init are not what this table compares)."""
     import yaml
 
-    drafter = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())["drafter"]
+    from aerie.plan.drafters import drafter_sections
+
+    config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
+    drafter = drafter_sections(config)[("drafters", "eagle3")]  # the shipped EAGLE-3 drafter's merged section
     return {
         k: drafter[k] for k in ("ttt_steps", "epochs", "learning_rate", "max_seq_len", "batch_size", "max_batch_tokens")
     }
@@ -381,7 +387,8 @@ def table() -> str:
         "`meta` rows ran the same code on meta tensors (fp32 flow, no data), `fake` rows on fake CPU tensors under",
         "bf16 autocast (the GPU trainer's dtypes). The script's docstring has the details.",
         "",
-        "What changed (aerie/drafter/layers.py, ttt.py): the TTT attention runs in chunks of 64 query rows with the",
+        "What changed (aerie/drafter_kinds/eagle3/layers.py, ttt.py): the TTT attention runs in chunks of 64 "
+        "query rows with the",
         "exact softmax over each row's keys and recomputes them in backward (`TTTAttention`: no [T, T] tensor is",
         "kept); each TTT step is checkpointed; the vocabulary loss takes 256 rows of logits at a time and builds its",
         "soft targets per chunk. Why not flex attention: torch 2.13's has no CPU backward (\"FlexAttention does not",
@@ -443,7 +450,8 @@ def table() -> str:
         f"`batch_size: {shipped['batch_size']}`, `max_batch_tokens: {shipped['max_batch_tokens']}`) on one H200 per",
         "training process (torchrun + DDP: every GPU holds a whole replica, fp32 master weights, gradients and AdamW",
         "state, and trains its own batch; gradients live in DDP's buckets), bf16 autocast, compact hidden shards",
-        "(no target lm_head on the GPU), Kimi's 163,840-row frozen embeddings. `estimate`: aerie.drafter.memory, what",
+        "(no target lm_head on the GPU), Kimi's 163,840-row frozen embeddings. `estimate`: "
+        "aerie.drafter_kinds.eagle3.memory, what",
         "the fit plan uses. `measured`: the same static parts plus the window measured at the shipped batch (bf16,",
         "`fake` rows at T = 32,768; else the linear fit of the bf16 rows extrapolated to it).",
         "",
@@ -452,7 +460,7 @@ def table() -> str:
         "|---|---|---|---|---|---|",
     ]
     for kind in KINDS:
-        train = TrainConfig(**{**shipped, "attention": kind})
+        train = TrainConfig.of(**{**shipped, "attention": kind})
         est = estimate_training_memory(train, KIMI_TEXT, DRAFT_VOCAB, 8, hidden_layout="compact", target_topk=TOPK)
         window_parts = ("gradients", "activations", "bf16 weight copies")
         static = sum(v for k, v in est.parts.items() if k not in window_parts)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the reference (old) TTT path lives wi
 from aerie.drafter.config import TrainConfig  # noqa: E402
 from aerie.drafter.loop import train_drafter  # noqa: E402
 
-DEMO_TARGET = dict(  # aerie.demo_target.pretrain defaults
+DEMO_TARGET = dict(  # aerie.targets.demo.pretrain defaults
     vocab_size=2048,
     hidden_size=256,
     intermediate_size=768,
@@ -106,7 +106,7 @@ def main() -> None:
         root = Path(tmp)
         shards, vocab, target = build_inputs(root, args.seqs, args.seq_len)
         for i, (name, overrides, old) in enumerate(settings):
-            cfg = TrainConfig(**{"epochs": 1, "eval_fraction": 0.0, "threads": args.threads, **overrides})
+            cfg = TrainConfig.of(**{"epochs": 1, "eval_fraction": 0.0, "threads": args.threads, **overrides})
             t0 = time.perf_counter()
             with reference_path() if old else contextlib.nullcontext():
                 result = train_drafter(shards, vocab, target, root / f"drafter-{i}", cfg, log=lambda _: None)
@@ -140,7 +140,7 @@ def reference_path():
     """Train with the TTT path of tests/ttt_reference.py (as aerie did before issue 22) while inside."""
     from ttt_reference import naive_loss, naive_unroll
 
-    from aerie.drafter import evaluate, ttt
+    from aerie.drafter_kinds.eagle3 import evaluate, ttt
 
     def old_forward(model, b, targets, steps, decay, checkpointing=True):
         logits = naive_unroll(model, b.aux, b.ids, b.position_ids, steps)

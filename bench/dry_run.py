@@ -378,7 +378,7 @@ def main() -> None:
     for line in summary(result):
         print(line)
     code = (
-        "import sys; import aerie.plan, aerie.disk, aerie.api.preview; "
+        "import sys; import aerie.plan.resolve, aerie.preview.disk, aerie.preview.money; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     heavy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO).stdout.strip()

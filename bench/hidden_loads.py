@@ -21,16 +21,18 @@ from pathlib import Path
 from load_counting import compare_modes, report, worker_program
 
 WORKER = worker_program(
-    "from aerie.hidden import ShardTask, capture_shard, capture_shards",
+    "from aerie.hidden.run import ShardTask, capture_shards; from aerie.hidden.shard import capture_shard; "
+    "from aerie.hidden.settings import CaptureSettings",
     """
-kw = dict(aux_layer_ids=None, layout="compact", batch_tokens=args["batch_tokens"], device="cpu", dtype="float32",
-          trust_remote_code=True, threads=1, log=logs.append)
+settings = CaptureSettings(aux_layer_ids=None, layout="compact", batch_tokens=args["batch_tokens"], device="cpu",
+                           dtype="float32", trust_remote_code=True, threads=1)
 if args["mode"] == "per-run":
-    r = capture_shards([ShardTask(Path(t), Path(o)) for t, o in args["shards"]], args["target"], **kw)
+    shards = [ShardTask(Path(t), Path(o)) for t, o in args["shards"]]
+    r = capture_shards(shards, args["target"], settings, log=logs.append)
     out = {"loads": r["target_loads"], "load_s": r["load_seconds"], "capture_s": r["capture_seconds"]}
 else:
     (t, o), = args["shards"]
-    r = capture_shard(Path(t), Path(o), args["target"], **kw)
+    r = capture_shard(Path(t), Path(o), args["target"], settings, log=logs.append)
     loads, load_s = logged_loads()
     out = {"loads": loads, "load_s": load_s, "capture_s": r["seconds"]}
 """,
@@ -41,10 +43,10 @@ def build_target(out: Path) -> dict:
     """The rehearsal target's architecture and default size, random weights, saved with its custom code."""
     import torch
 
-    from aerie.rehearsal_target import remote_code
-    from aerie.rehearsal_target.build import REMOTE_MODEL_FILES, build_model
-    from aerie.rehearsal_target.config import RehearsalTargetConfig
-    from aerie.rehearsal_target.tokenizer import SPECIAL_TOKENS_START, VOCAB_SIZE
+    from aerie.targets.rehearsal import remote_code
+    from aerie.targets.rehearsal.build import REMOTE_MODEL_FILES, build_model
+    from aerie.targets.rehearsal.config import VOCAB_SIZE, RehearsalTargetConfig
+    from aerie.targets.rehearsal.tokenizer import SPECIAL_TOKENS_START
 
     cfg = RehearsalTargetConfig()
     model = build_model(cfg, [*range(cfg.bpe_ranks), *range(SPECIAL_TOKENS_START, VOCAB_SIZE)])
@@ -61,8 +63,8 @@ def build_target(out: Path) -> dict:
 def write_tokens(path: Path, seed: int, seqs: int, seq_len: int, vocab: int) -> None:
     import torch
 
-    from aerie.artifacts import save_packed
     from aerie.formats.tokens import TOKENS_FORMAT
+    from aerie.tools.artifacts import save_packed
 
     ids = torch.randint(0, vocab, (seqs, seq_len), generator=torch.Generator().manual_seed(seed))
     mask = torch.zeros(seq_len, dtype=torch.uint8)
@@ -87,8 +89,8 @@ def write_tokens(path: Path, seed: int, seqs: int, seq_len: int, vocab: int) -> 
 def same_files(a: Path, b: Path) -> bool:
     import torch
 
-    from aerie.artifacts import load_packed
     from aerie.formats.hidden import HIDDEN_FORMAT
+    from aerie.tools.artifacts import load_packed
 
     ta, ma = load_packed(a, HIDDEN_FORMAT)
     tb, mb = load_packed(b, HIDDEN_FORMAT)

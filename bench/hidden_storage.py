@@ -38,17 +38,18 @@ from safetensors.torch import save_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's aerie, installed or not
 
-from aerie.disk import specforge_bytes_per_token  # noqa: E402
 from aerie.drafter.config import TrainConfig  # noqa: E402
-from aerie.drafter.data import batches, make_windows, split_heldout  # noqa: E402
-from aerie.drafter.evaluate import evaluate  # noqa: E402
+from aerie.drafter.data import batches, load_batch, make_windows, split_heldout  # noqa: E402
 from aerie.drafter.loop import train_drafter  # noqa: E402
-from aerie.drafter.model import Eagle3Drafter  # noqa: E402
-from aerie.drafter.ttt import TargetHead  # noqa: E402
+from aerie.drafter_kinds.eagle3.evaluate import evaluate  # noqa: E402
+from aerie.drafter_kinds.eagle3.model import Eagle3Drafter  # noqa: E402
+from aerie.drafter_kinds.eagle3.ttt import TargetHead  # noqa: E402
 from aerie.formats.hidden import dequantize_aux, open_hidden_shards  # noqa: E402
 from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
 from aerie.formats.vocab import load_draft_vocab  # noqa: E402
-from aerie.hidden import capture_shard  # noqa: E402
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_shard  # noqa: E402
+from aerie.preview.disk import specforge_bytes_per_token  # noqa: E402
 from aerie.target_model.heads import read_target_heads  # noqa: E402
 
 OLDER_TOKENS_FORMATS = ("aerie.tokens/1",)  # same tensors (input_ids, loss_mask, seq_offsets)
@@ -86,9 +87,14 @@ def heldout_eval(drafter_dir: Path, hidden: list[Path], vocab_path: Path, target
     lm_head = read_target_heads(target).lm_head.float()
     head = TargetHead(full=lm_head, draft=lm_head[vocab.target_ids], t2d=vocab.t2d)
     held = split_heldout(shards, cfg.eval_fraction, cfg.seed)
-    windows = [w for si, q in sorted(held) for w in make_windows(si, shards[si], q, cfg.max_seq_len, cfg.ttt_steps)]
+    windows = [w for si, q in sorted(held) for w in make_windows(si, shards[si], q, cfg.max_seq_len, cfg.ttt_steps + 1)]
     model = Eagle3Drafter.from_pretrained(drafter_dir)  # fp32 of the exported (bf16) weights, as SGLang serves them
-    return evaluate(model, batches(windows, cfg, None), shards, head, cfg, torch.device("cpu"), torch.float32)
+    cpu = torch.device("cpu")
+    capacity = cfg.max_seq_len if cfg.packing else None
+    heldout = (
+        load_batch(g, shards, cfg.ttt_steps + 1, cpu, torch.float32, capacity) for g in batches(windows, cfg, None)
+    )
+    return evaluate(model, heldout, head, cfg.kind_settings, "chunked", cpu)
 
 
 def aux_error(full: list[Path], compact: list[Path]) -> float:
@@ -136,12 +142,14 @@ def main() -> None:
                 tok,
                 out,
                 str(target),
-                aux_layer_ids=None,
-                layout=layout,
-                target_topk=args.target_topk,
-                storage_dtype="bfloat16",
-                threads=args.threads,
-                min_next_token_agreement=0.995,
+                CaptureSettings(
+                    aux_layer_ids=None,
+                    layout=layout,
+                    target_topk=args.target_topk,
+                    storage_dtype="bfloat16",
+                    threads=args.threads,
+                    min_next_token_agreement=0.995,
+                ),
                 log=lambda _: None,
             )
             hidden[layout].append(out)
@@ -166,7 +174,7 @@ def main() -> None:
     report["aux_relative_error_fp8_vs_bf16"] = aux_error(hidden["full"], hidden["compact"])
 
     drafter_cfg = yaml.safe_load(args.config.read_text()).get("drafter") or {}
-    cfg = TrainConfig(**{**drafter_cfg, "eval_fraction": args.eval_fraction, "threads": args.threads})
+    cfg = TrainConfig.of(**{**drafter_cfg, "eval_fraction": args.eval_fraction, "threads": args.threads})
     report["train_config"] = {k: v for k, v in vars(cfg).items()}
     for layout in ("full", "compact"):
         t0 = time.perf_counter()
@@ -176,7 +184,7 @@ def main() -> None:
             vocab,
             target,
             out,
-            TrainConfig(**{**vars(cfg), "resume": False}),
+            TrainConfig.of(**{**vars(cfg), "resume": False}),
             log=lambda m, layout=layout: print(f"  [{layout}] {m}", flush=True),
         )
         report[layout].update(

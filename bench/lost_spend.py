@@ -1,16 +1,16 @@
 """Spend lost at a ``kill -9`` with 2,000 requests in flight: what the provider billed vs what aerie counts.
 
-One emulator process (``python -m aerie.api.emulator``, 2 s fixed latency, 40 output tokens) bills like a
+One emulator process (``python -m aerie.emulator``, 2 s fixed latency, 40 output tokens) bills like a
 provider: requests in flight when the client dies are still charged. A responses job
-(``aerie.api.job.regenerate_api_shard``, the path the responses rule runs) runs one shard at
+(``aerie.responses.api.job.regenerate_api_shard``, the path the responses rule runs) runs one shard at
 concurrency 2,000 in its own process and is killed with SIGKILL once the journal holds >= 2,000 samples
 and the emulator has >= 1,900 requests in flight (on a busy 2-core machine the steady state sits a little
 under 2,000). After the emulator has finished (and billed) them, the script compares:
 
 - billed: the account's usage (``GET /key``);
 - before (main at 1cfab1c): what aerie budgeted the rerun against - the journals' sum;
-- after: journals + "lost to interrupted requests", the account reconcile a rerun does at its start
-  (``aerie.api.job.start_account``).
+- after: journals + "lost to interrupted requests", the folder's books a rerun counts at its start
+  (``aerie.responses.api.books.folder_money``: the key's books, the account read live).
 
     .venv/bin/python bench/lost_spend.py            # about 30 s
 """
@@ -66,10 +66,9 @@ def config(base: str, results: Path) -> dict:
 
 
 def main() -> None:
-    from aerie.api.job import start_account
-    from aerie.api.journal import read_journal
-    from aerie.api.money import account_id
-    from aerie.plan import api_run
+    from aerie.responses.api.books import account_ledger_path, folder_money, read_folder_books, where_from_record
+    from aerie.responses.api.journal import read_journal
+    from aerie.responses.api.money import RequestCosts
 
     n = 16000
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +78,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "aerie.api.emulator",
+                "aerie.emulator",
                 "--port",
                 "0",
                 "--port-file",
@@ -127,7 +126,7 @@ def main() -> None:
                     sys.executable,
                     "-c",
                     "import json, sys; from pathlib import Path; "
-                    "from aerie.api.job import regenerate_api_shard; from aerie.plan import api_run; "
+                    "from aerie.responses.api.job import regenerate_api_shard; from aerie.plan.resolve import api_run; "
                     f"regenerate_api_shard(Path({str(prompts)!r}), Path({str(out)!r}), "
                     f"api_run(json.load(open({str(tmp / 'config.json')!r}))), 'chat', Path({str(results)!r}), "
                     "log=lambda m: None)",
@@ -159,10 +158,10 @@ def main() -> None:
             finished = read_journal(journal).finished
             journaled = sum(r["cost"] for r in finished.values())
             per_request = 40 * 1.9e-6 + 6 * 0.45e-6  # the emulator's Chutes prices, 40 output and 6 prompt tokens
-            account = account_id(cfg["responses"])
-            state, _ = start_account(
-                api_run(cfg), account, results, {"chat": per_request}, KEY, "bench-rerun", lambda m: None
-            )
+            where = where_from_record(read_folder_books(account_ledger_path(results))[-1])
+            os.environ["OPENROUTER_API_KEY"] = KEY  # the rerun reads the key's books and the account live
+            money = folder_money(results, where, ["chat"], {"chat": RequestCosts(per_request, per_request)})
+            lost = money.parts.lost + money.parts.retries + money.parts.pending
             stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
         finally:
             emu.terminate()
@@ -175,9 +174,9 @@ def main() -> None:
         "billed_usd": billed,
         "before_counted_usd": journaled,
         "before_invisible_usd": billed - journaled,
-        "after_counted_usd": journaled + state.lost,
-        "after_lost_usd": state.lost,
-        "after_invisible_usd": billed - journaled - state.lost,
+        "after_counted_usd": journaled + lost,
+        "after_lost_usd": lost,
+        "after_invisible_usd": billed - journaled - lost,
     }
     print(json.dumps(row, indent=1))
 

@@ -66,7 +66,7 @@ def run() -> dict:
         shards = [s for w in worlds for s in w["shards"]]
         for seed in SEEDS:
             for packing in (False, True):
-                cfg = TrainConfig(**{**TINY_TRAIN, "epochs": 4, "seed": seed, "packing": packing})
+                cfg = TrainConfig.of(**{**TINY_TRAIN, "epochs": 4, "seed": seed, "packing": packing})
                 out = Path(tmp) / f"d{seed}{packing}"
                 result = train_drafter(
                     shards, worlds[0]["vocab"], worlds[0]["target_dir"], out, cfg, log=lambda _: None

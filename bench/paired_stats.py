@@ -7,7 +7,9 @@ function ``I_x(df/2, 1/2)`` at ``x = df / (df + t^2)``, computed here by its con
 Lentz). The 95 % interval of the mean difference uses the t quantile found by bisection on that function.
 
 With 5 seeds an exact sign-flip permutation test cannot go below p = 2/32 = 0.0625, so it could never call a
-gap significant at 0.05; the t-test assumes roughly normal per-seed differences instead. Both are reported.
+gap significant at 0.05; the t-test assumes roughly normal per-seed differences instead. Both are reported, with
+the sign count (how many seeds are above, below, tied): a t-test p < 0.05 with seeds on both sides rests on the
+normality assumption, not on the seeds agreeing.
 """
 
 from __future__ import annotations
@@ -81,9 +83,16 @@ def sign_flip_p(diffs: list[float]) -> float:
     return extreme / len(patterns)
 
 
+def sign_count(diffs: list[float], tie: float = 1e-12) -> tuple[int, int, int]:
+    """(seeds above, below, tied): how many per-seed differences are > 0, < 0 and 0 (within ``tie``)."""
+    above = sum(1 for d in diffs if d > tie)
+    below = sum(1 for d in diffs if d < -tie)
+    return above, below, len(diffs) - above - below
+
+
 def paired_test(a: list[float], b: list[float]) -> dict:
     """``a - b`` paired by position (seed): n, mean difference, its stdev, the 95 % interval, the t statistic
-    and two-sided p (paired t-test), and the exact sign-flip p."""
+    and two-sided p (paired t-test), the exact sign-flip p and the sign count (above, below, tied)."""
     if len(a) != len(b):
         raise ValueError(f"paired test needs the same seeds on both sides, got {len(a)} and {len(b)} values")
     diffs = [x - y for x, y in zip(a, b)]
@@ -91,6 +100,7 @@ def paired_test(a: list[float], b: list[float]) -> dict:
     mean = statistics.fmean(diffs) if diffs else float("nan")
     out = {"n": n, "mean_diff": mean, "sd_diff": float("nan"), "t": float("nan"), "p": float("nan")}
     out.update(ci95=(float("nan"), float("nan")), sign_flip_p=sign_flip_p(diffs) if n else float("nan"))
+    out["signs"] = sign_count(diffs)
     if n < 2:
         return out
     sd = statistics.stdev(diffs)

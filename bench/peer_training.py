@@ -9,9 +9,10 @@ aerie trains with ``aerie.drafter.loop.train_drafter``; SpecForge trains with it
 loop: ``OfflineEagle3Dataset`` (reading the samples converted to its offline layout), ``DataCollatorWithPadding``,
 ``LlamaForCausalLMEagle3``, ``OnlineEagle3Model``, ``Eagle3TrainStrategy`` with its ``TargetHead``, and
 ``BF16Optimizer``. Every drafter is scored by the same judges: aerie's held-out simulation
-(``aerie.drafter.evaluate.evaluate``: acceptance length and per-position acceptance of greedy chain drafting
+(``aerie.drafter_kinds.eagle3.evaluate.evaluate``: acceptance length and per-position acceptance of greedy chain
+drafting
 against the target's own next tokens) and, with ``--bench-prompts``, the exported drafter decoded through
-``aerie.bench.run.run_benchmark`` (the demo's bench rule's function: measured acceptance, tokens/s, speedup over
+``aerie.benchmark.run.run_benchmark`` (the demo's bench rule's function: measured acceptance, tokens/s, speedup over
 the plain target, lossless check).
 
 Arms (``--arms`` picks some); from ``specforge-default`` down, each rung changes one thing from the one above:
@@ -98,10 +99,11 @@ sys.path.insert(0, str(REPO / "bench"))
 from run_record import code_identity, command_line, file_identity, machine, machine_load, write_json_atomic
 
 from aerie.drafter.config import TrainConfig
-from aerie.drafter.data import batches, make_windows, split_heldout
-from aerie.drafter.evaluate import evaluate
-from aerie.drafter.loop import build_drafter, export_drafter, train_drafter
-from aerie.drafter.ttt import TargetHead
+from aerie.drafter.data import batches, load_batch, make_windows, split_heldout
+from aerie.drafter.loop import train_drafter
+from aerie.drafter_kinds.eagle3.evaluate import evaluate
+from aerie.drafter_kinds.eagle3.training import build as build_drafter
+from aerie.drafter_kinds.eagle3.training import export as export_drafter
 from aerie.formats.hidden import HiddenShard, open_hidden_shards
 from aerie.formats.vocab import load_draft_vocab
 
@@ -536,30 +538,32 @@ def full_vocab(vocab_size: int, folder: Path) -> Path:
 
 
 def bench_drafter(args: argparse.Namespace, drafter_dir: Path) -> dict:
-    """Decode the benchmark prompts with ``drafter_dir`` and without through aerie.bench.run_benchmark (the demo's
+    """Decode the benchmark prompts with ``drafter_dir`` and without through aerie.benchmark.run_benchmark (the demo's
     bench rule's function; no reference drafters): measured acceptance, tokens/s, speedup, lossless."""
-    from aerie.bench.run import run_benchmark
+    from aerie.benchmark.run import run_benchmark
+    from aerie.benchmark.settings import BenchRun, TargetLoad
 
     report = run_benchmark(
-        args.target,
-        drafter_dir,
+        TargetLoad(Path(args.target), "cpu", "float32"),
+        {"drafter": drafter_dir},
         bench_files(args),
         drafter_dir / "bench.json",
-        max_new_tokens=args.bench_max_new_tokens,
-        num_draft_steps=args.ttt,
-        repeats=1,
-        warmup=1,
-        threads=args.threads,
-        max_prompts=args.bench_max_prompts,
-        references=(),
+        BenchRun(
+            max_new_tokens=args.bench_max_new_tokens,
+            num_draft_steps=args.ttt,
+            threads=args.threads,
+            max_prompts=args.bench_max_prompts,
+            references=(),
+        ),
         log=lambda _: None,
     )
+    mine = report["methods"]["drafter"]
     return {
-        "measured_acceptance_length": report["acceptance_length"],
-        "measured_acceptance_per_position": report["acceptance_per_position"],
-        "bench_tokens_per_s": report["speculative"]["tokens_per_s"],
+        "measured_acceptance_length": mine["acceptance_length"],
+        "measured_acceptance_per_position": mine["acceptance_per_position"],
+        "bench_tokens_per_s": mine["tokens_per_s"],
         "bench_baseline_tokens_per_s": report["baseline"]["tokens_per_s"],
-        "bench_speedup": report["speedup"],
+        "bench_speedup": mine["speedup"],
         "bench_lossless": report["lossless"],
     }
 
@@ -570,7 +574,7 @@ def bench_files(args: argparse.Namespace) -> list[Path]:
 
 def train_config(args: argparse.Namespace, seed: int) -> TrainConfig:
     """aerie's settings at one seed: its defaults but for the run's settings."""
-    return TrainConfig(
+    return TrainConfig.of(
         epochs=args.epochs,
         seed=seed,
         ttt_steps=args.ttt,
@@ -666,15 +670,15 @@ def run_seed(
     }
     vocab = load_draft_vocab(vocab_path)
     aux_ids = shards[0].aux_layer_ids
-    judge, dcfg, lm_head = build_drafter(args.target, vocab, aux_ids, cfg, need_lm_head=True)
+    judge, dcfg, aerie_head = build_drafter(Path(args.target), vocab, aux_ids, cfg, "full", torch.device("cpu"))
     heads = read_target_heads(args.target, ["embed", "norm", "lm_head"])
-    aerie_head = TargetHead(full=lm_head.float(), draft=lm_head[vocab.target_ids].float(), t2d=vocab.t2d)
+    lm_head = aerie_head.full
     eval_w = [
         w
         for si, sh in enumerate(shards)
         for q in range(sh.num_seqs)
         if (si, q) in held
-        for w in make_windows(si, sh, q, cfg.max_seq_len, cfg.ttt_steps)
+        for w in make_windows(si, sh, q, cfg.max_seq_len, cfg.ttt_steps + 1)
     ]
     eval_groups = batches(eval_w, cfg, None)
     sf_head = specforge_target_head(sf, args.target, lm_head, dtype)
@@ -687,11 +691,14 @@ def run_seed(
         model = specforge_drafter(sf, draft_config, args.target, vocab, heads, seed, SPECFORGE_ARMS[arm], dtype)
         trained = train_specforge(sf, samples[settings["mask_on_predicted_token"]], model, sf_head, settings)
         specforge_into_aerie(model, judge)
-        scored = evaluate(judge.eval(), eval_groups, shards, aerie_head, cfg, torch.device("cpu"), torch.float32)
+        cpu = torch.device("cpu")
+        capacity = cfg.max_seq_len if cfg.packing else None
+        heldout = (load_batch(g, shards, cfg.ttt_steps + 1, cpu, torch.float32, capacity) for g in eval_groups)
+        scored = evaluate(judge.eval(), heldout, aerie_head, cfg.kind_settings, "chunked", cpu)
         figures = {**scored, **trained, "wall_s": time.perf_counter() - t0}
         if args.bench_prompts:
             out_dir = work / f"{arm}-{seed}"
-            export_drafter(judge, out_dir, aux_ids, {"trained_by": f"SpecForge {sf.version} ({arm})"})
+            export_drafter(judge, out_dir, {"trained_by": f"SpecForge {sf.version} ({arm})"}, aux_ids)
             figures.update(bench_drafter(args, out_dir))
             figures["wall_s"] = time.perf_counter() - t0
         extra = {

@@ -1,7 +1,7 @@
 """A recorded source at the public set's size: lightseekorg/kimi-mtp-dataset holds ~476k-600k ShareGPT conversations
 (~6B tokens, ~40 KB of text each). How long the first parse converts it into the prompt cache, what the cache takes
-on disk and in memory, and what every later parse and a shard's responses job cost (aerie.recorded,
-aerie.prompt_cache, aerie.recorded_responses).
+on disk and in memory, and what every later parse and a shard's responses job cost (aerie.sources.recorded,
+aerie.sources.cache, aerie.responses.recorded).
 
 Two stand-in files measure the two costs apart (the full-size file, ~24 GB, does not fit this machine): the full row
 count with short turns (the per-row cost: JSON parse, turn split, dedup digest, offsets) and 1/50 of the rows at the
@@ -60,9 +60,9 @@ def step(kind: str, data: str, cache: str, shard_size: int) -> dict[str, Any]:
     """One measured step in this process: ``plan`` (a parse: the cache's count, or the conversion when the cache has
     no entry) or ``shard`` (a responses job: one shard of a seeded sample, read from the cache by seeking)."""
     sys.path.insert(0, str(REPO))
-    from aerie.plan import recorded_sample
-    from aerie.prompts import plan_dataset, write_prompts
-    from aerie.recorded_responses import recorded_preview, write_recorded_shard
+    from aerie.plan.resolve import recorded_sample
+    from aerie.responses.recorded import recorded_preview, write_recorded_shard
+    from aerie.sources.datasets import plan_dataset, write_prompts
 
     ds = {
         "source": {"kind": "recorded", "data_files": data, "shape": "sharegpt", "id_field": "id"},

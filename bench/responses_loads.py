@@ -1,6 +1,6 @@
 """Target loads and wall time of in-process responses (``responses.backend: hf``) with N shards: one load per
 shard (before issue 16, one job per shard) vs one load per run (rule responses_hf now,
-aerie.responses.generate_hf_shards).
+aerie.responses.in_process.generate_hf_shards).
 
 The target is the Kimi-shaped rehearsal target (KimiK25ForConditionalGeneration around a DeepseekV3, Kimi's
 tiktoken tokenizer and chat template, loaded through its own code with trust_remote_code) at its default size,
@@ -23,9 +23,10 @@ from pathlib import Path
 from load_counting import compare_modes, report, worker_program
 
 WORKER = worker_program(
-    "from aerie.responses import ResponsesTask, generate_hf, generate_hf_shards",
+    "from aerie.responses.in_process import ResponsesTask, generate_hf, generate_hf_shards\n"
+    "from aerie.responses.sampling import Sampling",
     """
-settings = args["settings"]
+settings = Sampling(**args["settings"])
 kw = dict(device="cpu", dtype="float32", trust_remote_code=True, threads=1, log=logs.append)
 if args["mode"] == "per-run":
     tasks = [ResponsesTask(Path(p), Path(o), settings) for p, o in args["shards"]]
@@ -33,7 +34,7 @@ if args["mode"] == "per-run":
     out = {"loads": r["target_loads"], "load_s": r["load_seconds"], "generate_s": r["generate_seconds"]}
 else:
     (p, o), = args["shards"]
-    r = generate_hf(Path(p), Path(o), args["target"], **settings, **kw)
+    r = generate_hf(Path(p), Path(o), args["target"], settings, **kw)
     loads, load_s = logged_loads()
     out = {"loads": loads, "load_s": load_s, "generate_s": r["seconds"]}
 """,
@@ -42,8 +43,8 @@ else:
 
 def build_target(out: Path, train_steps: int) -> dict:
     """The rehearsal target at its default size, barely trained (its build also trains the tokenizer)."""
-    from aerie.rehearsal_target.build import build_rehearsal_target
-    from aerie.rehearsal_target.config import RehearsalTargetConfig
+    from aerie.targets.rehearsal.build import build_rehearsal_target
+    from aerie.targets.rehearsal.config import RehearsalTargetConfig
 
     cfg = RehearsalTargetConfig(
         train_steps=train_steps, warmup=0, log_every=max(train_steps, 1), eval_prompts=1, eval_batch_size=1,
@@ -55,7 +56,7 @@ def build_target(out: Path, train_steps: int) -> dict:
 
 
 def same_records(a: Path, b: Path) -> bool:
-    from aerie.artifacts import read_jsonl
+    from aerie.tools.artifacts import read_jsonl
 
     def strip(path: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if k != "latency_s"} for r in read_jsonl(path)]
@@ -72,7 +73,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/aerie-responses-loads"))
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     a = ap.parse_args()
-    from aerie.prompts import write_prompts
+    from aerie.sources.datasets import write_prompts
 
     if a.workdir.exists():
         shutil.rmtree(a.workdir)

@@ -8,8 +8,8 @@ A generated block sits in RESULTS.md between ``<!-- begin generated: NAME (bench
 ``<!-- end generated: NAME -->``; everything else in the file is prose written by hand around it. NAME says where
 the block's data lives:
 - ``peer_training/RUN``: bench/results/peer_training/RUN/ARM/seed-N.json (bench/peer_training.py --results): per
-  arm mean ± stdev over seeds, and a paired t-test of each arm against aerie and against the rung above it
-  (bench/paired_stats.py);
+  arm mean ± stdev over seeds, and a paired test (t-test, sign count, exact sign-flip p) of each arm against aerie
+  and against the rung above it (bench/paired_stats.py);
 - ``api_client``: every bench/results/api_client/RUN.json (bench/api_client.py --run RUN), the newest first: per
   transport, in-flight count and client the median over interleaved repeats, ratios taken within each repeat,
   and the client goals restated on each run;
@@ -17,7 +17,9 @@ the block's data lives:
   dry_run.json, rendered by those benches' own table functions; likewise ``batch_packing``, ``packing_seeds``
   and ``gpu_check`` (bench/results/batch_packing.json, packing_seeds.json, gpu_check.json);
 - ``warm_start/STUDY``: bench/results/warm_start/STUDY/seed-N.json (bench/warm_start.py run), its own table
-  function.
+  function;
+- ``shared_key``: bench/results/shared_key.json (bench/shared_key.py): books per folder on a shared key, and the
+  batch path at size.
 A block in RESULTS.md whose data is gone is an error; data with no block is listed (place its marker by hand
 where the prose about it is). Torch-free, so the test that checks the committed tables is fast.
 """
@@ -67,12 +69,33 @@ def signed(x: float, digits: int = 3) -> str:
 
 
 def gap_text(test: dict) -> str:
-    """``+0.123 [+0.050, +0.196], p 0.012`` and whether that is beyond the spread over seeds."""
+    """``+0.123 [+0.050, +0.196], t p 0.012, 4 of 5 above, sign-flip p 0.125`` and whether that is beyond the
+    spread over seeds (by the t-test; the sign count and the exact sign-flip p beside it say whether the seeds
+    agree)."""
     if test["n"] < 2:
         return f"{signed(test['mean_diff'])} (one seed: no test)"
     lo, hi = test["ci95"]
     verdict = "**beyond the spread**" if test["p"] < SIGNIFICANCE else "within the spread"
-    return f"{signed(test['mean_diff'])} [{signed(lo)}, {signed(hi)}], p {p_text(test['p'])}: {verdict}"
+    return (
+        f"{signed(test['mean_diff'])} [{signed(lo)}, {signed(hi)}], t p {p_text(test['p'])}, "
+        f"{signs_text(test)}, sign-flip p {p_text(test['sign_flip_p'])}: {verdict}"
+    )
+
+
+def paired_header(comparisons: int | None = None) -> str:
+    """The sentence above every table of paired tests: what each cell says."""
+    correction = f", no correction for the {comparisons} comparisons" if comparisons else ""
+    return (
+        f"Paired tests on the per-seed differences (bench/paired_stats.py; two-sided): mean difference [95 % CI], "
+        f"Student's t p, the seeds above, the exact sign-flip p (it cannot go below 0.0625 with 5 seeds); 'beyond the "
+        f"spread' = t p < {SIGNIFICANCE}{correction}:"
+    )
+
+
+def signs_text(test: dict) -> str:
+    """``4 of 5 above`` (``, 1 tied`` when any are)."""
+    above, below, tied = test["signs"]
+    return f"{above} of {test['n']} above" + (f", {tied} tied" if tied else "")
 
 
 def table(head: list[str], rows: list[list[str]]) -> str:
@@ -143,7 +166,7 @@ def peer_training_table(run_dir: Path) -> str:
             tests.append(test_row)
     head = ["arm", "changes (from the rung above)", "seeds", "held-out simulated acceptance", "per position"]
     if benched:
-        head += ["measured acceptance (aerie.bench)", "bench speedup"]
+        head += ["measured acceptance (aerie.benchmark)", "bench speedup"]
     head.append("train tok/s")
     test_head = ["arm", "simulated: arm - aerie [95 % CI], paired t"]
     if benched:
@@ -155,8 +178,7 @@ def peer_training_table(run_dir: Path) -> str:
             "",
             table(head, rows),
             "",
-            f"Paired t-tests on the per-seed differences (bench/paired_stats.py; two-sided; 'beyond the spread' = "
-            f"p < {SIGNIFICANCE}, no correction for the {len(tests)} comparisons):",
+            paired_header(len(tests)),
             "",
             table(test_head, tests),
             "",
@@ -402,6 +424,10 @@ def generators() -> dict[str, Callable[[], str]]:
         gens["drafter_kinds"] = lambda: _bench_module("drafter_kinds").kinds_table(RESULTS_DIR / "drafter_kinds")
     for study in sorted(p for p in (RESULTS_DIR / "warm_start").glob("*") if any(p.glob("seed-*.json"))):
         gens[f"warm_start/{study.name}"] = lambda d=study: _bench_module("warm_start").warm_start_table(d)
+    if any((RESULTS_DIR / "dflash_vs_eagle3").glob("seed-*.json")):
+        gens["dflash_vs_eagle3"] = lambda: _bench_module("dflash_vs_eagle3").dflash_table(
+            RESULTS_DIR / "dflash_vs_eagle3"
+        )
     if (RESULTS_DIR / "batch_packing.json").exists():
         gens["batch_packing"] = lambda: _bench_module("batch_packing").table()
     if (RESULTS_DIR / "packing_seeds.json").exists():
@@ -411,6 +437,10 @@ def generators() -> dict[str, Callable[[], str]]:
     if (RESULTS_DIR / "recorded_scale.json").exists():
         gens["recorded_scale"] = lambda: _bench_module("recorded_scale").markdown(
             json.loads((RESULTS_DIR / "recorded_scale.json").read_text())
+        )
+    if (RESULTS_DIR / "shared_key.json").exists():
+        gens["shared_key"] = lambda: _bench_module("shared_key").tables(
+            json.loads((RESULTS_DIR / "shared_key.json").read_text())
         )
     if (RESULTS_DIR / "dry_run.json").exists():
         gens["dry_run"] = lambda: _bench_module("dry_run").markdown(

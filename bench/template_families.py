@@ -36,9 +36,10 @@ def run(requested: bool) -> tuple[list[str], dict[str, dict[str, str]]]:
     """(table rows, {family: {record id: sha256 of its kept ids}}) of every family through the tokens stage."""
     from template_families import FAMILIES, family_records, family_tokenizer
 
-    from aerie.artifacts import split_packed, write_jsonl
     from aerie.formats.tokens import FidelityError, read_tokens_shard
+    from aerie.tokens.settings import TokenSettings
     from aerie.tokens.stage import tokenize_shard
+    from aerie.tools.artifacts import split_packed, write_jsonl
 
     asks = "reasoning_requested" in inspect.signature(tokenize_shard).parameters  # older aerie: never asked
     work = Path(tempfile.mkdtemp(prefix="aerie-families-"))
@@ -55,8 +56,7 @@ def run(requested: bool) -> tuple[list[str], dict[str, dict[str, str]]]:
                 folder / "t.safetensors",
                 folder / "t.json",
                 str(folder / "target"),
-                max_seq_len=1 << 20,
-                max_dropped_fraction=1.0,
+                TokenSettings(max_seq_len=1 << 20, max_dropped_fraction=1.0),
                 log=lambda m: None,
                 **({"reasoning_requested": requested and fam.reasoning} if asks else {}),
             )

@@ -37,10 +37,11 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer  # noqa: E402
 
-from aerie.artifacts import load_packed, write_jsonl  # noqa: E402
 from aerie.formats.tokens import TOKENS_FORMAT  # noqa: E402
-from aerie.responses import RESPONSES_FORMAT  # noqa: E402
+from aerie.responses.in_process import RESPONSES_FORMAT  # noqa: E402
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard  # noqa: E402
+from aerie.tools.artifacts import load_packed, write_jsonl  # noqa: E402
 
 DATASETS = REPO / "tests" / "fixtures" / "datasets"
 
@@ -168,7 +169,7 @@ def main() -> None:
                 work / "tokens.safetensors",
                 work / "report.json",
                 str(target),
-                max_seq_len=1 << 20,
+                TokenSettings(max_seq_len=1 << 20),
                 log=lambda m: None,
             ),
         )

@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,17 +18,26 @@ os.environ.update(
     )
 )
 
-from aerie.config_file import ConfigError, ConfigSources  # noqa: E402
-from aerie.plan import (  # noqa: E402
+from aerie.plan.config_file import ConfigError, ConfigSources  # noqa: E402
+from aerie.plan.drafters import planned_drafters  # noqa: E402
+from aerie.plan.resolve import (  # noqa: E402
+    bench_settings,
     check_config,
+    hidden_layer_ids,
+    hidden_settings,
+    token_settings,
+    vocab_settings,
     plan_datasets,
     responses_config,
+    sampling_settings,
     validate_config,
 )
-from aerie.prompts import prompt_cache_dir  # noqa: E402
+from aerie.formats.responses import loads_target  # noqa: E402
+from aerie.sources.datasets import prompt_cache_dir  # noqa: E402
+from aerie.targets import builder_of  # noqa: E402
 
 # Snakemake has merged the config files and forgotten where each value came from (and kept the last of two equal
-# keys). Re-read them with line numbers (aerie.config_file), so that a duplicate key, an unknown key, a wrong type
+# keys). Re-read them with line numbers (aerie.plan.config_file), so that a duplicate key, an unknown key, a wrong type
 # or a value out of range fails here - in `snakemake -n` too - naming the key path, the file and the line.
 try:
     CONFIG_SOURCES = ConfigSources.read(
@@ -38,18 +48,18 @@ except ConfigError as e:
 try:
     validate_config(config, CONFIG_SOURCES)  # config/schema.yaml; fills in its defaults
     check_config(config)
-    # A SLURM job re-reads the workflow: its plan is the one its main process scheduled (aerie.plan.plan_datasets).
+    # A SLURM job re-reads the workflow: its plan is the one its main process scheduled (aerie.plan.resolve.plan_datasets).
     PLANS = plan_datasets(config, Path("results"), job=not workflow.is_main_process)
 except ConfigError as e:
     raise WorkflowError(f"bad configuration: {CONFIG_SOURCES.describe(e)}") from None
 except ValueError as e:
     raise WorkflowError(f"bad configuration: {e}") from None
 
-# Every GPU job's memory per GPU against the host's (aerie.fit): a job that cannot fit stops the parse - the dry
+# Every GPU job's memory per GPU against the host's (aerie.preview.fit): a job that cannot fit stops the parse - the dry
 # run's and the real run's - naming the setting to change, before any job runs and any money is spent. (A job's own
 # parse under SLURM skips it: its main process checked the plan.)
 if workflow.is_main_process:
-    from aerie.fit import fit_plan
+    from aerie.preview.fit import fit_plan
 
     try:
         FIT = fit_plan(config, PLANS)
@@ -61,27 +71,45 @@ if workflow.is_main_process:
         raise WorkflowError(f"the fit plan refuses this run: {FIT.error()}")
 
 RUN = config["run"]
-# Converted prompt sources, read by every parse (aerie.prompt_cache).
+# The run's drafters (aerie.plan.drafters): one named RUN, or one per entry of `drafters` named RUN-<key>; each
+# trains into results/drafter/<name>/ from the same hidden shards, captured once at every drafter's layers.
+DRAFTERS = {d.name: d for d in planned_drafters(config, Path.cwd())}
+HIDDEN_LAYER_IDS = hidden_layer_ids(
+    config
+)  # None: the target's depth is unknown at parse time (EAGLE-3 only)
+# The one draft vocabulary of the run, for the drafters whose kind has one (EAGLE-3), taken from their warm-start
+# folder when they have one.
+VOCAB_DRAFTERS = [
+    d for d in DRAFTERS.values() if d.train.drafter_kind.needs_draft_vocab
+]
+VOCAB_INITS = sorted({d.train.init for d in VOCAB_DRAFTERS if d.train.init})
+if len(VOCAB_INITS) > 1:
+    raise WorkflowError(
+        f"bad configuration: drafters with a draft vocabulary start from different folders {VOCAB_INITS}: a run "
+        "has one draft vocabulary; train them in two runs"
+    )
+# Converted prompt sources, read by every parse (aerie.sources.cache).
 PROMPT_CACHE = str(prompt_cache_dir(Path("results")))
 TARGET = config["target"]["path"]
-DEMO_TARGET = "demo" in config["target"]
-REHEARSAL_TARGET = "rehearsal" in config["target"]
+# A target the pipeline builds (target.demo, target.rehearsal: aerie.targets), None for an existing folder.
+TARGET_BUILDER = builder_of(config["target"])
 
 
 wildcard_constraints:
     dataset="|".join(sorted(config["datasets"])),
+    drafter="|".join(map(re.escape, sorted(DRAFTERS))),
     shard=r"\d{5}",
     run=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
 
 
 def get_target_input():
-    """The demo and rehearsal targets are built by a rule (a dependency); a real target is an existing folder."""
-    return [TARGET] if DEMO_TARGET or REHEARSAL_TARGET else []
+    """A built target (demo, rehearsal) is its rule's output (a dependency); a real target is an existing folder."""
+    return [TARGET] if TARGET_BUILDER is not None else []
 
 
 def get_prompt_source(wildcards):
     """The dataset's local prompt files (a newer file re-shards); none for Hub datasets and HumanEval."""
-    from aerie.prompts import source_files
+    from aerie.sources.datasets import source_files
 
     return [
         str(p) for p in source_files(config["datasets"][wildcards.dataset]["source"])
@@ -97,19 +125,27 @@ def get_shards(stage, suffix):
     ]
 
 
-def get_drafter_init():
-    """drafter.init's config.json and weights (a changed folder retrains), none without an init; a real run refuses
-    to start when the folder is absent (the dry run says where it looked), before any money is spent.
+def get_drafter_init(wildcards=None):
+    """A drafter's warm-start folder's config.json and weights (a changed folder retrains; with no wildcards: the
+    vocabulary's, for rule draft_vocab), none without an init; a real run refuses to start when the folder is absent
+    (the dry run says where it looked), before any money is spent.
     """
-    from aerie.drafter.folder import init_folder_of, weight_files
+    from aerie.drafter_kinds.folders import weight_files
 
-    try:
-        folder = init_folder_of(config)
-    except FileNotFoundError:
-        return []
+    if wildcards is None:
+        folders = [d.init_folder for d in VOCAB_DRAFTERS if d.train.init]
+    else:
+        folders = [DRAFTERS[wildcards.drafter].init_folder]
+    folder = next((f for f in folders if f is not None), None)
     if folder is None:
         return []
     return [str(folder / "config.json"), *map(str, weight_files(folder))]
+
+
+def get_drafter_vocab(wildcards):
+    """The draft vocabulary file, for a drafter whose kind trains one."""
+    kind = DRAFTERS[wildcards.drafter].train.drafter_kind
+    return ["results/vocab/draft_vocab.safetensors"] if kind.needs_draft_vocab else []
 
 
 def get_bench_prompts():
@@ -125,7 +161,8 @@ def get_final_outputs():
         f"results/bench/{RUN}.json",
         f"results/bench/{RUN}.png",
         "results/report/spend.png",  # rule report_figures (all figures of snakemake --report)
-        f"results/publish/{RUN}",  # model_card (its rule): the drafter folder to publish, with its model card
+        # model_card (its rule): each drafter's folder to publish, with its model card
+        *(f"results/publish/{name}" for name in DRAFTERS),
     ]
 
 
@@ -147,27 +184,28 @@ def get_responses_config(wildcards):
 
 def get_responses_target(wildcards):
     """The target folder when the job reads it (in-process, a loopback server, or ids for sglang)."""
+    from aerie.responses.api.backends import api_backend, is_api_backend
+
     r = get_responses_config(wildcards)
-    return (
-        get_target_input() if r["backend"] in ("hf", "sglang") or r.get("serve") else []
-    )
+    ids = is_api_backend(r["backend"]) and api_backend(r["backend"]).sends_token_ids
+    return get_target_input() if loads_target(r) or ids else []
 
 
 def get_responses_threads(wildcards):
     """An API client needs one core; in-process generation and a loopback server take them all."""
     r = get_responses_config(wildcards)
-    return all_cores() if r["backend"] == "hf" or r.get("serve") else 1
+    return all_cores() if loads_target(r) else 1
 
 
 def get_responses_gpus(wildcards):
     r = get_responses_config(wildcards)
-    return gpus("responses") if r["backend"] == "hf" or r.get("serve") else 0
+    return gpus("responses") if loads_target(r) else 0
 
 
 def cost_preview():
-    """The pending API work per dataset, cut at each quota (aerie.api.preview.CostPreview; None without API datasets)."""
-    from aerie.api.preview import cost_preview as preview
-    from aerie.plan import api_run
+    """The pending API work per dataset, cut at each quota (aerie.preview.money.CostPreview; None without API datasets)."""
+    from aerie.preview.money import cost_preview as preview
+    from aerie.plan.resolve import api_run
 
     try:
         return preview(api_run(config, PLANS), Path("results"))
@@ -178,18 +216,18 @@ def cost_preview():
 # `snakemake -n` shows what the pending API work will cost and produce before anything is spent, and the
 # disk its hidden states will take (both cut at each dataset's output-token quota).
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.plan import plan_text
+    from aerie.plan.resolve import plan_text
 
     print(plan_text(PLANS), file=sys.stderr)
     _preview = cost_preview()
     if _preview is not None:
         print(_preview.text, file=sys.stderr)
-    from aerie.recorded_responses import recorded_preview
+    from aerie.responses.recorded import recorded_preview
 
     _recorded = recorded_preview(config, PLANS, Path("results"))
     if _recorded:
         print(_recorded, file=sys.stderr)
-    from aerie.disk import disk_preview, expected_tokens_per_sample
+    from aerie.preview.disk import disk_preview, expected_tokens_per_sample
 
     _tokens_per_sample = expected_tokens_per_sample(config, Path("results"), PLANS)
     _expected_samples = (
@@ -207,8 +245,8 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
         ),
         file=sys.stderr,
     )
-    # hours per GPU stage, from committed measurements only (aerie.time_preview)
-    from aerie.time_preview import planned_samples, time_preview
+    # hours per GPU stage, from committed measurements only (aerie.preview.timing)
+    from aerie.preview.timing import planned_samples, time_preview
 
     print(
         time_preview(
@@ -218,25 +256,28 @@ if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", Fals
     )
 
 
-# drafter.init: the dry run shows where the start folder is and what is taken from it; a real run without the folder
+# drafter.init: the dry run shows where each start folder is and what is taken from it; a real run without a folder
 # stops here, before any job runs (training could not start from it after the responses were paid for).
-if workflow.is_main_process and config["drafter"].get("init"):
-    from aerie.drafter.folder import init_folder_of, init_preview_text
+if workflow.is_main_process:
+    from aerie.preview.drafters import init_preview_text
 
-    if getattr(workflow.output_settings, "dryrun", False):
-        print(init_preview_text(config), file=sys.stderr)
-    else:
-        try:
-            init_folder_of(config)
-        except FileNotFoundError as e:
-            raise WorkflowError(f"bad configuration: drafter.init: {e}") from None
+    for _drafter in DRAFTERS.values():
+        if not _drafter.train.init:
+            continue
+        if getattr(workflow.output_settings, "dryrun", False):
+            print(init_preview_text(_drafter), file=sys.stderr)
+        elif _drafter.init_folder is None:
+            raise WorkflowError(
+                f"bad configuration: {'.'.join(_drafter.where)}.init: {_drafter.train.init!r} is not here "
+                "(snakemake -n says where it looked)"
+            )
 
 
 def end_dry_run_without_conda():
     """Called at the end of the Snakefile, once every included file printed its part of the preview: a dry run on a
     machine without conda (the preview, on a laptop) ends cleanly here instead of Snakemake's "Is conda installed"
-    failure while it builds the DAG (aerie.environments)."""
-    from aerie.environments import preview_without_conda
+    failure while it builds the DAG (aerie.plan.environments)."""
+    from aerie.plan.environments import preview_without_conda
 
     message = preview_without_conda(workflow)
     if message:
@@ -247,7 +288,7 @@ def end_dry_run_without_conda():
 def refuse_over_budget():
     """Called from onstart (real runs only): refuse to start when the estimate exceeds what the budget
     leaves after the journals and what the account billed (or may bill) beyond them."""
-    from aerie.api.money import usd
+    from aerie.responses.api.money import usd
 
     result = cost_preview()
     if result is None:

@@ -1,11 +1,12 @@
-# Stage 5: draft vocabulary from loss-masked token frequencies, then EAGLE-3 drafter training.
+# Stage 5: the draft vocabulary (for the drafter kinds that have one: EAGLE-3) from loss-masked token frequencies,
+# then each of the run's drafters (aerie.plan.drafters: its kind, aerie.drafter_kinds) trained on every hidden shard.
 
 
 rule draft_vocab:
     input:
         tokens=get_shards("tokens", "safetensors"),
         target=get_target_input(),
-        init=get_drafter_init(),
+        init=get_drafter_init(None),
     output:
         "results/vocab/draft_vocab.safetensors",
     log:
@@ -15,8 +16,10 @@ rule draft_vocab:
     conda:
         "../envs/aerie.yaml"
     params:
-        vocab=config["vocab"],
-        drafter={"init": config["drafter"].get("init", "")},  # warm start: the folder's vocab, not counted
+        # vocab.* resolved (aerie.plan.resolve.vocab_settings): the size, and a warm start's keep / follow / auto
+        settings=vocab_settings(config),
+        # warm start: the folder's vocab, kept or following the data
+        drafter={"init": VOCAB_INITS[0] if VOCAB_INITS else ""},
         target=lambda w: TARGET,
     script:
         "../scripts/draft_vocab.py"
@@ -29,25 +32,25 @@ rule draft_vocab:
 rule drafter:
     input:
         hidden=get_shards("hidden", "safetensors"),
-        vocab="results/vocab/draft_vocab.safetensors",
+        vocab=get_drafter_vocab,
         target=get_target_input(),
-        init=get_drafter_init(),
+        init=get_drafter_init,
     output:
-        directory("results/drafter/{run}"),
+        directory("results/drafter/{drafter}"),
     log:
-        "results/logs/drafter/{run}.log",
+        "results/logs/drafter/{drafter}.log",
     benchmark:
-        "results/benchmarks/drafter/{run}.tsv"
+        "results/benchmarks/drafter/{drafter}.tsv"
     conda:
         "../envs/aerie.yaml"
     threads: all_cores()
     resources:
         gpu=gpus("drafter"),
     params:
-        drafter=config["drafter"],
+        drafter=lambda w: DRAFTERS[w.drafter].section,  # its resolved settings (its kind's keys included)
         target=lambda w: TARGET,
         aux_layer_ids=config["hidden"]["aux_layer_ids"],  # checked against every hidden shard
-        card=config["card"],  # the exported folder's README.md (aerie/model_card.py)
+        card=config["card"],  # the exported folder's README.md (aerie/publish/card.py)
         sglang=config.get("sglang") or {},  # its serve command
     script:
         "../scripts/drafter.py"

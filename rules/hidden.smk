@@ -5,7 +5,7 @@
 # under SLURM) instead of once per shard: ~0.6 TB of weights for Kimi K2.5, minutes of loading against a
 # capture of ~40M tokens (bench/RESULTS.md). Snakemake deletes every declared output of a job before it
 # runs and after it fails, so each shard is captured into an undeclared store first
-# (results/<dataset>/hidden/captured/, aerie/shard_store.py) and hard-linked to its output: a rerun after
+# (results/<dataset>/hidden/captured/, aerie/target_model/store.py) and hard-linked to its output: a rerun after
 # a crash or a failed shard reuses the finished ones (same tokens bytes, target and settings) and captures
 # only the rest, still with one load; each shard keeps its own checks and its own log
 # (results/logs/<dataset>/hidden/shard-NNNNN.log). Weighed and not chosen (docs/formats.md, "Capture
@@ -13,7 +13,7 @@
 # member of a service group (N shards need N + the server's cores at once) and starts all members
 # together, and a service that is not the direct child of its shell outlives the run.
 
-from aerie.environments import conda_directive, rule_environment_check
+from aerie.plan.environments import conda_directive, rule_environment_check
 
 
 rule hidden:
@@ -35,9 +35,10 @@ rule hidden:
     resources:
         gpu=gpus("hidden"),
     params:
-        hidden=config["hidden"],
+        # hidden.* resolved (aerie.plan.resolve.hidden_settings): the layers every drafter reads, one capture
+        settings=hidden_settings(config),
         target=config["target"],
-        gpus=gpus("hidden"),  # what the job needs; checked against what it is granted (aerie.gpu_slots)
+        gpus=gpus("hidden"),  # what the job needs; checked against what it is granted (aerie.tools.gpu_slots)
         shard_logs=[
             p.replace("results/", "results/logs/", 1).replace(".safetensors", ".log")
             for p in get_shards("hidden", "safetensors")
@@ -48,14 +49,18 @@ rule hidden:
 
 # `snakemake -n` says how many times the plan loads the target for capture.
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.shard_store import capture_plan, capture_plan_text, config_key_function
+    from aerie.target_model.store import (
+        capture_plan,
+        capture_plan_text,
+        config_key_function,
+    )
 
     print(
         capture_plan_text(
             capture_plan(
                 get_shards("hidden", "safetensors"),
                 get_shards("tokens", "safetensors"),
-                config_key_function(config),
+                config_key_function(config, HIDDEN_LAYER_IDS),
             )
         ),
         file=sys.stderr,

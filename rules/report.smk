@@ -10,7 +10,7 @@ rule report_figures:
         responses=get_shards("responses", "jsonl"),
         token_reports=get_shards("tokens", "report.json"),
         hidden=get_shards("hidden", "safetensors"),
-        drafter=f"results/drafter/{RUN}",
+        drafters=[f"results/drafter/{name}" for name in DRAFTERS],
         bench=f"results/bench/{RUN}.json",
         # The SGLang serving benchmark runs on a GPU host, outside the workflow: shown when present.
         sglang=lambda w: [
@@ -52,5 +52,12 @@ rule report_figures:
     localrule: True
     conda:
         "../envs/aerie.yaml"
+    params:
+        drafters=list(DRAFTERS),  # names input.drafters, in order
+        # Each drafter's TensorBoard curves where they are (the training figure's caption links them).
+        curves={
+            name: Path(f"results/drafter/{name}/tensorboard").resolve().as_uri()
+            for name in DRAFTERS
+        },
     script:
         "../scripts/report_figures.py"

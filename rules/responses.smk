@@ -3,30 +3,31 @@
 #
 # In-process generation (backend hf) is one job for every such shard of the run (rule responses_hf), so the
 # target is loaded once per run (on one host: one sbatch job under SLURM) instead of once per shard, the
-# design of rule hidden (rules/hidden.smk, aerie/shard_store.py): each shard is generated into an
+# design of rule hidden (rules/hidden.smk, aerie/target_model/store.py): each shard is generated into an
 # undeclared store (results/<dataset>/responses/generated/) and hard-linked to its output, so a rerun after
 # a crash or a failed shard reuses the finished ones (same prompts bytes, target and settings) and generates
 # only the rest, still with one load; each shard keeps its own log (results/logs/<dataset>/responses/).
-# API datasets are one job too (rule responses, aerie/api/job.py): one process owns the run's limits - requests in
+# API datasets are one job too (rule responses, aerie/responses/api/job.py): one process owns the run's limits - requests in
 # flight (responses.concurrency), the budget and each dataset's quota - whatever Snakemake schedules (--cores all,
 # --jobs N, SLURM). Finished samples live in each shard's journal, so a rerun publishes the finished shards again
 # without a request and asks only for what is missing; each shard keeps its own log.
 
+from aerie.formats.responses import is_in_process, is_recorded
+from aerie.responses.api.backends import api_backend, is_api_backend
+
 IN_PROCESS_RESPONSES = [
     (name, shard)
     for name, plan in PLANS.items()
-    if responses_config(config, name)["backend"] == "hf"
+    if is_in_process(responses_config(config, name)["backend"])
     for shard in plan.shard_names
 ]
 API_RESPONSES_DATASETS = sorted(
-    name
-    for name in PLANS
-    if responses_config(config, name)["backend"] not in ("hf", "recorded")
+    name for name in PLANS if is_api_backend(responses_config(config, name)["backend"])
 )
-# Recorded datasets (source.kind: recorded, aerie.recorded): the target's answers exist already; rule
+# Recorded datasets (source.kind: recorded, aerie.sources.recorded): the target's answers exist already; rule
 # responses_recorded copies each shard's out of the prompt cache, no request, $0 (never part of rule responses).
 RECORDED_DATASETS = sorted(
-    name for name in PLANS if responses_config(config, name)["backend"] == "recorded"
+    name for name in PLANS if is_recorded(responses_config(config, name)["backend"])
 )
 # The i-th in-process shard's prompts, output and own log (rule responses_hf lists them in this order).
 IN_PROCESS_PROMPTS, IN_PROCESS_OUTPUTS, IN_PROCESS_SHARD_LOGS = (
@@ -64,7 +65,7 @@ API_RESPONSES_SERVED = any(
     responses_config(config, name).get("serve") for name in API_RESPONSES_DATASETS
 )
 API_RESPONSES_NEED_TARGET = API_RESPONSES_SERVED or any(
-    responses_config(config, name)["backend"] == "sglang"
+    api_backend(responses_config(config, name)["backend"]).sends_token_ids
     for name in API_RESPONSES_DATASETS
 )
 
@@ -94,7 +95,7 @@ if API_RESPONSES:
         params:
             datasets=[name for name, _ in API_RESPONSES],
             config=config,
-            # what the job needs (0 for a remote API); checked against what it is granted (aerie.gpu_slots)
+            # what the job needs (0 for a remote API); checked against what it is granted (aerie.tools.gpu_slots)
             gpus=gpus("responses") if API_RESPONSES_SERVED else 0,
         script:
             "../scripts/responses.py"
@@ -150,12 +151,13 @@ if IN_PROCESS_RESPONSES:
             gpu=gpus("responses"),
         params:
             datasets=[name for name, _ in IN_PROCESS_RESPONSES],
-            responses={
-                name: responses_config(config, name)
+            # each dataset's sampling, resolved (aerie.plan.resolve.sampling_settings)
+            sampling={
+                name: sampling_settings(config, name)
                 for name, _ in IN_PROCESS_RESPONSES
             },
             target=config["target"],
-            gpus=gpus("responses"),  # what the job needs; checked against what it is granted (aerie.gpu_slots)
+            gpus=gpus("responses"),  # what the job needs; checked against what it is granted (aerie.tools.gpu_slots)
             shard_logs=IN_PROCESS_SHARD_LOGS,
         script:
             "../scripts/responses_hf.py"
@@ -163,7 +165,7 @@ if IN_PROCESS_RESPONSES:
 
 # `snakemake -n` says how many times the plan loads the target for responses.
 if workflow.is_main_process and getattr(workflow.output_settings, "dryrun", False):
-    from aerie.shard_store import responses_loads_text
+    from aerie.target_model.store import responses_loads_text
 
     _text = responses_loads_text(
         config["target"],

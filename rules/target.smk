@@ -6,46 +6,26 @@
 
 from aerie.target_model.markers import package_version, tokenizer_files
 
-if DEMO_TARGET and REHEARSAL_TARGET:
-    raise WorkflowError(
-        "bad configuration: target.demo and target.rehearsal both ask the pipeline to build the target; keep one"
-    )
+if TARGET_BUILDER is not None:
 
-
-if DEMO_TARGET:
-
-    rule demo_target:
+    # One rule per builder (aerie.targets: target.demo -> rule demo_target, target.rehearsal -> rehearsal_target).
+    rule:
+        name:
+            TARGET_BUILDER.rule
         output:
             directory(TARGET),
         log:
-            "results/logs/demo_target.log",
+            f"results/logs/{TARGET_BUILDER.rule}.log",
         benchmark:
-            "results/benchmarks/demo_target.tsv"
+            f"results/benchmarks/{TARGET_BUILDER.rule}.tsv"
         conda:
             "../envs/aerie.yaml"
         threads: all_cores()
         params:
-            demo=config["target"]["demo"],
+            builder=TARGET_BUILDER.key,
+            settings=config["target"][TARGET_BUILDER.key],
         script:
-            "../scripts/build_demo_target.py"
-
-
-if REHEARSAL_TARGET:
-
-    rule rehearsal_target:
-        output:
-            directory(TARGET),
-        log:
-            "results/logs/rehearsal_target.log",
-        benchmark:
-            "results/benchmarks/rehearsal_target.tsv"
-        conda:
-            "../envs/aerie.yaml"
-        threads: all_cores()
-        params:
-            rehearsal=config["target"]["rehearsal"],
-        script:
-            "../scripts/build_rehearsal_target.py"
+            "../scripts/build_target.py"
 
 
 # The target's tokenizer as loaded must keep each special marker its chat template writes one id (<think>, the

@@ -19,7 +19,8 @@ rule tokens:
         "../envs/aerie.yaml"
     threads: config["tokens"]["threads"]
     params:
-        tokens=config["tokens"],
+        # tokens.* resolved (aerie.plan.resolve.token_settings)
+        settings=token_settings(config),
         target=config["target"],
         # reasoning asked of the target (its missing reasoning is missing data); a record's own flags say it first
         reasoning_requested=lambda w: requested_by_config(get_responses_config(w)),

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from aerie.bench.sets import write_bench_set
-from aerie.rulelog import open_rule_log
+from aerie.prompts.bench_sets import write_bench_set
+from aerie.tools.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
 write_bench_set(

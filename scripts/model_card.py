@@ -1,13 +1,14 @@
-"""Rule model_card: the published drafter folder with its full model card (aerie.model_card)."""
+"""Rule model_card: one drafter's published folder with its full model card, and the card as the report's page
+(aerie.publish.card)."""
 
 from pathlib import Path
 
-from aerie.model_card import CardSettings, write_published_folder
-from aerie.rulelog import open_rule_log
+from aerie.publish.card import CardSettings, write_published_folder
+from aerie.tools.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
 out = write_published_folder(
-    Path(snakemake.output[0]),
+    Path(snakemake.output.folder),
     Path(snakemake.input.drafter),
     Path(snakemake.input.bench),
     CardSettings.from_config(snakemake.params.card),
@@ -15,5 +16,6 @@ out = write_published_folder(
     hidden_shards=[Path(p) for p in snakemake.input.hidden],
     response_shards=[Path(p) for p in snakemake.input.responses],
     sglang=snakemake.params.sglang,
+    page=Path(snakemake.output.page),
 )
-log(f"model card and published folder written: {out} (hf upload <repo> {out} .)")
+log(f"model card and published folder written: {out} (hf upload <repo> {out} .); report page {snakemake.output.page}")

@@ -1,9 +1,9 @@
-"""Rules prompts / bench_prompts: write one slice of a dataset's prompts (aerie.prompts)."""
+"""Rules prompts / bench_prompts: write one slice of a dataset's prompts (aerie.sources.datasets)."""
 
 from pathlib import Path
 
-from aerie.prompts import write_prompts
-from aerie.rulelog import open_rule_log
+from aerie.sources.datasets import write_prompts
+from aerie.tools.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
 start, stop = snakemake.params.range

@@ -1,7 +1,7 @@
-"""Rule responses: every API shard of the run in one job (aerie.api.job.run_api_responses_job)."""
+"""Rule responses: every API shard of the run in one job (aerie.responses.api.job.run_api_responses_job)."""
 
-from aerie.gpu_slots import acquire_rule_gpus
-from aerie.rulelog import open_rule_log
+from aerie.tools.gpu_slots import acquire_rule_gpus
+from aerie.tools.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log.job)
 # First, before anything starts a server: this job's own GPUs (CUDA_VISIBLE_DEVICES) when it serves the
@@ -10,8 +10,8 @@ acquire_rule_gpus(snakemake, log)
 
 from pathlib import Path  # noqa: E402
 
-from aerie.api.job import ApiShardTask, run_api_responses_job  # noqa: E402
-from aerie.plan import api_run  # noqa: E402
+from aerie.plan.resolve import api_run  # noqa: E402
+from aerie.responses.api.job import ApiShardTask, run_api_responses_job  # noqa: E402
 
 run_api_responses_job(
     [

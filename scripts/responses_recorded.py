@@ -1,9 +1,9 @@
-"""Rule responses_recorded: a recorded dataset's shard of the target's own answers (aerie.recorded), $0."""
+"""Rule responses_recorded: a recorded dataset's shard of the target's own answers (aerie.sources.recorded), $0."""
 
 from pathlib import Path
 
-from aerie.recorded_responses import write_recorded_shard
-from aerie.rulelog import open_rule_log
+from aerie.responses.recorded import write_recorded_shard
+from aerie.tools.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
 write_recorded_shard(

@@ -1,8 +1,8 @@
 """Rule tokenizer_check: the target's tokenizer as loaded keeps each special marker of its chat template one id
 (aerie.target_model.markers; the check file is an input of every responses and tokens job)."""
 
-from aerie.rulelog import open_rule_log
 from aerie.target_model.markers import write_tokenizer_check
+from aerie.tools.rulelog import open_rule_log
 
 log = open_rule_log(snakemake.log[0])
 write_tokenizer_check(

@@ -52,7 +52,8 @@ def one_torch_thread():
 
 @pytest.fixture(autouse=True, scope="session")
 def private_key_ledgers(tmp_path_factory):
-    """Every responses job keeps a ledger per API key outside its results folder (aerie.api.key_ledger); the tests'
+    """Every responses job keeps a ledger per API key outside its results folder (aerie.responses.api.key_ledger); the
+    tests'
     jobs and the snakemake runs they start (which inherit the environment) keep theirs in a folder of the session,
     never in the user's ~/.local/state."""
     with pytest.MonkeyPatch.context() as mp:

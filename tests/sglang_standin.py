@@ -1,4 +1,4 @@
-"""A CPU stand-in for SGLang's part of the capture (aerie.sglang_capture.SGLang0523) with real tensor parallelism.
+"""A CPU stand-in for SGLang's part of the capture (aerie.hidden.sglang.SGLang0523) with real tensor parallelism.
 
 What it reproduces of SGLang 0.5.23 (read from its source), on CPU with gloo instead of NCCL:
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from aerie.sglang_capture import TESTED_SGLANG_VERSION, capture_layers_of
+from aerie.hidden.sglang.mapping import TESTED_SGLANG_VERSION, capture_layers_of
 from aerie.target_model.config import text_config
 
 ROW_PARALLEL = ("o_proj", "down_proj")

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
+from api_world import CHUTES, MODEL, REPO, exact_cost, job_config, make_prompts, shard_of, start_job, write_prompt_file
 
-from aerie.api.backends import (
-    BackendSettings,
-    FatalError,
-    RetryableError,
-    classify_http_error,
-    parse_chat_completion,
-    parse_sglang_generate,
-    request_body,
-)
-from aerie.api.client import ClientLimits, MoneyGuard, RegenerationStopped, regenerate_shard
-from aerie.api.emulator import DEFAULT_PROVIDERS, EmulatorSettings, serve_in_thread
-from aerie.api.journal import (
+from aerie.emulator import EmulatorSettings, serve_in_thread
+from aerie.formats.responses import read_completion
+from aerie.plan.resolve import api_run
+from aerie.responses.api.backends import BackendSettings, request_body
+from aerie.responses.api.client import ClientLimits, MoneyGuard, RegenerationStopped, regenerate_shard
+from aerie.responses.api.journal import (
     Journal,
+    dataset_journal_totals,
     intents_path,
     journal_path,
     messages_key,
@@ -31,18 +30,14 @@ from aerie.api.journal import (
     request_tally,
     unseen_intents,
 )
-from aerie.artifacts import FormatError, read_jsonl
-from aerie.formats.responses import read_completion
-from aerie.plan import api_run
-
-MODEL = "moonshotai/kimi-k2.5"
-
-
-def make_prompts(n: int, tag: str = "q") -> list[dict]:
-    return [
-        {"id": f"d/{i}", "dataset": "d", "messages": [{"role": "user", "content": f"{tag} number {i}"}]}
-        for i in range(n)
-    ]
+from aerie.responses.api.wire import (
+    FatalError,
+    RetryableError,
+    classify_http_error,
+    parse_chat_completion,
+    parse_sglang_generate,
+)
+from aerie.tools.artifacts import FormatError, read_jsonl
 
 
 def settings(base: str, **kw) -> BackendSettings:
@@ -96,6 +91,12 @@ def test_journal_cuts_torn_tail_and_ignores_other_parameters(tmp_path: Path) -> 
     # The same id with edited prompt text is new work.
     edited = read_journal(path, "p1", {"a": messages_key([{"role": "user", "content": "y"}])})
     assert not edited.finished
+    # The dataset's totals (the preview's and the books' spend) read the same whole lines, stale ones included.
+    with open(path, "ab") as fh:
+        fh.write(b'\n{"id": "d", "params_hash": "p1", "cost": 0.125, "usage": {"completion_tokens": 7}}\n')
+        fh.write(b'{"id": "e", "co')  # torn again
+    totals = dataset_journal_totals(tmp_path)
+    assert totals == {"cost": pytest.approx(0.875), "completion_tokens": 7, "samples": 3}
 
 
 def test_journal_corruption_before_the_last_line_names_file_and_line(tmp_path: Path) -> None:
@@ -299,15 +300,6 @@ def test_fault_run_5000_samples_complete_without_duplicates_or_losses(tmp_path: 
     assert all(r["provider"] == "Chutes" for r in records)  # sort: price -> the cheapest provider
 
 
-# Every prompt of make_prompts has 3 words (3 emulated prompt tokens); with a fixed output length and
-# `sort: price` every sample costs exactly this, so the guards can be checked to the sample.
-CHUTES = next(p for p in DEFAULT_PROVIDERS if p.name == "Chutes")
-
-
-def exact_cost(output_tokens: int) -> float:
-    return 3 * CHUTES.prompt_price + output_tokens * CHUTES.completion_price
-
-
 def test_budget_counts_in_flight_requests_and_never_overshoots(tmp_path: Path) -> None:
     """50 in flight at a time: a guard that forgot them would admit up to 49 samples past the budget."""
     prompts = make_prompts(600)
@@ -364,58 +356,74 @@ def test_budget_counts_spend_lost_to_interrupted_requests(tmp_path: Path) -> Non
     assert len(read_journal(journal_path(out)).finished) == 15
 
 
-def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds(tmp_path: Path) -> None:
-    """Another process's interrupted requests were billed to the account during this run: the poll of
-    GET /key finds them and the guard stops on the account's figure, not the journals'."""
-    from aerie.api.client import AccountWatcher
+def test_account_polled_while_running_stops_the_budget_on_spend_no_journal_holds(tmp_path: Path, monkeypatch) -> None:
+    """While this run goes, 40 answers are billed on its key that no request of any run explains (another use of the
+    key): the poll of GET /key finds them through the key's books and the budget stops on them, naming them. They are
+    not this folder's books: its report is its journals, with the 40 shown beside them."""
+    from aerie.responses.api.books import spend_story
+    from aerie.responses.api.job import regenerate_api_shard
 
-    per_sample = exact_cost(100)
-    out = tmp_path / "shard-00000.jsonl"
-    readings: list[tuple[float, float, float]] = []
-    with serve_in_thread(
-        EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", latency_mean=0.05)
-    ) as base:
-        s = settings(base)
-        # 40 answers billed and never journaled (their client died): same prompts' shape, so the same price.
-        for p in make_prompts(40, tag="z"):
-            requests.post(f"{base}/chat/completions", json=request_body(s, p["messages"]), timeout=10)
-        watcher = AccountWatcher(
-            f"{base}/key", baseline_usage=0.0, baseline_journal=0.0, record=lambda *r: readings.append(r)
-        )
-        guard = MoneyGuard(budget_usd=100 * per_sample, expected_cost=per_sample, account=watcher)
-        # No request of this run explains the account's extra spend: it is named as such, and counted.
-        with pytest.raises(
-            RegenerationStopped, match=r"journaled \+ \$0\.0\d+ billed, no request of this run explains it"
-        ):
-            run(
-                make_prompts(200),
-                out,
-                s,
-                guard=guard,
-                limits=ClientLimits(concurrency=4, progress_interval=0.1, backoff_base=0.01),
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    per = exact_cost(100)
+    out = tmp_path / "results" / "chat" / "responses" / "shard-00000.jsonl"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(200)]
+    emu = EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", latency_mean=0.05)
+    with serve_in_thread(emu) as base:
+        config = job_config(base, {"chat": {}}, budget_usd=100 * per, concurrency=4, progress_interval_s=0.1)
+
+        def another_use_of_the_key() -> None:  # once this run has answers: 40 billed, never journaled anywhere
+            while not journal_path(out).exists() or len(journal_path(out).read_bytes().splitlines()) < 5:
+                time.sleep(0.01)
+            bodies = [request_body(settings(base), p["messages"]) for p in make_prompts(40, tag="z")]
+            with ThreadPoolExecutor(40) as pool:  # at once, well before this run's budget is reached
+                list(pool.map(lambda b: requests.post(f"{base}/chat/completions", json=b, timeout=10), bodies))
+
+        other = threading.Thread(target=another_use_of_the_key)
+        other.start()
+        with pytest.raises(RegenerationStopped, match=r"billed on the key, no request of any run explains it"):
+            regenerate_api_shard(
+                write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat", log=lambda m: None
             )
+        other.join()
         billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
-    # Each poll sees the 40 lost answers, plus at most the 4 of this run billed but not yet journaled.
-    assert readings and all(40 * per_sample - 1e-9 <= lost <= 44 * per_sample + 1e-9 for _, _, lost in readings)
-    assert billed <= 100 * per_sample + 1e-9  # the account, not just the journals, stayed within budget
+        story = spend_story([out])
+    # The account, not just the journals, stayed within budget: another use of the key is seen at the next reading
+    # (0.1 s), so at most the requests admitted before it (4 in flight) pass it.
+    assert billed <= 104 * per + 1e-9, billed / per
     assert len(read_journal(journal_path(out)).finished) >= 60 - 4 - 1  # what the budget left, minus a window
+    assert story.unattributed == pytest.approx(40 * per) and story.total == pytest.approx(story.journaled_usd)
 
 
 def test_a_final_budget_stop_is_decided_on_a_reading_without_requests_in_flight(tmp_path: Path) -> None:
     """A reading taken while requests are in flight can count some answers twice (billed, not journaled yet). At
     2,000 in flight that stopped a run 3.5% short of its budget: the stop is final only once the account was read
     with nothing of the job in flight."""
-    from aerie.api.client import AccountWatcher
+    from aerie.responses.api.client import Lane, ShardWork, regenerate
+    from aerie.responses.api.key_books import Attribution, FolderShare, Weights
+    from aerie.responses.api.key_ledger import KeyLedger
+    from aerie.responses.api.spend import KeyAccount, RunSpend
 
     per = exact_cost(100)
     out = tmp_path / "shard-00000.jsonl"
     with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
-        watcher = AccountWatcher(f"{base}/key", baseline_usage=0.0, baseline_journal=0.0)
-        watcher.billed = watcher.lost = 10 * per  # as read with 10 answers billed and still on their way
-        watcher.exact = False
-        guard = MoneyGuard(budget_usd=40 * per, expected_cost=per, account=watcher)
-        with pytest.raises(RegenerationStopped, match="budget: "):
-            run(make_prompts(100), out, settings(base), guard=guard, limits=ClientLimits(concurrency=8))
+        ledger = KeyLedger(tmp_path / "key.json", label="here", settle_s=60)
+        ledger.open()
+        # As read with 10 answers billed and still on their way: counted as this folder's lost requests.
+        first = Attribution(10 * per, 10 * per, {"here": FolderShare(lost=10 * per)}, 0.0)
+        account = KeyAccount(ledger, f"{base}/key", lambda b: b["data"]["usage"], Weights(), None)
+        account.take(first, 0.0)
+        account.exact = False
+        lane = Lane(
+            "d",
+            settings(base),
+            [ShardWork(make_prompts(100), out)],
+            limits=ClientLimits(concurrency=8),
+            guard=MoneyGuard(budget_usd=40 * per, expected_cost=per),
+            account="acct",
+        )
+        spend = RunSpend({"acct": 0.0}, {"acct": account})
+        result = asyncio.run(regenerate([lane], concurrency=8, spend=spend, log=lambda m: None))[out]
+    assert isinstance(result, str) and result.startswith("budget: ")
     assert len(read_journal(journal_path(out)).finished) == 40
 
 
@@ -475,7 +483,7 @@ def test_output_token_quota_completes_the_dataset_with_the_samples_that_fit(tmp_
         run(make_prompts(5), full, settings(base))
     assert read_completion(full)["reason"] is None and read_completion(full)["not_requested"] == 0
     # The report shows the quota: 30 of the first shard's 100 prompts, none of the second's 50.
-    from aerie.report import figure_spend, load_quotas, load_responses
+    from aerie.publish.report import figure_spend, load_quotas, load_responses
 
     shards = [out, second]
     quotas = load_quotas(shards)
@@ -710,7 +718,7 @@ def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
     import shutil
     import time
 
-    from aerie.api.emulator.tls import server_tls_context, write_self_signed_certificate
+    from aerie.emulator.tls import server_tls_context, write_self_signed_certificate
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed (makes the test certificate)")
@@ -733,54 +741,12 @@ def test_tls_server_is_trusted_only_through_ca_bundle(tmp_path: Path) -> None:
         assert not untrusted.exists()
 
 
-# ---- one run, one account: several datasets and shards in one process (aerie.api.job) --------------------------
-
-
-def write_prompt_file(path: Path, prompts: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        "".join(json.dumps({"format": "aerie.prompts/1", **p, "source": {"kind": "test"}}) + "\n" for p in prompts)
-    )
-    return path
-
-
-def job_config(base: str, datasets: dict[str, dict], **responses) -> dict:
-    """A pipeline config with every key the responses job reads (schema defaults), datasets on the emulator."""
-    return {
-        "target": {"path": "unused-by-openrouter"},
-        "datasets": {name: {"source": {"kind": "jsonl", "path": "unused"}, **d} for name, d in datasets.items()},
-        "responses": {
-            "backend": "openrouter",
-            "model": MODEL,
-            "base_url": base,
-            "api_key_env": "OPENROUTER_API_KEY",
-            "temperature": 1.0,
-            "top_p": 0.95,
-            "max_new_tokens": 512,
-            "seed": 0,
-            "send_seed": False,
-            "concurrency": 30,
-            "connect_timeout_s": 30,
-            "read_timeout_s": 60,
-            "max_attempts": 8,
-            "backoff_base_s": 0.02,
-            "backoff_max_s": 0.2,
-            "progress_interval_s": 60,  # no account poll while these short runs go: only the start's figures
-            "require_reasoning": True,
-            "expected_output_tokens": 100,
-            "live_prices": False,
-            "price_per_million_input_usd": CHUTES.prompt_price * 1e6,
-            "price_per_million_output_usd": CHUTES.completion_price * 1e6,
-            "provider": {"sort": "price"},
-            "reasoning": {"enabled": True},
-            **responses,
-        },
-    }
+# ---- one run, one account: several datasets and shards in one process (aerie.responses.api.job) -----------------
 
 
 def expected_request_cost(prompts: list[dict]) -> float:
-    """What the job expects a request to cost before it has measured 20 (aerie.api.money.expected_sample_cost)."""
-    from aerie.api.money import estimate_prompt_tokens
+    """What the job expects a request to cost before it has measured 20 (money.expected_sample_cost)."""
+    from aerie.formats.prompts import estimate_prompt_tokens
 
     prompt_tokens = sum(estimate_prompt_tokens(p["messages"]) for p in prompts) / len(prompts)
     return 100 * CHUTES.completion_price + prompt_tokens * CHUTES.prompt_price
@@ -790,7 +756,7 @@ def test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota(t
     """Three datasets of two shards each, in one job: at most `concurrency` requests in flight in all (the
     emulator's own count), the budget held to the request, the quota'd dataset held to the token over both of
     its shards, and the datasets taking turns until the budget stops them."""
-    from aerie.api.job import ApiShardTask, regenerate_api_shards
+    from aerie.responses.api.job import ApiShardTask, regenerate_api_shards
 
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
     results = tmp_path / "results"
@@ -822,30 +788,40 @@ def test_datasets_and_shards_of_one_run_share_one_concurrency_budget_and_quota(t
 
 
 def test_a_job_start_counts_what_the_account_billed_beyond_the_journals(tmp_path: Path, monkeypatch) -> None:
-    """The start-of-run reconcile: 40 answers were billed since the run's first start and no journal holds them
-    (a killed job's). The job's start reads the account and counts them against the budget; with no poll while
-    it runs (progress every 60 s), nothing else could: without the reconcile it spends 40 requests too many."""
-    from aerie.api.job import regenerate_api_shard
-    from aerie.api.money import account_id, account_ledger_path, append_account_ledger
+    """The start-of-run reconcile: an earlier job of this run answered 10 requests and was killed with 40 more in
+    flight, which the provider billed (no journal holds them). The job's start reads the account: the key's books
+    attribute the 40 to this folder's lost requests and the budget counts them; with no poll while it runs (progress
+    every 60 s), nothing else could: without the reconcile it spends 40 requests too many."""
+    from aerie.responses.api.job import regenerate_api_shard
+    from aerie.responses.api.journal import INTENT_FORMAT
 
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
     results = tmp_path / "results"
     per = exact_cost(100)
     prompts = [{**p, "dataset": "chat"} for p in make_prompts(200)]
+    earlier = [{**p, "id": f"e/{i}", "dataset": "chat"} for i, p in enumerate(make_prompts(10, tag="earlier"))]
+    out = results / "chat" / "responses" / "shard-00000.jsonl"
     with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
         config = job_config(base, {"chat": {}}, budget_usd=70 * per)
-        account = account_id(config["responses"])
-        append_account_ledger(account_ledger_path(results), account, "start", "first", 0.0, 0.0, 0.0, ["chat"])
-        for p in make_prompts(40, tag="lost"):  # billed, never journaled
+        regenerate_api_shard(
+            write_prompt_file(tmp_path / "e.jsonl", earlier),
+            out.with_name("shard-00001.jsonl"),
+            api_run(config),
+            "chat",
+        )
+        sent = {"format": INTENT_FORMAT, "event": "sent", "session": "killed", "attempt": 1, "t": time.time()}
+        intents_path(out).write_text("".join(json.dumps({**sent, "id": p["id"]}) + "\n" for p in prompts[:40]))
+        for p in prompts[:40]:  # the killed job's requests: billed by the provider, never answered
             requests.post(f"{base}/chat/completions", json=request_body(settings(base), p["messages"]), timeout=10)
-        out = results / "chat" / "responses" / "shard-00000.jsonl"
-        with pytest.raises(RegenerationStopped, match=r"budget: .* billed, no request of this run explains it"):
+        logged: list[str] = []
+        with pytest.raises(RegenerationStopped, match=r"budget: .* lost to interrupted requests"):
             regenerate_api_shard(
-                write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat", log=print
+                write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat", log=logged.append
             )
         billed = requests.get(f"{base}/key", timeout=5).json()["data"]["usage"]
     assert billed <= 70 * per + 1e-9, f"{billed / per:.1f} requests billed for a budget of 70"
-    assert 28 <= len(read_journal(journal_path(out)).finished) <= 30
+    assert 18 <= len(read_journal(journal_path(out)).finished) <= 20
+    assert any("$0.0077 lost to interrupted requests" in line for line in logged), logged[:3]
 
 
 def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows_them(
@@ -854,9 +830,8 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
     """Restart pricing: the intents log holds 40 requests sent and never answered (their job was killed while the
     provider generated them); the account shows none yet. The restart prices each at the expected cost, so the
     budget keeps room for them: without it, the run spends the whole budget and the 40 land on top (+40%)."""
-    from aerie.api.job import regenerate_api_shard
-    from aerie.api.journal import INTENT_FORMAT
-    from aerie.api.money import account_id, account_ledger_path, append_account_ledger
+    from aerie.responses.api.job import regenerate_api_shard
+    from aerie.responses.api.journal import INTENT_FORMAT
 
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
     results = tmp_path / "results"
@@ -865,8 +840,6 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
     out = results / "chat" / "responses" / "shard-00000.jsonl"
     intents = intents_path(out)
     intents.parent.mkdir(parents=True)
-    import time
-
     intents.write_text(
         "".join(
             json.dumps({"format": INTENT_FORMAT, "event": "sent", "session": "killed", "id": p["id"], "t": time.time()})
@@ -876,9 +849,6 @@ def test_requests_sent_before_an_interruption_are_priced_until_the_account_shows
     )
     with serve_in_thread(EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed")) as base:
         config = job_config(base, {"chat": {}}, budget_usd=100 * expected)
-        account = account_id(config["responses"])
-        ledger = account_ledger_path(results)
-        append_account_ledger(ledger, account, "start", "killed", 0.0, 0.0, 0.0, ["chat"])
         logged: list[str] = []
         with pytest.raises(RegenerationStopped, match=r"sent before an interruption, not yet billed"):
             regenerate_api_shard(
@@ -899,8 +869,8 @@ def test_a_finished_datasets_journals_and_unanswered_requests_count_against_the_
     its journals in the run's spend, its unanswered requests at its journals' mean cost - so `chat` gets what is
     left, 50 requests. (Issue 30 item 7: leaving `done`'s journals out, or pricing its requests at $0 because it
     has no work in the job, each passed every test: `chat` would spend 30 or 20 requests too many.)"""
-    from aerie.api.job import regenerate_api_shard
-    from aerie.api.journal import INTENT_FORMAT
+    from aerie.responses.api.job import regenerate_api_shard
+    from aerie.responses.api.journal import INTENT_FORMAT
 
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
     results = tmp_path / "results"
@@ -927,11 +897,11 @@ def test_a_finished_datasets_journals_and_unanswered_requests_count_against_the_
 
 
 def test_the_job_logs_its_progress_with_rate_eta_and_dollars(tmp_path: Path, monkeypatch) -> None:
-    """aerie.progress in the responses job: samples done of all, samples/s, ETA and the run's dollars, throttled
+    """aerie.tools.progress in the responses job: samples done of all, samples/s, ETA and the run's dollars, throttled
     (the last line always), counting what a journal already holds as done."""
     import re
 
-    from aerie.api.job import ApiShardTask, regenerate_api_shards
+    from aerie.responses.api.job import ApiShardTask, regenerate_api_shards
 
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
     results = tmp_path / "results"
@@ -949,38 +919,33 @@ def test_the_job_logs_its_progress_with_rate_eta_and_dollars(tmp_path: Path, mon
     bars = [x for x in lines if x.startswith("responses: ")]
     assert 1 <= len(bars) <= 3, bars  # the first, maybe one more, the last: not one per sample
     assert re.fullmatch(
-        r"responses: 100% 30/30 \[[\d:]+<00:00, [\d.]+ ?(sample/s|s/sample), spent=\$[\d.]+\]", bars[-1]
+        r"responses: 100% 30/30 \[[\d:]+<00:00, [\d.]+ ?(sample/s|s/sample), spent=\$[\d.]+, in_flight=0, "
+        r"retries=0, failed=0\]",
+        bars[-1],
     )
     assert [x for x in rerun if x.startswith("responses: ")][-1].startswith("responses: 100% 30/30")
 
 
 def test_the_preview_counts_spend_beyond_the_journals_against_the_budget() -> None:
-    """The preview's remaining budget and its OVER BUDGET verdict count what the account billed beyond the journals
-    and what is still priced as pending, named as the logs and the report name them."""
-    from aerie.api.money import AccountMoney, DatasetEstimate, Prices, Unjournaled, format_preview
+    """The preview's remaining budget and its OVER BUDGET verdict count what this folder's books hold beyond the
+    journals (billed, and priced as pending), named as the logs and the report name them."""
+    from aerie.responses.api.money import DatasetEstimate, Prices, Unjournaled, format_preview
 
     prices = Prices(0.5e-6, 2e-6, "config")
     pending_work = [DatasetEstimate("chat", 1, 100, 100, 1000, 20_000, 0.05, "expected", 200.0)]
-    account = AccountMoney(
-        usage=0.08,
-        baseline_usage=0.0,
-        journal=0.05,
-        baseline_journal=0.0,
-        source="live",
-        unjournaled=Unjournaled(retries=0.01, lost=0.02, pending=0.004),
-    )
-    text = format_preview(pending_work, 0.05, 0.12, prices, account)
+    beyond = Unjournaled(retries=0.01, lost=0.02, pending=0.004)
+    text = format_preview(pending_work, 0.05, 0.12, [prices], beyond)
     assert "spent: $0.05 journaled + $0.01 billed retries + $0.02 lost to interrupted requests + $0.0040 sent " in text
     assert "= $0.08; budget $0.12, remaining $0.04" in text
     assert "OVER BUDGET by $0.01" in text  # $0.05 of work, $0.036 left: the journals alone would leave $0.07
-    assert "OVER BUDGET" not in format_preview(pending_work, 0.05, 0.12, prices, None)
+    assert "OVER BUDGET" not in format_preview(pending_work, 0.05, 0.12, [prices], None)
 
 
 def test_the_money_story_adds_up_to_the_account(tmp_path: Path, monkeypatch) -> None:
     """A run never killed whose slow answers outlast the read timeout (billed, retried): the report's story is the
     journals plus billed retries - named so, not "lost to interrupted requests" - and equals the account."""
-    from aerie.api.job import ApiShardTask, regenerate_api_shards
-    from aerie.api.money import spend_story
+    from aerie.responses.api.books import spend_story
+    from aerie.responses.api.job import ApiShardTask, regenerate_api_shards
 
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
     results = tmp_path / "results"
@@ -1004,3 +969,190 @@ def test_the_money_story_adds_up_to_the_account(tmp_path: Path, monkeypatch) -> 
     assert story.billed["chat"].retries == pytest.approx(timeouts * exact_cost(100))
     assert story.billed["chat"].lost == 0 and story.unattributed == 0
     assert "billed retries" in story.words() and "lost to interrupted" not in story.words()
+
+
+# ---- responses.mode: batch (aerie.responses.api.batches) -----------------------------------------------------------
+
+
+def batch_settled(base: str, timeout: float = 60.0) -> dict:
+    """The emulator's figures once no batch is validating or in progress (every entry finished and billed)."""
+    deadline = time.monotonic() + timeout
+    while set((stats := requests.get(f"{base}/emulator/stats", timeout=5).json())["batches"]) & {
+        "validating",
+        "in_progress",
+    }:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    return stats
+
+
+BATCH_RUN = dict(
+    mode="batch", max_new_tokens=128, batch={"size": 40, "poll_interval_s": 0.1, "max_batches_in_flight": 3}
+)
+
+
+def test_batches_killed_with_failures_expiry_and_lost_answers_pay_each_answer_once(tmp_path: Path, monkeypatch) -> None:
+    """A batch run through an emulator whose batches lose entries (errors), expire halfway, and lose the answers of
+    polls and of submissions, SIGKILLed once its batches are in flight and started again: the restart resumes polling
+    what was submitted (never submits a request twice), every answer is journaled once and billed once, failed and
+    expired entries go in later batches, and the run stays within its budget."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    emu = EmulatorSettings(
+        output_tokens_mean=100,
+        output_tokens_dist="fixed",
+        batch_validate_s=0.2,
+        batch_latency_mean=1.0,
+        batch_faults={"entry-error": 0.1, "expire": 0.3, "lost-poll": 0.2, "lost-submit": 0.2},
+        request_log=str(tmp_path / "requests.jsonl"),
+    )
+    folder, go = tmp_path / "run", tmp_path / "go"
+    folder.mkdir()
+    go.touch()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    budget = 200 * exact_cost(100)  # the whole shard at the batch price, and room for its batches' most cost
+    out = shard_of(folder)
+    with serve_in_thread(emu) as base:
+        first = start_job(folder, base, budget, go, 200, env, **BATCH_RUN)
+        batches = out.with_name("shard-00000.batches.jsonl")
+        deadline = time.monotonic() + 60
+        while not (batches.exists() and b'"submitted"' in batches.read_bytes()):
+            assert time.monotonic() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.02)
+        first.kill()  # batches submitted and running: they finish, and bill, while no one polls
+        first.communicate(timeout=30)
+        second = start_job(folder, base, budget, go, 200, env, **BATCH_RUN)
+        log = second.communicate(timeout=240)[0]
+        stats = batch_settled(base)
+    assert second.returncode == 0 and '"unfinished": 0' in log, log[-3000:]
+    assert "batches submitted before" in log, log[-3000:]  # resumed, not submitted again
+    records = read_jsonl(out)
+    assert sorted(r["id"] for r in records) == sorted(f"run/{i}" for i in range(200))
+    assert all(r.get("batch") for r in records)
+    billed = Counter(line["messages_sha256"] for line in request_log(tmp_path / "requests.jsonl") if line["cost"])
+    assert len(billed) == 200 and max(billed.values()) == 1, billed.most_common(3)  # each answer paid once
+    outcomes = stats["outcomes"]
+    assert outcomes.get("batch-provider_error", 0) > 0 and stats["batches"].get("expired", 0) > 0, stats
+    journaled = read_journal(journal_path(out)).cost
+    assert journaled == pytest.approx(stats["charged_usd"]) and stats["charged_usd"] <= budget
+
+
+def test_a_model_that_takes_no_batches_is_refused_at_its_first_batch_and_nothing_is_billed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Whether a model takes batches is not published: the first batch of a dataset finds out. Until it has left
+    validating no other batch is submitted; failed at validation, it stops the dataset naming OpenRouter's answer,
+    and nothing was billed."""
+    from aerie.responses.api.job import regenerate_api_shard
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    out = tmp_path / "results" / "chat" / "responses" / "shard-00000.jsonl"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(300)]
+    emu = EmulatorSettings(batch_models=["another/model"], batch_validate_s=0.3)
+    with serve_in_thread(emu) as base:
+        config = job_config(base, {"chat": {}}, budget_usd=1.0, **BATCH_RUN)
+        with pytest.raises(RegenerationStopped, match=r"failed the first batch of moonshotai/kimi-k2.5 at validation"):
+            regenerate_api_shard(write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat")
+        stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
+    assert stats["batches"] == {"failed": 1} and stats["charged_usd"] == 0
+
+
+def test_failed_batch_entries_go_through_the_streaming_path_when_asked(tmp_path: Path, monkeypatch) -> None:
+    """``batch.failed: stream``: entries a batch failed are requested one by one instead of in a later batch."""
+    from aerie.responses.api.job import regenerate_api_shard
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    out = tmp_path / "results" / "chat" / "responses" / "shard-00000.jsonl"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(60)]
+    emu = EmulatorSettings(
+        output_tokens_mean=50,
+        output_tokens_dist="fixed",
+        batch_validate_s=0.05,
+        batch_latency_mean=0.2,
+        batch_faults={"entry-error": 0.3},
+        request_log=str(tmp_path / "requests.jsonl"),
+    )
+    with serve_in_thread(emu) as base:
+        run = {**BATCH_RUN, "batch": {**BATCH_RUN["batch"], "failed": "stream"}}
+        config = job_config(base, {"chat": {}}, budget_usd=1.0, **run)
+        regenerate_api_shard(write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat")
+        stats = batch_settled(base)
+    streamed = [r for r in read_jsonl(out) if not r.get("batch")]
+    assert len(read_jsonl(out)) == 60 and len(streamed) == stats["outcomes"]["batch-provider_error"] > 0
+    assert stats["outcomes"]["ok"] == len(streamed) and stats["batches"] == {"completed": stats["batches"]["completed"]}
+
+
+def test_a_batch_reserves_its_most_cost_before_it_is_submitted(tmp_path: Path, monkeypatch) -> None:
+    """Answers five times longer than expected: a batch cannot be stopped once submitted, so the budget admits it at
+    its requests' most cost (prompt + max_new_tokens at the per-token price), never at their expected cost, and the
+    run stays within its budget (a batch admitted at the expected cost would overshoot fivefold)."""
+    from aerie.responses.api.job import regenerate_api_shard
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    out = tmp_path / "results" / "chat" / "responses" / "shard-00000.jsonl"
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(300)]
+    per = 0.5 * exact_cost(100)  # the batch price of an answer
+    emu = EmulatorSettings(output_tokens_mean=100, output_tokens_dist="fixed", batch_validate_s=0.05,
+                           batch_latency_mean=0.1)  # fmt: skip
+    with serve_in_thread(emu) as base:
+        config = job_config(base, {"chat": {}}, budget_usd=50 * per, expected_output_tokens=20, **BATCH_RUN)
+        with pytest.raises(RegenerationStopped, match="budget: "):
+            regenerate_api_shard(write_prompt_file(tmp_path / "p.jsonl", prompts), out, api_run(config), "chat")
+        billed = batch_settled(base)["charged_usd"]
+    assert billed <= 50 * per + 1e-9, billed / per
+    assert len(read_journal(journal_path(out)).finished) >= 5  # it did spend, in batches that fit
+
+
+def test_the_preview_prices_batch_mode_at_both_prices_with_the_wait(tmp_path: Path, monkeypatch) -> None:
+    """``snakemake -n`` for a batch-mode dataset: the pending work at the batch price (assumed until measured, and
+    said so), the streaming price beside it, and the wait to expect."""
+    import dataclasses
+
+    from aerie.preview.money import cost_preview
+    from aerie.responses.api.settings import PlannedShard
+
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test")
+    prompts = [{**p, "dataset": "chat"} for p in make_prompts(100)]
+    with serve_in_thread(EmulatorSettings()) as base:
+        config = job_config(base, {"chat": {}}, budget_usd=1.0, live_prices=True, **BATCH_RUN)
+        run = api_run(config)
+        chat = dataclasses.replace(
+            run.datasets["chat"], shards=(PlannedShard("00000", 0, 100),), planned_prompts=lambda: iter(prompts)
+        )
+        preview = cost_preview(dataclasses.replace(run, datasets={"chat": chat}), tmp_path / "results")
+    estimate = preview.datasets["chat"]
+    assert estimate.streaming_dollars == pytest.approx(2 * estimate.dollars) and estimate.dollars > 0
+    assert "batch: 50% of live: Chutes, assumed (responses.batch.price_factor)" in preview.text, preview.text
+    assert f"batch (streaming: ${estimate.streaming_dollars:.2f}; wait: OpenRouter: median 7 min" in preview.text
+
+
+def test_the_budget_has_one_home_and_a_batch_is_checked_before_any_spend(tmp_path: Path) -> None:
+    """A dataset cannot have a budget of its own (the run's responses.budget_usd is the one the job and the preview
+    read); mode batch is refused at parse time for a backend without batches and for routing a batch cannot take,
+    each naming the setting."""
+    import copy
+
+    import yaml
+    from api_world import api_pipeline_config
+
+    from aerie.plan.config_file import ConfigError, ConfigSources
+    from aerie.plan.resolve import check_config, validate_config
+
+    path = api_pipeline_config(tmp_path, "http://127.0.0.1:9/api/v1", tmp_path / "target", {"chat": {"n": 4}})
+    base = yaml.safe_load(path.read_text())
+
+    def check(change) -> None:
+        config = copy.deepcopy(base)
+        change(config)
+        validate_config(config, ConfigSources([]))
+        check_config(config)
+
+    check(lambda c: c["responses"].update(budget_usd=5.0, mode="batch"))  # fine: the run's budget, batches
+    cases = [
+        (lambda c: c["datasets"]["chat"].update(responses={"budget_usd": 1.0}), "datasets.chat.responses.budget_usd"),
+        (lambda c: c["responses"].update(mode="batch", provider={"order": ["chutes"]}), "responses.provider"),
+        (lambda c: c["responses"].update(mode="batch", backend="openai"), "responses.mode"),
+    ]
+    for change, where in cases:
+        with pytest.raises(ConfigError) as e:
+            check(change)
+        assert where in str(e.value), (where, str(e.value))

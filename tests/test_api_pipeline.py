@@ -19,9 +19,9 @@ import yaml
 from api_world import api_pipeline_config
 from conftest import REPO, snakemake
 
-from aerie.api.emulator import EmulatorSettings, serve_in_thread
-from aerie.api.journal import journal_path, read_journal
-from aerie.artifacts import read_jsonl
+from aerie.emulator import EmulatorSettings, serve_in_thread
+from aerie.responses.api.journal import journal_path, read_journal
+from aerie.tools.artifacts import read_jsonl
 
 SECRET = "sk-or-v1-aerie-test-SECRET-7f3a9c"  # must never land on disk
 TARGET: dict[str, Path] = {}
@@ -343,7 +343,8 @@ def journal_totals(workdir: Path, dataset: str) -> tuple[float, int, int]:
 
 @pytest.mark.slow
 def test_shards_and_datasets_scheduled_at_once_share_one_concurrency_budget_and_quota(workdir: Path) -> None:
-    """Rule responses is one job for every API shard (aerie.api.job), so `--cores 4` / `--jobs 4` cannot multiply
+    """Rule responses is one job for every API shard (aerie.responses.api.job), so `--cores 4` / `--jobs 4` cannot
+    multiply
     the run's limits. With one job per shard, 4 shards of one dataset kept 4 x 40 requests in flight and were billed
     ~4x the budget, and shards of one dataset each used the whole quota (issue 23's table: +315% at 4 jobs). Here,
     against the emulator with overlapping requests: (1) one dataset in 4 shards, a budget for 150 of its 400
@@ -424,8 +425,8 @@ def wait_for(what, deadline_s: float, step: float = 0.05):
 def test_a_rerun_at_once_after_kill_9_prices_answers_still_in_flight_and_the_report_adds_up_to_the_account(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aerie.api.money import spend_story
-    from aerie.report import figure_spend, load_responses
+    from aerie.publish.report import figure_spend, load_responses
+    from aerie.responses.api.books import spend_story
 
     """Long reasoning: 40 requests are sent and the job is killed (kill -9 of snakemake and its job) while their
     30 s answers are still being generated; a rerun starts at once. The account does not show them yet and no

@@ -1,4 +1,4 @@
-"""aerie.artifacts.atomic_publish: the one way every output is published (mode, durability, no partial files)."""
+"""aerie.tools.artifacts.atomic_publish: the one way every output is published (mode, durability, no partial files)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from aerie.artifacts import atomic_publish, atomic_write_bytes, load_packed, publish_mode, save_packed, write_jsonl
+from aerie.tools.artifacts import (
+    atomic_publish,
+    atomic_write_bytes,
+    load_packed,
+    publish_mode,
+    save_packed,
+    write_jsonl,
+)
 
 
 @pytest.fixture

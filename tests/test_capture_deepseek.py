@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from aerie.capture import AuxHiddenCapture
+from aerie.target_model.capture import AuxHiddenCapture
 from aerie.target_model.config import default_aux_layer_ids
 
 

@@ -24,10 +24,11 @@ import yaml
 from conftest import REPO, snakemake
 from tiny_world import save_random_llama, write_random_tokens_shard
 
-from aerie.artifacts import load_packed
 from aerie.formats.hidden import HIDDEN_FORMAT
-from aerie.hidden import capture_shard
-from aerie.shard_store import KEY_FIELD, store_path
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_shard
+from aerie.target_model.store import KEY_FIELD, store_path
+from aerie.tools.artifacts import load_packed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -151,11 +152,7 @@ def test_shards_are_bit_identical_to_one_load_per_shard(full_run, target, tmp_pa
             tokens,
             alone,
             str(target),
-            aux_layer_ids=AUX,
-            batch_tokens=SEQ_LEN,
-            device="cpu",
-            dtype="float32",
-            threads=1,
+            CaptureSettings(aux_layer_ids=AUX, batch_tokens=SEQ_LEN, device="cpu", dtype="float32", threads=1),
             log=lambda _: None,
         )
         same_shards(out, alone)

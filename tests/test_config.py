@@ -162,8 +162,12 @@ def test_kimi_example_config_dry_run(workdir: Path) -> None:
         "humaneval (humaneval)",
     ):
         assert named in line, line
-    assert "beat every reference on every set" in out and "reference ngram_default: built in (SGLang's own" in out
+    gate = next(x for x in out.splitlines() if x.startswith("  the gate, for each trained drafter on its own"))
+    assert all(f"{s} {w:.2f}" in gate for s, w in (("humaneval", 0.5), ("mtbench", 0.3), ("gsm8k", 0.2))), gate
+    assert "no loss to a reference on any set beyond its spread, above the best reference on the weighted mix" in gate
+    assert "reference ngram_default: built in (SGLang's own" in out
     assert "reference lightseekorg/kimi-k2.5-eagle3: NOT HERE YET" in out
+    assert "reference z-lab/Kimi-K2.5-DFlash: NOT HERE YET" in out
     assert "demo_target" not in counts
 
 
@@ -276,6 +280,8 @@ def json_type(annotation) -> dict:
         return {"type": "string"}
     if typing.get_origin(annotation) is tuple:
         (item, _dots) = typing.get_args(annotation)
+        if typing.get_args(item) == (str, float):  # (key, weight) pairs: a mapping in the YAML (heldout_weights)
+            return {"type": "object"}
         return {"type": "array", "items": json_type(item)["type"]}
     raise AssertionError(f"no JSON type for {annotation}")
 
@@ -294,10 +300,19 @@ def test_schema_of_dataclass_sections_matches_the_dataclass_fields() -> None:
         module, _, name = section["x-defaults-from"].rpartition(".")
         cls = getattr(importlib.import_module(module), name)
         hints = typing.get_type_hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "kind_settings"}
         props = section["properties"]
         assert section.get("additionalProperties") is False, path
-        assert list(props) == list(fields), f"{'.'.join(path)}: schema keys differ from {name}'s fields"
+        if "x-kind-settings-from" in section:  # the drafter section: TrainConfig's keys and every kind's own
+            for kind in importlib.import_module(section["x-kind-settings-from"]).kinds().values():
+                own = typing.get_type_hints(kind.settings_class)
+                for f in dataclasses.fields(kind.settings_class):
+                    if f.name in fields:  # a key two kinds share: the same type and default
+                        assert own[f.name] == hints[f.name] and f.default == fields[f.name].default, (kind.name, f.name)
+                    fields[f.name], hints[f.name] = f, own[f.name]
+            assert set(props) == set(fields), f"{'.'.join(path)}: schema keys differ: {set(props) ^ set(fields)}"
+        else:
+            assert list(props) == list(fields), f"{'.'.join(path)}: schema keys differ from {name}'s fields"
         for key, f in fields.items():
             want = json_type(hints[key])
             got = {"type": props[key]["type"]}
@@ -306,10 +321,12 @@ def test_schema_of_dataclass_sections_matches_the_dataclass_fields() -> None:
             assert got == want, f"{'.'.join(path)}.{key}: schema type {got} but {name} says {want}"
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             schema_default = props[key]["default"]
+            if want["type"] == "object":  # pairs kept sorted, written as a mapping
+                default = dict(default)
             assert type(schema_default) is type(default) or isinstance(default, tuple), (path, key)
             assert (list(default) if isinstance(default, tuple) else default) == schema_default, (path, key)
             # The default lies inside the schema's own range and enum (it passes the schema).
-            from aerie.config_file import schema_errors
+            from aerie.plan.config_file import schema_errors
 
             assert schema_errors({key: schema_default}, {"properties": {key: props[key]}}) == [], (path, key)
 
@@ -317,7 +334,7 @@ def test_schema_of_dataclass_sections_matches_the_dataclass_fields() -> None:
 # Objects a user writes whose keys stay open, each for a reason; every other object refuses unknown keys.
 OPEN_OBJECTS = {
     "hidden.sglang": "keyword arguments of SGLang's engine, whose set depends on the installed SGLang",
-    "datasets.*.responses": "overrides of the responses section, checked against it by aerie.plan.responses_config",
+    "datasets.*.responses": "overrides of the responses section, checked by aerie.plan.resolve.responses_config",
     "datasets.*.source": "closed per source kind by its allOf/then branches",
     "bench.chat_template_kwargs": "the target's chat template's own keyword arguments (thinking, enable_thinking ...)",
     "datasets.*.source#then.chat_template_kwargs": "recorded answers' template keyword arguments, the template's own",
@@ -369,7 +386,7 @@ def test_every_leaf_setting_has_a_type() -> None:
 
 
 def test_config_sources_name_the_line_of_the_value_that_counts(tmp_path: Path) -> None:
-    from aerie.config_file import ConfigError, ConfigSources
+    from aerie.plan.config_file import ConfigError, ConfigSources
 
     first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
     first.write_text("bench:\n  references: [untrained,\n    ngram]\n  gate:\n    min_speedup: 1.0\n")
@@ -403,7 +420,7 @@ def test_config_sources_name_the_line_of_the_value_that_counts(tmp_path: Path) -
     ],
 )
 def test_type_errors_say_what_to_write(value, types, needle) -> None:
-    from aerie.config_file import schema_errors
+    from aerie.plan.config_file import schema_errors
 
     ((path, message),) = schema_errors({"x": value}, {"properties": {"x": {"type": types}}})
     assert path == ("x",) and needle in message, message

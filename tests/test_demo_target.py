@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from aerie.demo_target.build import REPORT_FILE, build_demo_target
-from aerie.demo_target.config import DemoTargetConfig
-from aerie.demo_target.pretrain import repeated_ngram_rate, split_output
-from aerie.demo_target.tasks import FAMILIES, describe_code_instruction, generate_prompts, make_example
-from aerie.demo_target.tokenizer import (
+from aerie.sources.synthetic import FAMILIES, describe_code_instruction, generate_prompts, make_example
+from aerie.targets.demo.build import REPORT_FILE, build_demo_target
+from aerie.targets.demo.config import DemoTargetConfig
+from aerie.targets.demo.pretrain import repeated_ngram_rate, split_output
+from aerie.targets.demo.tokenizer import (
     DEFAULT_SYSTEM_PROMPT,
     SPECIAL_TOKENS,
     completion_text,

@@ -1,5 +1,5 @@
 """Every safetensors file aerie writes is a function of its content: same tensors and metadata, same bytes, in
-any process (``aerie.artifacts.write_safetensors``), and the safetensors library reads it back exactly."""
+any process (``aerie.tools.artifacts.write_safetensors``), and the safetensors library reads it back exactly."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aerie.artifacts import load_packed, save_packed, write_safetensors
+from aerie.tools.artifacts import load_packed, save_packed, write_safetensors
 
 # A shard like the stages write (packed tokens, bf16 hidden states, int8 aux, per-sequence metadata), built from a
 # fixed seed in a fresh interpreter and saved with the given writer expression.
 _WRITE_IN_A_FRESH_PROCESS = textwrap.dedent(
     """
     import sys, torch
-    from aerie.artifacts import save_packed
+    from aerie.tools.artifacts import save_packed
     g = torch.Generator().manual_seed(7)
     tensors = {
         "input_ids": torch.randint(0, 50000, (300,), generator=g),
@@ -161,7 +161,7 @@ def test_a_big_tensor_is_streamed_not_copied(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import resource, sys, torch
-        from aerie.artifacts import write_safetensors
+        from aerie.tools.artifacts import write_safetensors
         t = torch.ones(64 << 20)  # 256 MiB of float32, no temporary
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         write_safetensors(sys.argv[1], {"t": t, "tail": torch.arange(3)}, {"format": "x"})

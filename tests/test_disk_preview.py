@@ -7,7 +7,7 @@ from pathlib import Path
 
 from conftest import snakemake
 
-from aerie.disk import bytes_per_token
+from aerie.preview.disk import bytes_per_token
 
 
 def test_demo_dry_run_previews_hidden_disk(workdir: Path) -> None:
@@ -23,7 +23,7 @@ def test_demo_dry_run_previews_hidden_disk(workdir: Path) -> None:
     tokens = int(re.search(r"~([\d,]+) tokens", line).group(1).replace(",", ""))
     gib = float(re.search(r"= ~([\d.]+) GiB", line).group(1))
     assert abs(gib - tokens * 977 / 2**30) < 0.01
-    # beside it, the time preview (aerie.time_preview): the demo trains on the CPU, where nothing is measured
+    # beside it, the time preview (aerie.preview.timing): the demo trains on the CPU, where nothing is measured
     preview = out[out.index("aerie time preview") :].splitlines()[:4]
     assert [x.split()[0] for x in preview[1:]] == ["hidden", "drafter", "bench"], preview
     assert all("not estimated" in x for x in preview[1:]) and " h " not in "".join(preview), preview

@@ -16,12 +16,13 @@ import yaml
 from conftest import REPO
 from tiny_world import save_random_llama, write_random_tokens_shard
 
-from aerie.config_file import ConfigSources
-from aerie.disk import bytes_per_token, disk_preview
-from aerie.hidden import ShardTask, capture_shards
-from aerie.plan import validate_config
-from aerie.prompts import plan_dataset
-from aerie.shard_store import store_path
+from aerie.hidden.run import ShardTask, capture_shards
+from aerie.hidden.settings import CaptureSettings
+from aerie.plan.config_file import ConfigSources
+from aerie.plan.resolve import validate_config
+from aerie.preview.disk import bytes_per_token, disk_preview
+from aerie.sources.datasets import plan_dataset
+from aerie.target_model.store import store_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,14 +61,16 @@ def capture(run: dict, shards: list[int]) -> None:
     capture_shards(
         [ShardTask(run["tokens"][s], run["hidden"][s]) for s in shards],
         target["path"],
-        aux_layer_ids=cfg["aux_layer_ids"],
-        layout=cfg["layout"],
-        target_topk=cfg["target_topk"],
-        batch_tokens=cfg["batch_tokens"],
-        storage_dtype=cfg["storage_dtype"],
-        device=target["device"],
-        dtype=target["dtype"],
-        threads=1,
+        CaptureSettings(
+            aux_layer_ids=cfg["aux_layer_ids"],
+            layout=cfg["layout"],
+            target_topk=cfg["target_topk"],
+            batch_tokens=cfg["batch_tokens"],
+            storage_dtype=cfg["storage_dtype"],
+            device=target["device"],
+            dtype=target["dtype"],
+            threads=1,
+        ),
         log=lambda _: None,
     )
     for s in shards:
@@ -122,12 +125,12 @@ def test_without_the_target_an_entry_counts_when_newer_than_its_tokens(run) -> N
 
 
 def test_the_store_module_stays_torch_free() -> None:
-    """``snakemake -n`` imports aerie.shard_store for the plan lines and the disk preview."""
+    """``snakemake -n`` imports aerie.target_model.store for the plan lines and the disk preview."""
     import subprocess
     import sys
 
     code = (
-        "import sys, aerie.shard_store, aerie.disk\n"
+        "import sys, aerie.target_model.store, aerie.preview.disk\n"
         "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -17,10 +17,10 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import load_batch, make_windows
-from aerie.drafter.layers import DrafterKVCache, TTTCache
 from aerie.drafter.loop import train_drafter
-from aerie.drafter.model import Eagle3Drafter
-from aerie.drafter.ttt import ttt_unroll
+from aerie.drafter_kinds.eagle3.layers import DrafterKVCache, TTTCache
+from aerie.drafter_kinds.eagle3.model import Eagle3Drafter
+from aerie.drafter_kinds.eagle3.ttt import ttt_unroll
 from aerie.formats.hidden import HiddenShard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -182,7 +182,7 @@ def test_mismatched_aux_layer_ids_refused(world, tmp_path):
     )
     with pytest.raises(ValueError, match=r"aux_layer_ids.*\[1, 2, 4\].*\[0, 2, 4\]"):
         train_drafter(
-            [world["shards"][0], other], world["vocab"], world["target_dir"], tmp_path / "out", TrainConfig(epochs=1)
+            [world["shards"][0], other], world["vocab"], world["target_dir"], tmp_path / "out", TrainConfig.of(epochs=1)
         )
 
 
@@ -212,13 +212,13 @@ def test_long_sequences_are_cut_into_windows_with_lookahead(world, tmp_path):
     )
     shard = HiddenShard(path)
     s = int(shard.seq_offsets[1])
-    windows = make_windows(0, shard, 1, max_len=64, ttt_steps=3)
+    windows = make_windows(0, shard, 1, max_len=64, lookahead=3 + 1)
     assert [(w.start - s, w.end - s, w.look_end - s, w.pos0) for w in windows] == [
         (0, 64, 68, 0),
         (64, 128, 132, 64),
         (128, 150, 150, 128),
     ]
-    b = load_batch(windows, [shard], 3, torch.device("cpu"), torch.float32)
+    b = load_batch(windows, [shard], 3 + 1, torch.device("cpu"), torch.float32)
     assert b.ids.shape == (3, 64 + 3 + 2) and b.rows == n
     assert torch.equal(b.ids[1, :68], seq["ids"][64:132]) and int(b.position_ids[1, 0]) == 64
     assert torch.equal(b.aux[2, :22], seq["aux"][128:].bfloat16().float()) and not b.row_valid[2, 22:].any()
@@ -230,8 +230,8 @@ def test_packed_batch_trains_and_evaluates_as_the_padded_one(world, tmp_path):
     of 96 or one per row: the same loss, per-step statistics, every parameter's gradient, and the same held-out
     figures - packing changes the layout, not what is computed (each sequence attends to itself, and a row's
     steps read no later sequence's tokens)."""
-    from aerie.drafter.evaluate import evaluate
-    from aerie.drafter.ttt import TargetHead, ttt_forward
+    from aerie.drafter_kinds.eagle3.evaluate import evaluate
+    from aerie.drafter_kinds.eagle3.ttt import TargetHead, ttt_forward
 
     n = 150
     g = torch.Generator().manual_seed(4)
@@ -242,16 +242,16 @@ def test_packed_batch_trains_and_evaluates_as_the_padded_one(world, tmp_path):
     write_hidden_v1_shard(path, seqs, aux_layer_ids=AUX_LAYER_IDS, target_config=world["target"].config,
                           target_dir=world["target_dir"])  # fmt: skip
     shard = HiddenShard(path)
-    windows = [w for q in range(4) for w in make_windows(0, shard, q, max_len=64, ttt_steps=3)]
+    windows = [w for q in range(4) for w in make_windows(0, shard, q, max_len=64, lookahead=3 + 1)]
     model = world_drafter(world).train()
     lm_head = world["target"].lm_head.weight.detach()
     head = TargetHead(full=lm_head, draft=lm_head[model.t2d], t2d=model.t2d)
-    cfg = TrainConfig(ttt_steps=3, max_seq_len=96)
+    cfg = TrainConfig.of(ttt_steps=3, max_seq_len=96)
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for capacity in (None, 96):
-        b = load_batch(windows, [shard], 3, torch.device("cpu"), torch.float32, capacity)
-        loss, stats, _ = ttt_forward(model, b, head.prepare(b, cfg), 3, cfg.step_loss_decay)
+        b = load_batch(windows, [shard], 3 + 1, torch.device("cpu"), torch.float32, capacity)
+        loss, stats, _ = ttt_forward(model, b, head.prepare(b, cfg.mask_out_of_vocab_targets), 3, cfg.step_loss_decay)
         results.append((b, loss, stats, torch.autograd.grad(loss, params)))
     (padded, l0, s0, g0), (packed, l1, s1, g1) = results
     assert padded.seq_start is None and packed.seq_start is not None
@@ -262,8 +262,14 @@ def test_packed_batch_trains_and_evaluates_as_the_padded_one(world, tmp_path):
         torch.testing.assert_close(c1, c0, rtol=1e-5, atol=1e-5)
     for a, b_ in zip(g0, g1):
         torch.testing.assert_close(b_, a, rtol=1e-4, atol=1e-5 * float(a.abs().max()))
-    figures = [evaluate(model, [windows], [shard], head, TrainConfig(ttt_steps=3, max_seq_len=96, packing=p),
-                        torch.device("cpu"), torch.float32) for p in (False, True)]  # fmt: skip
+    cpu = torch.device("cpu")
+    settings = TrainConfig.of(ttt_steps=3).kind_settings
+    figures = [
+        evaluate(
+            model, [load_batch(windows, [shard], 3 + 1, cpu, torch.float32, capacity)], head, settings, "chunked", cpu
+        )
+        for capacity in (None, 96)
+    ]
     assert figures[0]["heldout_start_positions"] == figures[1]["heldout_start_positions"] > 0
     assert figures[1]["simulated_acceptance_length"] == pytest.approx(figures[0]["simulated_acceptance_length"])
     assert figures[1]["heldout_loss"] == pytest.approx(figures[0]["heldout_loss"], rel=1e-5)
@@ -275,7 +281,7 @@ TRAIN = dict(TINY_TRAIN, epochs=10)
 @pytest.fixture(scope="module")
 def trained(world) -> dict:
     out = world["root"] / "drafter"
-    cfg = TrainConfig(**TRAIN)
+    cfg = TrainConfig.of(**TRAIN)
     lines: list[str] = []
     result = train_drafter(world["shards"], world["vocab"], world["target_dir"], out, cfg, log=lines.append)
     return {"out": out, "eval": result, "lines": lines}
@@ -283,7 +289,7 @@ def trained(world) -> dict:
 
 def test_training_is_deterministic_on_cpu(world, trained, tmp_path):
     again = train_drafter(
-        world["shards"], world["vocab"], world["target_dir"], tmp_path, TrainConfig(**TRAIN), log=lambda _: None
+        world["shards"], world["vocab"], world["target_dir"], tmp_path, TrainConfig.of(**TRAIN), log=lambda _: None
     )
     assert again["acceptance_per_position"] == trained["eval"]["acceptance_per_position"]
     a = (trained["out"] / "model.safetensors").read_bytes()

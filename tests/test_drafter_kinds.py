@@ -66,8 +66,8 @@ def write(out: Path, r: dict) -> None:
 
 
 def test_the_study_data_is_the_rehearsals_target_and_sampling_and_passes_the_schema(tmp_path) -> None:
-    from aerie.config_file import ConfigSources
-    from aerie.plan import check_config, validate_config
+    from aerie.plan.config_file import ConfigSources
+    from aerie.plan.resolve import check_config, validate_config
 
     rehearsal = yaml.safe_load((REPO / "config" / "kimi-rehearsal.yaml").read_text())
     config = drafter_kinds.study_config(prompts=40, bench_prompts=8)

@@ -1,4 +1,4 @@
-"""aerie.drafter.memory: the torch-free estimate of a drafter training process's peak memory.
+"""aerie.drafter_kinds.eagle3.memory: the torch-free estimate of a drafter training process's peak memory.
 
 * it imports no torch (the fit plan calls it while Snakemake parses the workflow);
 * it sizes the drafter exactly as training builds it (trainable parameters counted on the real modules);
@@ -16,10 +16,11 @@ import torch
 import yaml
 from conftest import REPO
 
-from aerie.drafter import layers, memory, ttt
 from aerie.drafter.config import TrainConfig
-from aerie.drafter.memory import GIB, drafter_shape, estimate_training_memory, trainable_parameters
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.eagle3 import layers, memory, ttt
+from aerie.drafter_kinds.eagle3.memory import drafter_shape, estimate_training_memory, trainable_parameters
+from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.kind import GIB
 
 sys.path.insert(0, str(REPO / "bench"))
 import drafter_memory  # noqa: E402 - bench/drafter_memory.py: its tracker and its copy of the trainer's step
@@ -34,7 +35,7 @@ H200_BYTES = 141 * 10**9
 
 def test_the_estimate_imports_no_torch() -> None:
     heavy = ("torch", "safetensors", "transformers")
-    code = f"import sys, aerie.drafter.memory; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    code = f"import sys, aerie.drafter_kinds.eagle3.memory; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -51,7 +52,7 @@ def test_the_estimate_imports_no_torch() -> None:
     ],
 )
 def test_trainable_parameters_are_the_modules(text: dict, shape: dict) -> None:
-    d = drafter_shape(TrainConfig(**shape), text, 100, 3)
+    d = drafter_shape(TrainConfig.of(**shape), text, 100, 3)
     with torch.device("meta"):
         model = Eagle3Drafter(d)
     assert trainable_parameters(d) == sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -64,13 +65,13 @@ def test_kimi_shipped_settings_fit_an_h200_and_a_131072_window_does_not() -> Non
     llama_only = ("num_key_value_heads", "head_dim")  # the shipped Llama kind's heads (the published drafter's)
     for attention in ("mla", "llama"):
         kind = {k: v for k, v in shipped.items() if attention == "llama" or k not in llama_only}
-        train = TrainConfig(**{**kind, "attention": attention})
+        train = TrainConfig.of(**{**kind, "attention": attention})
         m = estimate_training_memory(train, {"text_config": KIMI_TEXT}, 32000, 8, hidden_layout="compact")
         assert m.batch_tokens == train.largest_batch_tokens >= 20000 and m.activation_bytes == 2  # TorchSpec's 20k
         assert m.total < 0.6 * H200_BYTES, m.describe()
         assert m.parts["parameters"] == 4 * trainable_parameters(drafter_shape(train, KIMI_TEXT, 32000, 3))
         assert f"{m.total / GIB:.1f} GiB" in m.describe()
-        huge = TrainConfig(**{**kind, "attention": attention, "max_seq_len": 131072, "max_batch_tokens": 0})
+        huge = TrainConfig.of(**{**kind, "attention": attention, "max_seq_len": 131072, "max_batch_tokens": 0})
         assert estimate_training_memory(huge, KIMI_TEXT, 32000, 8, hidden_layout="compact").total > H200_BYTES
 
 
@@ -78,7 +79,7 @@ def test_the_tracker_counts_meta_tensors_as_real_ones() -> None:
     """bench/drafter_memory.py measures Kimi-size windows on meta tensors: the same code, the same storages, so the
     same peak as on real CPU tensors (checked here at small dims, both implementations)."""
     torch.set_num_threads(1)
-    cfg = TrainConfig(attention="mla", max_seq_len=70, batch_size=1)
+    cfg = TrainConfig.of(attention="mla", max_seq_len=70, batch_size=1)
     peaks = {}
     for device in ("cpu", "meta"):
         for impl in ("new", "old"):
@@ -110,7 +111,7 @@ def test_estimate_bounds_the_measured_peak_within_1_35x(kind: str, bf16: bool) -
     torch.set_num_threads(1)
     T, vocab = 200, 1500  # 200: a multiple of neither chunk size
     shape = LLAMA_SHAPE if kind == "llama" else {}
-    cfg = TrainConfig(attention=kind, max_seq_len=T, batch_size=1, **shape)
+    cfg = TrainConfig.of(attention=kind, max_seq_len=T, batch_size=1, **shape)
     torch.manual_seed(0)
     d = DrafterConfig.from_target(SimpleNamespace(**MEASURED), vocab, [1, 2, 3], attention=kind, **shape)
     model = Eagle3Drafter(d)
@@ -129,7 +130,7 @@ def test_estimate_follows_the_batch_size() -> None:
     windows (the batch tensors exactly 3x, activations by more than 1.5x from one window to three)."""
     torch.set_num_threads(1)
     T, vocab, B = 96, 1500, 3
-    cfg = TrainConfig(attention="mla", max_seq_len=T, batch_size=B)
+    cfg = TrainConfig.of(attention="mla", max_seq_len=T, batch_size=B)
     torch.manual_seed(0)
     d = DrafterConfig.from_target(SimpleNamespace(**MEASURED), vocab, [1, 2, 3], attention="mla")
     model = Eagle3Drafter(d)
@@ -138,7 +139,7 @@ def test_estimate_follows_the_batch_size() -> None:
     est = estimate_training_memory(cfg, MEASURED, vocab, 0, hidden_layout="compact")
     estimated = est.total - est.parts["batch"]
     assert measured <= estimated <= 1.5 * measured, (measured, est.describe())
-    one = estimate_training_memory(TrainConfig(attention="mla", max_seq_len=T, batch_size=1), MEASURED, vocab, 0,
+    one = estimate_training_memory(TrainConfig.of(attention="mla", max_seq_len=T, batch_size=1), MEASURED, vocab, 0,
                                    hidden_layout="compact")  # fmt: skip
     assert est.parts["batch"] == 3 * one.parts["batch"]
     assert est.parts["activations"] >= 1.5 * one.parts["activations"] and est.batch_tokens == B * T
@@ -166,11 +167,11 @@ def test_host_batch_estimate_is_what_the_loader_reads(tmp_path, layout: str) -> 
     meta = {"layout": layout, "aux_layer_ids": [1, 2, 3], "hidden_size": H, "vocab_size": 50, "target_topk": k}
     write_hidden_shard(tmp_path / "s.safetensors", tensors, meta)
     shard = HiddenShard(tmp_path / "s.safetensors")
-    cfg = TrainConfig(max_seq_len=T, batch_size=2, ttt_steps=K)
-    windows = plan_windows([shard], set(), T, K).train
+    cfg = TrainConfig.of(max_seq_len=T, batch_size=2, ttt_steps=K)
+    windows = plan_windows([shard], set(), T, K + 1).train
     assert len(windows) == 2
-    read = host_batch(windows, [shard], K, None)
+    read = host_batch(windows, [shard], K + 1, None)
     assert memory.host_batch_bytes(cfg, H, A, layout, k) == read.nbytes()
     kimi = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())
-    host = memory.estimate_host_memory(TrainConfig(**kimi["drafter"]), KIMI_TEXT, 32000, 8, hidden_layout="compact")
+    host = memory.estimate_host_memory(TrainConfig.of(**kimi["drafter"]), KIMI_TEXT, 32000, 8, hidden_layout="compact")
     assert 60 * GIB < host.total < 160 * GIB, host.describe()  # 8 drafters built on the host at the start

@@ -22,13 +22,14 @@ from tiny_world import TINY_TRAIN, char_chat_tokenizer, target_world, world_draf
 from transformers import AutoConfig, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-from aerie.bench.speculative import greedy_generate, speculative_generate
+from aerie.benchmark.speculative import greedy_generate, speculative_generate
 from aerie.drafter.config import TrainConfig
-from aerie.drafter.layers import DrafterKVCache
 from aerie.drafter.loop import train_drafter
-from aerie.drafter.mla_layer import MLAAttention, mla_softmax_scale
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
-from aerie.drafter.ttt import ttt_unroll
+from aerie.drafter_kinds.eagle3.drafting import EagleProposer
+from aerie.drafter_kinds.eagle3.layers import DrafterKVCache
+from aerie.drafter_kinds.eagle3.mla_layer import MLAAttention, mla_softmax_scale
+from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.eagle3.ttt import ttt_unroll
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,7 +109,7 @@ def _sglang_load_problems(rec: dict, exported: dict[str, torch.Tensor]) -> list[
     return problems
 
 
-@pytest.mark.parametrize("kind", ["llama", "mla", "mla_eagle31"])
+@pytest.mark.parametrize("kind", ["llama", "llama_eagle31", "mla", "mla_eagle31"])
 def test_export_fills_every_sglang_parameter_exactly_once(kind, tmp_path):
     """Every parameter SGLang's model creates is filled exactly once with the right rows by the export (the
     embeddings by the target, as SGLang's worker does), and the export holds nothing SGLang would drop."""
@@ -124,7 +125,11 @@ def test_export_fills_every_sglang_parameter_exactly_once(kind, tmp_path):
         assert "fills" in rec["checkpoint"][name] or name in ("d2t", "t2d"), name
 
     # the check bites: a missing half of a fused/stacked projection, a transposed tensor, a stray tensor
-    half = "midlayer.self_attn.kv_a_proj_with_mqa.weight" if kind != "llama" else "midlayer.self_attn.k_proj.weight"
+    half = (
+        "midlayer.self_attn.k_proj.weight"
+        if kind.startswith("llama")
+        else "midlayer.self_attn.kv_a_proj_with_mqa.weight"
+    )
     assert any("rows" in p for p in _sglang_load_problems(rec, {k: v for k, v in exported.items() if k != half}))
     flipped = {**exported, "midlayer.mlp.down_proj.weight": exported["midlayer.mlp.down_proj.weight"].T}
     assert any("shape" in p for p in _sglang_load_problems(rec, flipped))
@@ -277,7 +282,7 @@ TRAIN = dict(TINY_TRAIN, epochs=6)
 def trained(world) -> dict:
     out = world["root"] / "drafter"
     result = train_drafter(
-        world["shards"], world["vocab"], world["target_dir"], out, TrainConfig(**TRAIN), log=lambda _: None
+        world["shards"], world["vocab"], world["target_dir"], out, TrainConfig.of(**TRAIN), log=lambda _: None
     )
     return {"out": out, "eval": result}
 
@@ -309,7 +314,7 @@ def test_mla_training_resumes_exactly_after_a_kill(world, trained, tmp_path):
         if step == 5:
             raise Killed(step)
 
-    cfg = TrainConfig(**{**TRAIN, "checkpoint_every": 2})
+    cfg = TrainConfig.of(**{**TRAIN, "checkpoint_every": 2})
     with pytest.raises(Killed):
         train_drafter(
             world["shards"], world["vocab"], world["target_dir"], tmp_path, cfg, log=lambda _: None, on_step=kill
@@ -369,7 +374,7 @@ def test_speculative_decoding_with_an_mla_drafter_is_lossless(world, trained):
     for i in (0, 7, NUM_SEQS - 1):  # prompts the drafter trained or held out on
         prompt = world["seqs"][i]["ids"][None, :PROMPT_LEN]
         want = greedy_generate(target, prompt, max_new_tokens=20)
-        got = speculative_generate(target, drafter, prompt, max_new_tokens=20, num_draft_steps=3)
+        got = speculative_generate(target, EagleProposer(drafter), prompt, max_new_tokens=20, num_draft_steps=3)
         assert got.tokens == want
         accepted += sum(got.accepted_per_step)
     assert accepted > 0  # the trained drafter's guesses do get used
@@ -449,7 +454,8 @@ def test_kimi_drafter_shapes():
 def test_run_benchmark_serves_an_mla_export_with_the_targets_embeddings(tmp_path):
     """run_benchmark loads an MLA export (no embeddings: it takes the target's) next to a DeepseekV3 target with a
     tokenizer and chat template, and decodes losslessly with it and with the untrained reference."""
-    from aerie.bench.run import run_benchmark
+    from aerie.benchmark.run import run_benchmark
+    from aerie.benchmark.settings import BenchRun, TargetLoad
 
     tok, vocab = char_chat_tokenizer(["<unk>", "<s>", "<|user|>", "<|assistant|>", "<|end|>"])
     torch.manual_seed(0)
@@ -467,17 +473,14 @@ def test_run_benchmark_serves_an_mla_export_with_the_targets_embeddings(tmp_path
     threads = torch.get_num_threads()
     try:
         report = run_benchmark(
-            tmp_path / "target",
-            tmp_path / "drafter",
+            TargetLoad(tmp_path / "target", "cpu", "float32"),
+            {"mla": tmp_path / "drafter"},
             [tmp_path / "bench.jsonl"],
             tmp_path / "bench.json",
-            max_new_tokens=10,
-            num_draft_steps=3,
-            warmup=0,
-            threads=1,
+            BenchRun(max_new_tokens=10, num_draft_steps=3, warmup=0, threads=1),
             log=lambda _: None,
         )
     finally:
         torch.set_num_threads(threads)
-    assert report["lossless"] is True and set(report["methods"]) >= {"eagle3", "untrained"}
-    assert report["aux_layer_ids"] == AUX and report["methods"]["eagle3"]["acceptance_length"] >= 1.0
+    assert report["lossless"] is True and set(report["methods"]) >= {"mla", "untrained"}
+    assert report["drafters"]["mla"]["layer_ids"] == AUX and report["methods"]["mla"]["acceptance_length"] >= 1.0

@@ -24,9 +24,10 @@ from aerie.drafter.config import TrainConfig
 from aerie.drafter.curves import read_curves
 from aerie.drafter.data import Window, batches, epoch_batches, pack_rows, padded_tokens, plan_windows
 from aerie.drafter.distributed import processes_for, shard_for_rank, torchrun_command
-from aerie.drafter.loop import build_drafter, train_drafter
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter.loop import train_drafter
 from aerie.drafter.state import train_state_dir
+from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.eagle3.training import build
 from aerie.formats.hidden import open_hidden_shards
 from aerie.formats.vocab import load_draft_vocab
 from aerie.target_model.heads import read_target_heads
@@ -118,7 +119,7 @@ def data(tmp_path_factory) -> dict:
 
 
 def _train(data, out: Path, on_step=None, lines=None, **overrides) -> dict:
-    cfg = TrainConfig(**{**CFG, **overrides})
+    cfg = TrainConfig.of(**{**CFG, **overrides})
     log = lines.append if lines is not None else (lambda _: None)
     return train_drafter(data["shards"], data["vocab"], data["target_dir"], out, cfg, log=log, on_step=on_step)
 
@@ -199,7 +200,7 @@ def test_training_curves_are_tensorboard_events_in_the_drafter_folder(uninterrup
     assert [s for s, _ in curves["train/loss"]] == [e["step"] for e in train]
     assert [v for _, v in curves["train/loss"]] == pytest.approx([e["loss"] for e in train], rel=1e-6)
     for k in range(CFG["ttt_steps"]):
-        got = [v for _, v in curves[f"train/acc_per_position/{k}"]]
+        got = [v for _, v in curves[f"train/top1_match_per_position/{k}"]]
         assert got == pytest.approx([e["acc_per_step"][k] for e in train], rel=1e-6)
         assert [v for _, v in curves[f"train/loss_per_position/{k}"]] == pytest.approx(
             [e["loss_per_step"][k] for e in train], rel=1e-6
@@ -261,7 +262,7 @@ def test_resume_refuses_other_data_or_settings(data, tmp_path):
         _train(data, out, on_step=_kill_after(4))
     with pytest.raises(ValueError, match=r"drafter\.learning_rate was 0\.003, is 0\.001.*delete .*\.d\.train_state"):
         _train(data, out, learning_rate=1e-3)
-    cfg = TrainConfig(**CFG)
+    cfg = TrainConfig.of(**CFG)
     with pytest.raises(ValueError, match="hidden_shards differ"):
         train_drafter(data["shards"][:1], data["vocab"], data["target_dir"], out, cfg, log=lambda _: None)
     # settings that do not change the computation may differ on resume
@@ -278,7 +279,7 @@ def test_killed_process_resumes(data, uninterrupted, tmp_path):
     """A real SIGKILL of the command-line trainer after its first checkpoint, then an in-process resume."""
     out = tmp_path / "d"
     state = train_state_dir(out) / "state.pt"
-    cfg = TrainConfig(**{**CFG, "checkpoint_every": 1})
+    cfg = TrainConfig.of(**{**CFG, "checkpoint_every": 1})
     cmd = [
         sys.executable,
         "-m",
@@ -352,19 +353,19 @@ def test_best_and_last_checkpoints(uninterrupted):
 
 def test_best_is_the_epoch_with_highest_heldout_acceptance(data, tmp_path, monkeypatch):
     """A scripted evaluation (acceptance 1.2, 1.5, 1.4): the output is epoch 2's drafter, last/ is epoch 3's."""
-    import aerie.drafter.loop as loop
+    import aerie.drafter_kinds.eagle3.training as side
 
     scripted = iter([1.0, 1.2, 1.5, 1.4])
 
     def fake_evaluate(*args, **kwargs):
         return {
-            **loop.EMPTY_EVAL,
+            **side.EMPTY_EVAL,
             "simulated_acceptance_length": next(scripted),
             "heldout_loss": 1.0,
             "heldout_start_positions": 1,
         }
 
-    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    monkeypatch.setattr(side, "evaluate", fake_evaluate)
     result = _train(data, tmp_path / "d")
     state = train_state_dir(tmp_path / "d")
     assert result["best_epoch"] == 2 and result["simulated_acceptance_length"] == 1.5
@@ -444,15 +445,15 @@ def test_target_heads_read_only_what_they_need(layout, tmp_path, monkeypatch):
 def test_drafter_from_heads_equals_from_loaded_target(data):
     """The drafter built from the heads alone is the one Eagle3Drafter.from_target builds from the full model."""
     vocab = load_draft_vocab(data["vocab"])
-    cfg = TrainConfig(**CFG)
-    model, dcfg, lm_head = build_drafter(data["target_dir"], vocab, AUX, cfg, need_lm_head=True)
+    cfg = TrainConfig.of(**CFG)
+    model, dcfg, head = build(data["target_dir"], vocab, AUX, cfg, "full", torch.device("cpu"))
     full = AutoModelForCausalLM.from_pretrained(data["target_dir"], dtype=torch.float32)
     assert dcfg == DrafterConfig.from_target(full.config, DRAFT_VOCAB, AUX)
     torch.manual_seed(cfg.seed)
     ref = Eagle3Drafter.from_target(full, dcfg, vocab.d2t, vocab.t2d)
     a, b = model.state_dict(), ref.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert torch.equal(lm_head, full.lm_head.weight)
+    assert torch.equal(head.full, full.lm_head.weight)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -482,7 +483,7 @@ def test_windows_without_supervision_are_counted(data):
     """One-row windows: the first two of each sequence predict only prompt tokens (loss mask 0) within their
     look-ahead, the last two have no token left to predict, so they are left out - and counted."""
     shards = open_hidden_shards(data["shards"])
-    plan = plan_windows(shards, set(), max_len=1, ttt_steps=3)
+    plan = plan_windows(shards, set(), max_len=1, lookahead=3 + 1)
     assert plan.stats["windows_without_supervision_skipped"] == 4 * NUM_SEQS
     assert plan.stats["windows"] == len(plan.train) == (SEQ_LEN - 4) * NUM_SEQS
     assert [w.start for w in plan.train[: SEQ_LEN - 4]] == list(range(2, SEQ_LEN - 2))
@@ -493,12 +494,12 @@ def test_batches_keep_to_the_token_budget():
     the longest) stays within max_batch_tokens."""
     lengths = [10, 3, 7, 10, 2, 2, 2, 2, 9, 4]
     windows = [Window(0, 100 * i, 100 * i + n, 100 * i + n, 0) for i, n in enumerate(lengths)]
-    cfg = TrainConfig(batch_size=3, max_seq_len=10, max_batch_tokens=20, packing=False)
+    cfg = TrainConfig.of(batch_size=3, max_seq_len=10, max_batch_tokens=20, packing=False)
     groups = batches(windows, cfg, None)
     assert [w for g in groups for w in g] == windows
     assert all(len(g) <= 3 and padded_tokens(g) <= 20 for g in groups)
     assert [len(g) for g in groups] == [2, 2, 3, 2, 1]  # closed by the budget, the budget, batch_size, ...
-    unbudgeted = TrainConfig(batch_size=3, max_seq_len=10, packing=False)
+    unbudgeted = TrainConfig.of(batch_size=3, max_seq_len=10, packing=False)
     assert max(padded_tokens(g) for g in batches(windows, unbudgeted, None)) == 30
     assert cfg.largest_batch_tokens == 20 and unbudgeted.largest_batch_tokens == 30
 
@@ -508,12 +509,12 @@ def test_packed_batches_fill_rows_within_the_budget():
     windows and max_batch_tokens // max_seq_len rows per batch; every window once; far less padding."""
     lengths = [10, 3, 7, 10, 2, 2, 2, 2, 9, 4, 6, 1]
     windows = [Window(0, 100 * i, 100 * i + n, 100 * i + n, 0) for i, n in enumerate(lengths)]
-    cfg = TrainConfig(batch_size=4, max_seq_len=10, max_batch_tokens=20)
+    cfg = TrainConfig.of(batch_size=4, max_seq_len=10, max_batch_tokens=20)
     groups = batches(windows, cfg, None)
     assert sorted(w.start for g in groups for w in g) == [w.start for w in windows]
     assert all(len(g) <= 4 and padded_tokens(g, 10) <= 20 for g in groups)
     assert [[w.end - w.start for w in g] for g in groups] == [[10, 3, 7], [10, 2, 2, 2], [2, 9, 4, 1], [6]]
-    padded = batches(windows, TrainConfig(batch_size=4, max_seq_len=10, max_batch_tokens=20, packing=False), None)
+    padded = batches(windows, TrainConfig.of(batch_size=4, max_seq_len=10, max_batch_tokens=20, packing=False), None)
     real = sum(lengths)
     assert sum(padded_tokens(g, 10) for g in groups) / real < sum(padded_tokens(g) for g in padded) / real
     # a cut window's look-ahead rows stay reserved: the next window starts after them
@@ -523,7 +524,7 @@ def test_packed_batches_fill_rows_within_the_budget():
 
 def test_a_budget_below_one_window_is_refused():
     with pytest.raises(ValueError, match=r"max_batch_tokens \(1000\) is below drafter.max_seq_len \(2048\)"):
-        TrainConfig(max_seq_len=2048, max_batch_tokens=1000)
+        TrainConfig.of(max_seq_len=2048, max_batch_tokens=1000)
 
 
 def test_shard_for_rank_is_a_padded_partition():
@@ -534,13 +535,13 @@ def test_shard_for_rank_is_a_padded_partition():
     assert shares[1] == [1, 5, 9]
     assert shard_for_rank(groups, 0, 1) == groups
     assert [shard_for_rank([7], r, 3) for r in range(3)] == [[7], [7], [7]]
-    cfg, windows = TrainConfig(batch_size=2), [Window(0, i, i + 1, i + 1, 0) for i in range(9)]
+    cfg, windows = TrainConfig.of(batch_size=2), [Window(0, i, i + 1, i + 1, 0) for i in range(9)]
     assert epoch_batches(windows, cfg, 1) == epoch_batches(windows, cfg, 1)  # rebuilt exactly on resume
     assert epoch_batches(windows, cfg, 1) != epoch_batches(windows, cfg, 2)  # reshuffled per epoch
 
 
 def test_torchrun_command_and_process_count():
-    cfg = TrainConfig(epochs=1, threads=2)
+    cfg = TrainConfig.of(epochs=1, threads=2)
     cmd = torchrun_command(
         8,
         [Path("a.safetensors"), Path("b.safetensors")],
@@ -554,9 +555,9 @@ def test_torchrun_command_and_process_count():
     assert cmd[5:7] == ["-m", "aerie.drafter.cli"]
     assert cmd[cmd.index("--hidden") + 1 : cmd.index("--vocab")] == ["a.safetensors", "b.safetensors"]
     assert cmd[cmd.index("--out") + 1] == "results/drafter/x" and cmd[cmd.index("--target") + 1] == "/models/K"
-    assert TrainConfig(**json.loads(cmd[cmd.index("--config") + 1])) == cfg
+    assert TrainConfig.of(**json.loads(cmd[cmd.index("--config") + 1])) == cfg
     assert processes_for(1, cfg) == 1 and processes_for(0, cfg) == 1
-    assert processes_for(8, TrainConfig(device="cpu")) == 1
+    assert processes_for(8, TrainConfig.of(device="cpu")) == 1
     if not torch.cuda.is_available():
         assert processes_for(8, cfg) == 1
 
@@ -597,7 +598,7 @@ def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp
     text = rule_log.read_text() if rule_log.exists() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-3000:]
     assert "torch.distributed.run --standalone --nproc_per_node=2 -m aerie.drafter.cli" in text
-    assert "--aux-layer-ids '[0, 1, 2]'" in text  # the configured ids reach every process
+    assert "--layer-ids '[0, 1, 2]'" in text  # the resolved layers reach every process
     assert "2 processes" in text and text.count("written to") == 1  # rank 0 speaks for the job
     result = json.loads((out / "eval.json").read_text())
     assert result["processes"] == 2
@@ -607,3 +608,81 @@ def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp
     n_single = len(_events(uninterrupted["out"], "train")) // CFG["epochs"]
     assert len(_events(out, "train")) == (n_single + 1) // 2  # each rank takes every other batch
     Eagle3Drafter.from_pretrained(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the DFlash kind through the same loop
+
+DFLASH = dict(
+    kind="dflash",
+    num_layers=2,
+    block_size=4,
+    num_anchors=6,
+    mask_token_id=2,  # the world's sequences draw ids from 3 up: 0..2 never occur
+    target_layer_ids=[0, 2],
+    epochs=3,
+    learning_rate=3e-3,
+    warmup_ratio=0.1,
+    batch_size=8,
+    max_seq_len=16,
+    eval_fraction=0.2,
+    seed=0,
+    threads=1,
+    log_every=1,
+    checkpoint_every=3,
+    grad_clip=1.0,
+)
+
+
+def _train_dflash(data, out: Path, on_step=None, **overrides) -> dict:
+    cfg = TrainConfig.of(**{**DFLASH, **overrides})
+    return train_drafter(data["shards"], None, data["target_dir"], out, cfg, log=lambda _: None, on_step=on_step)
+
+
+def test_dflash_trains_resumes_exactly_and_exports_what_sglang_loads(data, tmp_path):
+    """The generic loop trains a DFlash drafter from the shards' layers [0, 2] (columns of the captured [0, 1, 2]);
+    a run killed mid-epoch resumes to the same bytes (the anchors of each step are seeded by the step); the folder
+    is SGLang's DFlashDraftModel layout, reads back with its target layers and MASK id, and loads for drafting."""
+    from aerie.drafter_kinds.dflash.folder import read_dflash_folder
+    from aerie.drafter_kinds.dflash.weights import load_dflash
+
+    straight = tmp_path / "straight"
+    result = _train_dflash(data, straight)
+    assert result["kind"] == "dflash" and result["block_size"] == 4 and result["heldout_start_positions"] > 0
+    assert result["simulated_acceptance_length"] >= 1.0 and len(result["acceptance_per_position"]) == 3
+    assert not (straight / "draft_vocab.safetensors").exists()
+    shape, tensors = read_dflash_folder(straight)
+    assert list(shape.target_layer_ids) == [0, 2] and shape.mask_token_id == 2 and shape.block_size == 4
+    assert "fc.weight" in tensors and tensors["fc.weight"].shape == (32, 64)
+    config = json.loads((straight / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["aerie"]["epoch"] == result["best_epoch"]
+    assert load_dflash(straight, json.loads((data["target_dir"] / "config.json").read_text())) is not None
+
+    killed = tmp_path / "killed"
+    with pytest.raises(Killed):
+        _train_dflash(data, killed, on_step=_kill_after(4))
+    _train_dflash(data, killed)
+    assert (killed / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
+
+
+def test_dflash_warm_start_is_the_folder_and_a_mismatched_one_is_refused(data, tmp_path):
+    """drafter.init of a DFlash folder: before any step the export is the folder again; a folder whose layers or
+    block differ from what the run asks is refused naming the setting."""
+    from aerie.drafter_kinds.folders import DrafterFolderError
+
+    start = tmp_path / "start"
+    _train_dflash(data, start, epochs=1)
+    again = tmp_path / "again"
+    result = _train_dflash(data, again, epochs=1, learning_rate=1e-12, init=str(start), num_layers=0, block_size=0)
+    assert result["best_epoch"] in (0, 1)
+    a, b = load_file(start / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(DrafterFolderError, match="block_size"):
+        _train_dflash(data, tmp_path / "bad", epochs=1, init=str(start), block_size=3)
+    with pytest.raises(DrafterFolderError, match="target layers"):
+        _train_dflash(data, tmp_path / "bad2", epochs=1, init=str(start), target_layer_ids=[1, 2])
+
+
+def test_dflash_refuses_a_mask_id_that_occurs_in_the_data(data, tmp_path):
+    with pytest.raises(ValueError, match="MASK id"):
+        _train_dflash(data, tmp_path / "d", mask_token_id=5)

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from conftest import REPO
 
-from aerie.api.emulator import (
+from aerie.emulator import (
     DEFAULT_PROVIDERS,
     FAULT_KINDS,
     LISTEN_LINE,
@@ -289,7 +289,7 @@ def test_cli_starts_answers_and_stops_on_sigterm(tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "aerie.api.emulator",
+            "aerie.emulator",
             "--port",
             "0",
             "--port-file",
@@ -355,3 +355,75 @@ def test_a_client_that_disconnects_is_billed_like_by_a_provider() -> None:
         assert key["data"]["usage"] == pytest.approx(stats["charged_usd"])
         _, _, credits = call(base, "/credits")
         assert credits["data"]["total_usage"] == pytest.approx(stats["charged_usd"])
+
+
+# ---- the Batch API (aerie.emulator.batches) ------------------------------------------------------------------------
+
+
+def batch_body(n: int, model: str = "moonshotai/kimi-k2.5", **extra: Any) -> dict[str, Any]:
+    requests_ = [
+        {"custom_id": f"r{i}", "body": {"messages": [{"role": "user", "content": f"q {i}"}], "max_tokens": 500}}
+        for i in range(n)
+    ]
+    return {"endpoint": "/v1/chat/completions", "model": model, **extra, "requests": requests_}
+
+
+def test_a_batch_is_validated_runs_on_one_provider_and_bills_each_answer_once_at_the_batch_price() -> None:
+    import time
+
+    settings = EmulatorSettings(
+        output_tokens_mean=50, output_tokens_dist="fixed", batch_validate_s=0.2, batch_latency_mean=0.2
+    )
+    with serve_in_thread(settings) as base:
+        status, _, batch = call(base, "/batches", batch_body(5))
+        assert status == 202 and batch["status"] == "validating" and batch["results"] is None
+        _, _, listed = call(base, "/batches")
+        assert [b["id"] for b in listed["data"]] == [batch["id"]]
+        time.sleep(0.9)
+        _, _, done = call(base, f"/batches/{batch['id']}")
+        _, _, partial = call(base, f"/batches/{batch['id']}/results")
+        _, _, stats = call(base, "/emulator/stats")
+    assert done["status"] == "completed" and done["provider"] == "Chutes"  # the cheapest eligible provider
+    assert done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+    assert (
+        sorted(r["custom_id"] for r in done["results"])
+        == [f"r{i}" for i in range(5)]
+        == sorted(r["custom_id"] for r in partial["data"])
+    )
+    chutes = PRICES["Chutes"]
+    per = 0.5 * (2 * chutes.prompt_price + 50 * chutes.completion_price)  # "q i": 2 prompt words, 50 out
+    costs = [r["response"]["body"]["usage"]["cost"] for r in done["results"]]
+    assert costs == pytest.approx([per] * 5) and stats["charged_usd"] == pytest.approx(5 * per)
+    assert stats["outcomes"] == {"batch-ok": 5}
+
+
+def test_batch_refusals_and_faults() -> None:
+    """What a client must survive: a submission OpenRouter refuses (400), a model without a batch endpoint (failed at
+    validation, nothing billed), entries that fail, a batch that expires halfway, polls and a submission whose answer
+    is lost."""
+    import time
+
+    fast = dict(output_tokens_mean=10, output_tokens_dist="fixed", batch_validate_s=0.05, batch_latency_mean=0.2)
+    with serve_in_thread(EmulatorSettings(**fast, batch_models=["other/model"])) as base:
+        status, _, err = call(base, "/batches", batch_body(2, provider={"order": ["chutes"]}))
+        assert status == 400 and "only provider.only" in err["error"]["message"]
+        status, _, batch = call(base, "/batches", batch_body(2))
+        time.sleep(0.2)
+        _, _, failed = call(base, f"/batches/{batch['id']}")
+        assert failed["status"] == "failed" and "no batch-eligible endpoint" in failed["error"]["message"]
+        assert call(base, "/emulator/stats")[2]["charged_usd"] == 0
+    faults = {"entry-error": 0.5, "expire": 1.0}
+    with serve_in_thread(EmulatorSettings(**fast, batch_faults=faults, fault_seed=3)) as base:
+        _, _, batch = call(base, "/batches", batch_body(20))
+        time.sleep(0.6)
+        _, _, expired = call(base, f"/batches/{batch['id']}")
+    codes = [(r["error"] or {}).get("code") for r in expired["results"]]
+    assert expired["status"] == "expired" and len(codes) == 20
+    assert {"batch_expired", "provider_error", None} <= set(codes)  # answered, errored and expired entries
+    with serve_in_thread(EmulatorSettings(**fast, batch_faults={"lost-poll": 1.0, "lost-submit": 1.0})) as base:
+        with pytest.raises((aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+            call(base, "/batches", batch_body(1))
+        _, _, listed = call(base, "/batches")  # the batch whose answer was lost exists
+        assert len(listed["data"]) == 1
+        with pytest.raises((aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+            call(base, f"/batches/{listed['data'][0]['id']}")

@@ -21,10 +21,10 @@ from conftest import REPO
 
 TESTS = Path(__file__).parent
 SCRIPTS = {  # console script -> the module:function pyproject.toml points it at
-    "aerie-emulator": "aerie.api.emulator:main",
-    "aerie-gpu-slots": "aerie.gpu_slots:main",
-    "aerie-sglang-capture": "aerie.sglang_capture.cli:main",
-    "aerie-sglang-bench": "aerie.bench.sglang_harness:main",
+    "aerie-emulator": "aerie.emulator:main",
+    "aerie-gpu-slots": "aerie.tools.gpu_slots:main",
+    "aerie-sglang-capture": "aerie.hidden.sglang_check.cli:main",
+    "aerie-sglang-bench": "aerie.benchmark.sglang_harness:main",
     "aerie-train-drafter": "aerie.drafter.cli:main",
 }
 # What each script's --help must mention (its own name as prog, and a flag or subcommand only it has).
@@ -40,7 +40,7 @@ HELP_MENTIONS = {
 def script(name: str) -> Path:
     """The installed console script beside this interpreter; skip when aerie is not installed with it."""
     path = Path(sys.executable).parent / name
-    # The wrapper pip writes imports the entry point: `from aerie.gpu_slots import main`.
+    # The wrapper pip writes imports the entry point: `from aerie.tools.gpu_slots import main`.
     found = re.search(r"^from (\S+) import (\w+)$", path.read_text(), re.M) if path.is_file() else None
     if found is None or f"{found[1]}:{found[2]}" != SCRIPTS[name]:
         if os.environ.get("CI") == "true":
@@ -164,7 +164,7 @@ def test_sglang_bench_measures_a_fake_sglang(tmp_path: Path) -> None:
     against the fake `sglang.launch_server` of tests/test_sglang_harness.py."""
     from test_sglang_harness import FAKE_LAUNCH_SERVER, FIXTURES
 
-    from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
+    from aerie.targets.demo.tokenizer import tokenizer_corpus, train_tokenizer
 
     exe = str(script("aerie-sglang-bench"))
     target = tmp_path / "target"
@@ -217,6 +217,8 @@ def test_sglang_bench_measures_a_fake_sglang(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["complete"] and [s["name"] for s in report["prompt_sets"]] == ["mtbench", "gsm8k", "humaneval"]
-    assert all(row["baseline"]["ok"] == row["eagle3"]["ok"] == 2 for row in report["rows"])
-    assert report["summary"]["spec_accept_length_mean"] == pytest.approx(3.0)
+    (name,) = report["drafters"]  # the one trained drafter, a mode named after it (aerie.sglang-bench/5)
+    assert report["modes"] == ["baseline", name] and report["methods"][name]["kind"] == "eagle3"
+    assert all(row["baseline"]["ok"] == row[name]["ok"] == 2 for row in report["rows"])
+    assert report["summary"]["modes"][name]["spec_accept_length_mean"] == pytest.approx(3.0)
     assert out.with_suffix(".png").stat().st_size > 5_000

@@ -1,4 +1,4 @@
-"""Each rule's environment (aerie/environments.py, envs/): which env a rule gets, the refusal's words, and whether
+"""Each rule's environment (aerie/plan/environments.py, envs/): which env a rule gets, the refusal's words, and whether
 the env files would let the rules run - aerie's lists the package's dependencies, SGLang's (with what SGLang 0.5.23
 itself requires, tests/fixtures/sglang/requirements_0523.txt) covers every package the SGLang rules import."""
 
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO
 
-from aerie import environments as env
+from aerie.plan import environments as env
 
 SGLANG_REQUIREMENTS = Path(__file__).parent / "fixtures" / "sglang" / "requirements_0523.txt"
 
@@ -72,19 +72,19 @@ def installed_closure(roots: set[str]) -> set[str]:
 # and its client, the target's chat template, the plot), and rule hidden's with hidden.backend sglang.
 SGLANG_RULE_MODULES = {
     "bench": [
-        "aerie.gpu_slots",
-        "aerie.rulelog",
-        "aerie.bench.job",
-        "aerie.bench.serving",
-        "aerie.bench.sglang_harness",
-        "aerie.bench.sglang_client",
+        "aerie.tools.gpu_slots",
+        "aerie.tools.rulelog",
+        "aerie.benchmark.job",
+        "aerie.benchmark.serving",
+        "aerie.benchmark.sglang_harness",
+        "aerie.benchmark.sglang_client",
         "aerie.target_model.model",
         "aerie.target_model.template",
         "aiohttp",
         "transformers",
         "matplotlib.pyplot",
     ],
-    "hidden": ["aerie.gpu_slots", "aerie.rulelog", "aerie.hidden", "aerie.sglang_capture"],
+    "hidden": ["aerie.tools.gpu_slots", "aerie.tools.rulelog", "aerie.hidden", "aerie.hidden.sglang"],
 }
 PROBE = """
 import importlib, importlib.metadata as md, json, sys

@@ -1,4 +1,5 @@
-"""The fit plan (aerie.fit, issue 22 item 4): every GPU job's memory per GPU against the host's, before a job runs.
+"""The fit plan (aerie.preview.fit, issue 22 item 4): every GPU job's memory per GPU against the host's, before a job
+runs.
 
 The Kimi config fits its 8 H200s (every GPU job); a drafter window of 131,072 tokens without a token budget is
 refused by the dry run, naming the setting; an in-process benchmark of Kimi's 554 GB fits 8 x 141 GiB only spread
@@ -18,9 +19,9 @@ import torch
 import yaml
 from conftest import REPO, snakemake
 
-from aerie.config_file import ConfigSources
-from aerie.fit import GIB, decoder_parameters, fit_plan, host_gpu_memory, target_facts
-from aerie.plan import validate_config
+from aerie.plan.config_file import ConfigSources
+from aerie.plan.resolve import validate_config
+from aerie.preview.fit import GIB, decoder_parameters, fit_plan, host_gpu_memory, target_facts
 
 KIMI = REPO / "config" / "kimi-k2.5.yaml"
 
@@ -46,7 +47,8 @@ def test_the_kimi_config_fits_every_gpu_job_at_141_gib() -> None:
     plan = fit_plan(config, nvidia_smi=None)
     assert plan.gpu_bytes == 141 * GIB and not plan.failures(), plan.text()
     fits = jobs(plan)
-    assert set(fits) == {"hidden", "drafter", "bench"}  # responses go to OpenRouter: no GPU job
+    # responses go to OpenRouter: no GPU job; one training job per drafter (EAGLE-3 and DFlash)
+    assert set(fits) == {"hidden", "drafter kimi-k2.5-eagle3", "drafter kimi-k2.5-dflash", "bench"}
     for job in fits.values():
         assert job.fits(plan.gpu_bytes) and 0 < job.total < 141 * GIB and job.gpus == 8, job.line(plan.gpu_bytes)
     # Capture: SGLang's static share on GPU 0 holds the weights / 8, aerie's lm_head copy and a 32k sequence's KV.
@@ -54,17 +56,22 @@ def test_the_kimi_config_fits_every_gpu_job_at_141_gib() -> None:
     assert "GPU 0 (SGLang rank 0 + aerie's lm_head copy)" in hidden.where
     assert "lm_head copy for the top-k targets: [163840, 7168] x 2 bytes = 2.35 GB" in " ".join(hidden.notes)
     assert "weights / TP 64.5 GiB" in " ".join(hidden.notes)
-    # Training: the estimate aerie.drafter.memory makes for the shipped settings, per GPU (a replica each).
-    assert fits["drafter"].parts["activations"] > 10 * GIB
+    # Training: the estimate aerie.drafter_kinds.eagle3.memory makes for the shipped settings, per GPU (a replica each).
+    assert fits["drafter kimi-k2.5-eagle3"].parts["activations"] > 10 * GIB
+    # DFlash (z-lab's 6 layers, ~3.48B parameters): fp32 weights, gradients and AdamW ~52 GiB a replica, stated
+    dflash = fits["drafter kimi-k2.5-dflash"]
+    assert 48 * GIB < dflash.parts["parameters"] * 4 < 56 * GIB and "3.48B trainable parameters" in " ".join(
+        dflash.notes
+    )
     text = plan.text()
     assert text.startswith("aerie fit plan: 141.0 GiB per GPU (resources.gpu_memory_gib)")
-    assert text.count(": fits, ") == 3
+    assert text.count(": fits, ") == 4
 
 
 def test_a_131072_token_window_without_a_token_budget_is_refused_by_the_dry_run(workdir: Path) -> None:
     config = kimi_config(**{"drafter.max_seq_len": 131072, "drafter.max_batch_tokens": 0, "drafter.batch_size": 4})
     plan = fit_plan(config, nvidia_smi=None)
-    assert [j.rule for j in plan.failures()] == ["drafter"]
+    assert "drafter kimi-k2.5-eagle3" in [j.rule for j in plan.failures()]
     assert "drafter.max_batch_tokens" in plan.error() and "does not fit 141.0 GiB" in plan.error()
     # Through Snakemake: the dry run stops at parse time, before any job (and any dollar), naming the setting.
     raw = yaml.safe_load(KIMI.read_text())
@@ -172,8 +179,9 @@ def test_the_fit_plan_reads_no_weights_and_imports_no_torch() -> None:
     import sys
 
     code = (
-        "import sys, yaml\nfrom aerie.config_file import ConfigSources\nfrom aerie.plan import validate_config\n"
-        "from aerie.fit import fit_plan\n"
+        "import sys, yaml\nfrom aerie.plan.config_file import ConfigSources\n"
+        "from aerie.plan.resolve import validate_config\n"
+        "from aerie.preview.fit import fit_plan\n"
         f"c = yaml.safe_load(open({str(KIMI)!r}))\nvalidate_config(c, ConfigSources.read([{str(KIMI)!r}]))\n"
         "print(fit_plan(c, nvidia_smi=None).text())\n"
         "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))"
@@ -212,18 +220,27 @@ def test_the_inprocess_bench_holds_a_drafter_per_reference_and_its_sets_bound_th
     """Each drafter reference is one more drafter (and embeddings copy) beside the trained one: a folder not here
     yet is sized as the trained drafter; prompt lookup holds nothing. A bench set's prompts (HumanEval's are long)
     bound the sequence as the datasets' held-out prompts do."""
-    from aerie.fit import longest_prompt
+    from aerie.preview.fit import longest_prompt
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "long.jsonl").write_text(json.dumps({"question": "x" * 40_000}) + "\n")
     refs = ["untrained", "ngram", "lightseekorg/kimi-k2.5-eagle3"]
     base = {"bench.backend": "inprocess", "bench.references": refs}
     bench = jobs(fit_plan(kimi_config(**base), nvidia_smi=None))["bench"]
-    held = {k for k in bench.parts if "drafter" in k or "reference" in k}
-    assert held == {"trained drafter", "untrained reference", "reference lightseekorg/kimi-k2.5-eagle3"}, bench.parts
-    assert bench.parts["reference lightseekorg/kimi-k2.5-eagle3"] == bench.parts["trained drafter"]
+    held = {k for k in bench.parts if "drafter" in k or "reference" in k or "untrained" in k}
+    drafters = ("kimi-k2.5-eagle3", "kimi-k2.5-dflash")
+    assert held == {
+        *(f"trained drafter {d}" for d in drafters),
+        *(f"untrained {d}" for d in drafters),
+        "reference lightseekorg/kimi-k2.5-eagle3",
+    }, bench.parts
+    eagle3 = bench.parts["trained drafter kimi-k2.5-eagle3"]
+    assert bench.parts["reference lightseekorg/kimi-k2.5-eagle3"] == eagle3  # not here: sized as the first drafter
+    # DFlash reads the target's own embeddings in process (EAGLE-3 holds a copy): ~3.48B bf16 parameters alone
+    assert 6.4 * GIB < bench.parts["trained drafter kimi-k2.5-dflash"] < 6.6 * GIB
     alone = jobs(fit_plan(kimi_config(**{**base, "bench.references": ["ngram"]}), nvidia_smi=None))["bench"]
-    assert alone.total == bench.total - 2 * bench.parts["trained drafter"]
+    untrained = sum(bench.parts[f"untrained {d}"] for d in drafters)
+    assert alone.total == bench.total - untrained - eagle3
     sets = {"long": {"source": {"kind": "jsonl", "path": "long.jsonl", "text_field": "question"}}}
     assert longest_prompt(kimi_config(**{**base, "bench.sets": {}}), {}) == 1
     assert longest_prompt(kimi_config(**{**base, "bench.sets": sets}), {}) >= 10_000

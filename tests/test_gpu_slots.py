@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from aerie import gpu_slots
-from aerie.gpu_slots import GpuSlotError, acquire_gpus, detect_devices
+from aerie.tools import gpu_slots
+from aerie.tools.gpu_slots import GpuSlotError, acquire_gpus, detect_devices
 
 # One fake GPU job: take `count` GPUs, record what it got and when, hold them `hold` seconds.
 JOB = textwrap.dedent(
     """
     import json, os, sys, time
-    from aerie.gpu_slots import acquire_gpus
+    from aerie.tools.gpu_slots import acquire_gpus
     name, count, hold, record = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     got = acquire_gpus(count, count, name, poll_s=0.02, log=lambda m: None)
     start = time.time()
@@ -105,7 +105,9 @@ def test_sigkill_frees_the_slot(fake_env: dict[str, str], tmp_path: Path) -> Non
         time.sleep(0.5)
         assert waiter.poll() is None and not (tmp_path / "waiter.json").exists()  # both GPUs are held
         # Who holds what is visible while it is held.
-        status = subprocess.run([sys.executable, "-m", "aerie.gpu_slots"], env=env, capture_output=True, text=True)
+        status = subprocess.run(
+            [sys.executable, "-m", "aerie.tools.gpu_slots"], env=env, capture_output=True, text=True
+        )
         assert f"pid {held['pid']}" in status.stdout and "rule holder" in status.stdout
         os.kill(holder.pid, signal.SIGKILL)
         got = wait_for(tmp_path / "waiter.json", timeout=10)
@@ -218,7 +220,7 @@ SNAKEFILE = textwrap.dedent(
 RULE_SCRIPT = textwrap.dedent(
     """
     import json, os, time
-    from aerie.gpu_slots import acquire_rule_gpus
+    from aerie.tools.gpu_slots import acquire_rule_gpus
     log = open(snakemake.output[0] + ".log", "a")
     got = acquire_rule_gpus(snakemake, lambda m: print(m, file=log, flush=True))
     start = time.time()
@@ -259,14 +261,14 @@ def test_snakemake_jobs_under_a_global_limit(fake_env: dict[str, str], tmp_path:
 
 
 def test_run_holds_the_gpus_for_the_command(fake_env: dict[str, str], tmp_path: Path) -> None:
-    """`python -m aerie.gpu_slots run N -- CMD` (for SGLang servers started by hand): CMD sees its GPUs and
+    """`python -m aerie.tools.gpu_slots run N -- CMD` (for SGLang servers started by hand): CMD sees its GPUs and
     holds them across exec until it exits."""
     env = {**fake_env, gpu_slots.ENV_FAKE_GPUS: "1"}
     seen = tmp_path / "seen.txt"
     cmd = [
         sys.executable,
         "-m",
-        "aerie.gpu_slots",
+        "aerie.tools.gpu_slots",
         "run",
         "1",
         "--",

@@ -8,7 +8,6 @@ the states, as it is for real targets) whose own greedy outputs are the data.
 from __future__ import annotations
 
 import json
-import sys
 import types
 from pathlib import Path
 
@@ -18,16 +17,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aerie.artifacts import load_packed, save_packed
-from aerie.disk import bytes_per_token, disk_preview, specforge_bytes_per_token
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.data import load_batch, make_windows
 from aerie.drafter.loop import train_drafter
-from aerie.drafter.ttt import TargetHead
+from aerie.drafter_kinds.eagle3.ttt import TargetHead
 from aerie.formats.hidden import HIDDEN_FORMAT, HiddenShard, dequantize_aux, open_hidden_shards, quantize_aux
 from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.formats.vocab import load_draft_vocab
-from aerie.hidden import HFCapture, capture_shard
+from aerie.hidden.backends import HFCapture
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_shard
+from aerie.preview.disk import bytes_per_token, disk_preview, specforge_bytes_per_token
+from aerie.tools.artifacts import load_packed, save_packed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,9 +69,9 @@ def _capture(world: dict, out: Path, **kw) -> dict:
         batch_tokens=512,
         threads=1,
         min_next_token_agreement=0.99,
-        log=lambda _: None,
     )
-    return capture_shard(world["tokens"], out, str(world["target_dir"]), **{**args, **kw})
+    log = kw.pop("log", lambda _: None)
+    return capture_shard(world["tokens"], out, str(world["target_dir"]), CaptureSettings(**{**args, **kw}), log=log)
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +201,8 @@ def test_batches_of_both_layouts_give_the_same_targets(world):
     batches = {}
     for name in ("compact", "full32"):
         shard = HiddenShard(world[name])
-        windows = [w for seq in range(4) for w in make_windows(0, shard, seq, 64, 2)]
-        batches[name] = load_batch(windows, [shard], 2, torch.device("cpu"), torch.float32)
+        windows = [w for seq in range(4) for w in make_windows(0, shard, seq, 64, 2 + 1)]
+        batches[name] = load_batch(windows, [shard], 2 + 1, torch.device("cpu"), torch.float32)
     c, f = batches["compact"], batches["full32"]
     assert f.topk_ids is None and c.final is None and torch.equal(c.ids, f.ids) and torch.equal(c.have, f.have)
     torch.testing.assert_close(c.aux, f.aux, atol=1e-4, rtol=1 / 16 + 1e-3)  # (atol: values near zero)
@@ -224,9 +225,9 @@ def test_training_reads_both_layouts(world, tmp_path):
             world["vocab"],
             world["target_dir"],
             tmp_path / name,
-            TrainConfig(**TRAIN),
+            TrainConfig.of(**TRAIN),
             log=lambda _: None,
-            aux_layer_ids=AUX,
+            layer_ids=AUX,
         )
     for r in results.values():
         assert r["simulated_acceptance_length"] > r["untrained"]["simulated_acceptance_length"]
@@ -237,7 +238,7 @@ def test_training_reads_both_layouts(world, tmp_path):
 
 
 def test_compact_training_resumes_exactly(world, tmp_path):
-    cfg = TrainConfig(**{**TRAIN, "epochs": 2, "checkpoint_every": 2})
+    cfg = TrainConfig.of(**{**TRAIN, "epochs": 2, "checkpoint_every": 2})
     straight = train_drafter(
         [world["compact"]],
         world["vocab"],
@@ -245,7 +246,7 @@ def test_compact_training_resumes_exactly(world, tmp_path):
         tmp_path / "a",
         cfg,
         log=lambda _: None,
-        aux_layer_ids=AUX,
+        layer_ids=AUX,
     )
 
     def kill(step: int) -> None:
@@ -261,7 +262,7 @@ def test_compact_training_resumes_exactly(world, tmp_path):
             cfg,
             log=lambda _: None,
             on_step=kill,
-            aux_layer_ids=AUX,
+            layer_ids=AUX,
         )
     lines: list[str] = []
     resumed = train_drafter(
@@ -271,7 +272,7 @@ def test_compact_training_resumes_exactly(world, tmp_path):
         tmp_path / "b",
         cfg,
         log=lines.append,
-        aux_layer_ids=AUX,
+        layer_ids=AUX,
     )
     assert any("resuming from" in x for x in lines)
     assert resumed["acceptance_per_position"] == straight["acceptance_per_position"]
@@ -286,7 +287,7 @@ def test_compact_training_resumes_exactly(world, tmp_path):
             cfg,
             log=lambda _: None,
             on_step=kill,
-            aux_layer_ids=AUX,
+            layer_ids=AUX,
         )
     with pytest.raises(ValueError, match="hidden_shards differ"):
         train_drafter(
@@ -296,7 +297,7 @@ def test_compact_training_resumes_exactly(world, tmp_path):
             tmp_path / "c",
             cfg,
             log=lambda _: None,
-            aux_layer_ids=AUX,
+            layer_ids=AUX,
         )
 
 
@@ -307,22 +308,22 @@ def test_compact_training_resumes_exactly(world, tmp_path):
 def test_shards_of_other_layers_or_depth_are_refused(world, tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"compact\.safetensors was captured at aux layers \[1, 2, 3\].*configured for "
-        r"aux layers \[0, 2, 3\].*recapture",
+        match=r"compact\.safetensors was captured at layers \[1, 2, 3\].*the drafter reads "
+        r"layers \[0, 2, 3\].*recapture",
     ):
         train_drafter(
             [world["compact"]],
             world["vocab"],
             world["target_dir"],
             tmp_path / "a",
-            TrainConfig(**TRAIN),
+            TrainConfig.of(**TRAIN),
             log=lambda _: None,
-            aux_layer_ids=[0, 2, 3],
+            layer_ids=[0, 2, 3],
         )
     deeper = _rewrite_meta(world["compact"], tmp_path / "deeper.safetensors", num_hidden_layers=61)
     with pytest.raises(
         ValueError,
-        match=r"deeper\.safetensors was captured at aux layers \[1, 2, 3\] of a 61-layer "
+        match=r"deeper\.safetensors was captured at layers \[1, 2, 3\] of a 61-layer "
         r"target.*\[1, 2, 3\] of the 5-layer target",
     ):
         train_drafter(
@@ -330,14 +331,14 @@ def test_shards_of_other_layers_or_depth_are_refused(world, tmp_path):
             world["vocab"],
             world["target_dir"],
             tmp_path / "b",
-            TrainConfig(**TRAIN),
+            TrainConfig.of(**TRAIN),
             log=lambda _: None,
-            aux_layer_ids=AUX,
+            layer_ids=AUX,
         )
 
 
 def test_export_naming_other_layers_is_refused(world, tmp_path, monkeypatch):
-    import aerie.drafter.model as model
+    import aerie.drafter_kinds.eagle3.model as model
 
     real = model.DrafterConfig.to_hf_config
 
@@ -353,9 +354,9 @@ def test_export_naming_other_layers_is_refused(world, tmp_path, monkeypatch):
             world["vocab"],
             world["target_dir"],
             tmp_path / "out",
-            TrainConfig(**{**TRAIN, "epochs": 1}),
+            TrainConfig.of(**{**TRAIN, "epochs": 1}),
             log=lambda _: None,
-            aux_layer_ids=AUX,
+            layer_ids=AUX,
         )
     assert not (tmp_path / "out").exists()
 
@@ -369,7 +370,7 @@ def test_sglang_backend_dispatch(world, tmp_path, monkeypatch):
     comes from the target's safetensors; the shard equals the hf backend's."""
     made = {}
 
-    class FakeSGLangCapture:  # what aerie.sglang_capture provides on a GPU host, played by transformers here
+    class FakeSGLangCapture:  # what aerie.hidden.sglang provides on a GPU host, played by transformers here
         def __init__(self, target_path, layer_ids, *, dtype, before_start, **kwargs):
             made.update(target_path=target_path, layer_ids=layer_ids, dtype=dtype, kwargs=kwargs)
             before_start()  # where the lm_head copy is placed: after the checks, before the workers start
@@ -382,12 +383,7 @@ def test_sglang_backend_dispatch(world, tmp_path, monkeypatch):
         def close(self):
             made["closed"] = True
 
-    from aerie.sglang_capture import mapping
-
-    stand_in = types.SimpleNamespace(
-        SGLangCapture=FakeSGLangCapture, lm_head_copy=mapping.lm_head_copy, target_dims=mapping.target_dims
-    )
-    monkeypatch.setitem(sys.modules, "aerie.sglang_capture", stand_in)
+    monkeypatch.setattr("aerie.hidden.backends.SGLangCapture", FakeSGLangCapture)
     out = tmp_path / "sglang.safetensors"
     _capture(world, out, backend="sglang", backend_options={"tp_size": 1}, dtype="float32", device="cpu")
     assert made == {
@@ -415,10 +411,10 @@ def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code
 
     from transformers import AutoModelForCausalLM
 
-    from aerie.capture import base_decoder, decoder_layers
-    from aerie.rehearsal_target import remote_code
-    from aerie.rehearsal_target.build import REMOTE_MODEL_FILES, build_model
-    from aerie.rehearsal_target.config import RehearsalTargetConfig
+    from aerie.target_model.capture import base_decoder, decoder_layers
+    from aerie.targets.rehearsal import remote_code
+    from aerie.targets.rehearsal.build import REMOTE_MODEL_FILES, build_model
+    from aerie.targets.rehearsal.config import RehearsalTargetConfig
 
     cfg = RehearsalTargetConfig(
         hidden_size=32,
@@ -464,12 +460,14 @@ def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code
             tokens,
             tmp_path / "no.safetensors",
             str(target),
-            aux_layer_ids=[1, 2, 3],
-            layout="full",
-            storage_dtype="float32",
-            device="cpu",
-            dtype="float32",
-            threads=1,
+            CaptureSettings(
+                aux_layer_ids=[1, 2, 3],
+                layout="full",
+                storage_dtype="float32",
+                device="cpu",
+                dtype="float32",
+                threads=1,
+            ),
             log=lambda _: None,
         )
     out = tmp_path / "hidden.safetensors"
@@ -477,13 +475,15 @@ def test_hf_backend_captures_a_kimi_shaped_wrapper_loaded_with_trust_remote_code
         tokens,
         out,
         str(target),
-        aux_layer_ids=[1, 2, 3],
-        layout="full",
-        storage_dtype="float32",
-        device="cpu",
-        dtype="float32",
-        trust_remote_code=True,
-        threads=1,
+        CaptureSettings(
+            aux_layer_ids=[1, 2, 3],
+            layout="full",
+            storage_dtype="float32",
+            device="cpu",
+            dtype="float32",
+            trust_remote_code=True,
+            threads=1,
+        ),
         log=lambda _: None,
     )
     t, meta = load_packed(out, HIDDEN_FORMAT)

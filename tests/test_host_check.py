@@ -1,4 +1,4 @@
-"""The host check (aerie/host_check.py, rules/host.smk): each bad host condition, faked, is refused naming its fix;
+"""The host check (aerie/preview/host.py, rules/host.smk): each bad host condition, faked, is refused naming its fix;
 a good host passes; the checks a run does not need are skipped with the reason; rule responses waits for the check
 (unless host_check.api_elsewhere), and the dry run lists the checks."""
 
@@ -14,8 +14,8 @@ import pytest
 import yaml
 from conftest import snakemake
 
-from aerie.fit import capture_shm
-from aerie.host_check import (
+from aerie.preview.fit import capture_shm
+from aerie.preview.host import (
     CHECKS,
     GIB,
     HostCheckError,
@@ -32,7 +32,7 @@ SMI_H200 = "580.65.06, 143771\n" * 8  # nvidia-smi --query-gpu=driver_version,me
 
 
 def kimi_needs(**changes) -> HostNeeds:
-    """What config/kimi-k2.5.yaml asks on the 8-GPU host (numbers as aerie.fit.host_needs finds them)."""
+    """What config/kimi-k2.5.yaml asks on the 8-GPU host (numbers as aerie.preview.fit.host_needs finds them)."""
     needs = HostNeeds(
         gpus=8,
         gpu_rules={"hidden": 8, "drafter": 8, "bench": 8},
@@ -87,6 +87,14 @@ BAD_HOSTS = {
     "low disk": (dict(disk=(1000 * GIB, 100 * GIB)), "disk", "free 400.0 GiB more under results/"),
     "4 GPUs": (dict(nvidia_smi="580.65.06, 143771\n" * 4), "gpus", "lower resources.<rule>_gpus"),
     "80 GB GPUs": (dict(nvidia_smi="580.65.06, 81559\n" * 8), "gpu_memory", "set resources.gpu_memory_gib to this"),
+    # every GPU must hold the largest job's share: one small one among large ones is refused (judged by the smallest)
+    "one 80 GB GPU": (
+        dict(nvidia_smi="580.65.06, 143771\n" * 7 + "580.65.06, 81559\n"),
+        "gpu_memory",
+        "the smallest of 8 GPU(s): 79.6 GiB",
+    ),
+    # what a capture batch needs is free space, not the mount's size
+    "full /dev/shm": (dict(shm=(64 * GIB, 1 * GIB)), "shm", "--shm-size=7g"),
     "no conda": (dict(conda=None), "conda", "Miniforge"),
     "SGLang env not importable": (
         dict(sglang_version=None, sglang_error="import sglang failed: ImportError: libcuda.so.1"),
@@ -112,6 +120,17 @@ def test_each_bad_host_condition_is_refused_naming_its_fix(bad: str, tmp_path: P
     assert "nothing spent" in message and not out.exists()
 
 
+def test_sglang_rules_need_the_gpus_even_when_target_device_is_auto_and_none_is_seen(tmp_path: Path) -> None:
+    """``target.device: auto`` runs the in-process GPU rules on the CPU where no GPU is seen; SGLang's rules have no
+    CPU fallback, so a host without a GPU is refused for them (driver, GPU count, memory), never skipped."""
+    no_gpu = good_host(nvidia_smi=None, nvidia_smi_error="nvidia-smi is not on PATH")
+    checks = {c.name: c for c in check_host(kimi_needs(gpu_device="auto"), no_gpu)}
+    assert all(checks[name].ok is False and not checks[name].skipped for name in ("driver", "gpus", "gpu_memory"))
+    without_sglang = kimi_needs(gpu_device="auto", sglang_rules=[])
+    checks = {c.name: c for c in check_host(without_sglang, no_gpu)}
+    assert "no GPU here" in checks["gpus"].skipped  # in-process rules only: they run on the CPU
+
+
 def test_the_driver_floor_follows_the_cuda_of_the_sglang_envs_torch() -> None:
     """A driver of 570 runs a CUDA 12.8 torch (floor 525), not the CUDA 13 one sglang 0.5.23 pins (580)."""
     old = "570.86.15, 143771\n" * 8
@@ -135,7 +154,7 @@ def test_conda_off_names_the_profile_for_a_missing_sglang() -> None:
 def test_an_sglang_env_this_machine_cannot_build_is_said_at_parse_time() -> None:
     """Snakemake builds the conda environments before rule host_check runs: below glibc 2.34 pip would fail on
     envs/sglang.yaml with its own error, so the parse says why first (and only when it would build it)."""
-    from aerie.host_check import env_build_warning
+    from aerie.preview.host import env_build_warning
 
     warning = env_build_warning(kimi_needs(), "2.28")
     assert "glibc 2.28" in warning and "envs/sglang.yaml" in warning and "--conda-create-envs-only" in warning

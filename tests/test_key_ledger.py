@@ -1,5 +1,6 @@
-"""One budget per key across runs (aerie.api.key_ledger): the ledger's figures, leases, dead runs and torn files, and
-two responses jobs at once on one key against the emulator."""
+"""One budget per key across runs (aerie.responses.api.key_ledger): the ledger's figures, leases, dead runs and torn
+files; and two responses jobs on one key against the emulator (at once, one killed and restarted, one after the
+other), each results folder's books equal to what was billed for its requests (aerie.responses.api.key_books)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
-from test_api import exact_cost, job_config, make_prompts, write_prompt_file
+from api_world import billed_per_folder, books_of, drained, exact_cost, shard_of, start_job
 
-from aerie.api.emulator import EmulatorSettings, serve_in_thread
-from aerie.api.journal import journal_path, read_journal
-from aerie.api.key_ledger import (
+from aerie.emulator import EmulatorSettings, serve_in_thread
+from aerie.responses.api.books import folder_money, read_folder_books, spend_story, where_from_record
+from aerie.responses.api.journal import journal_path, read_journal, request_tally
+from aerie.responses.api.key_books import Weights
+from aerie.responses.api.key_ledger import (
     KEY_LEDGER_FORMAT,
     KeyLedger,
     key_ledger_path,
@@ -101,6 +103,19 @@ def test_a_refused_run_gives_back_its_headroom(tmp_path: Path) -> None:
     assert b.others.reserved == 0.0 and b.others.spent == pytest.approx(4.6)
 
 
+def test_a_lease_the_budget_refuses_keeps_no_headroom(tmp_path: Path) -> None:
+    """Refused, a run's lease shrinks to what it has committed (spent and in flight): headroom it kept would count
+    against every other run on the key until its next change, for requests it cannot send."""
+    path = tmp_path / "k.json"
+    a, b = ledger(path, "a"), ledger(path, "b")
+    a.open(), b.open()
+    assert a.take(0.0, 0.0, 1.0, lambda: 10.0 - a.others.committed, 5.0)  # lease 5: a request and 4 of headroom
+    # $2 answered, $1 in flight; 8 more do not fit what the budget leaves (10 - 3).
+    assert not a.take(2.0, 3.0, 8.0, lambda: 10.0 - 3.0 - a.others.committed, 5.0)
+    assert a.lease == 3.0 and read_key_ledger(path)["runs"][a.run_id]["reserved"] == pytest.approx(1.0)
+    assert b.refresh().reserved == pytest.approx(1.0)  # the other run sees only what is in flight
+
+
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -142,6 +157,26 @@ def test_a_killed_runs_lease_counts_until_its_requests_settle_then_its_entry_goe
     assert remote.run_id not in read_key_ledger(path)["runs"]  # dead, settled at once: dropped
 
 
+def test_a_dead_runs_requests_in_flight_become_its_folders_lost_requests_in_the_keys_books(tmp_path: Path) -> None:
+    """Run A is killed with $3 of requests in flight (published with its entry); the provider bills them. Run B's next
+    reading attributes that money to A's folder as lost requests - not to A's requests in flight (no live job will
+    journal them) and not to nobody - and B's own books stay its journals."""
+    path = tmp_path / "k.json"
+    a, b = ledger(path, "a"), ledger(path, "b")
+    a.open(), b.open()
+    a.join(0.0), b.join(0.0)
+    assert a.reconcile(0.0, 0.0, Weights(in_flight=3.0, in_flight_max=9.0)) is not None
+    a.flight = (3.0, 9.0)
+    a.take(0.0, 0.0, 3.0, lambda: 10.0, 3.0)  # publishes its entry with what it has in flight
+    doc = json.loads(path.read_text())
+    doc["runs"][a.run_id]["pid"] = dead_pid()  # kill -9
+    path.write_text(json.dumps(doc))
+    shares = b.reconcile(5.0, 2.0, Weights()).shares  # $2 of B's answers journaled, $3 more billed
+    assert shares["a"].lost == pytest.approx(3.0) and shares["a"].in_flight == 0
+    assert shares["b"].billed == 0
+    assert read_key_ledger(path)["books"]["folders"]["a"]["weights"]["in_flight"] == 0
+
+
 def test_an_unclean_end_keeps_the_lease_reserved_and_a_torn_ledger_starts_afresh(tmp_path: Path) -> None:
     path = tmp_path / "k.json"
     a = ledger(path, "a")
@@ -157,72 +192,164 @@ def test_an_unclean_end_keeps_the_lease_reserved_and_a_torn_ledger_starts_afresh
     assert read_key_ledger(path)["format"] == KEY_LEDGER_FORMAT
 
 
-JOB = (
-    "import json, sys, time; from pathlib import Path; "
-    "from aerie.api.job import ApiShardTask, regenerate_api_shards; from aerie.plan import api_run; "
-    "c, t, go = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), Path(sys.argv[3]); "
-    "tasks = [ApiShardTask(d, Path(p), Path(o)) for d, p, o in t]\n"
-    "while not go.exists(): time.sleep(0.01)\n"
-    "r = regenerate_api_shards(tasks, api_run(c), log=lambda m: print(m, flush=True)); "
-    "print(json.dumps({'unfinished': sum(isinstance(v, str) for v in r.values())}))"
+# The emulator of the three schedules: every answer 100 tokens (every request costs the same), slow answers that
+# outlast the jobs' read timeout (billed, retried: money no journal holds) and refusals (never billed).
+SCHEDULE_EMULATOR = dict(
+    output_tokens_mean=100,
+    output_tokens_dist="fixed",
+    latency_mean=0.3,
+    faults={"429": 0.05, "500": 0.05, "slow": 0.05},
+    slow_seconds=1.0,
+    retry_after=0.1,
 )
 
 
-def start_job(folder: Path, base: str, budget: float, go: Path, n: int, env: dict[str, str]) -> subprocess.Popen:
-    """A responses job of its own run (results folder) in a process of its own, started when ``go`` appears."""
-    prompts = [{**p, "id": f"{folder.name}/{i}", "dataset": "chat"} for i, p in enumerate(make_prompts(n, folder.name))]
-    prompt_file = write_prompt_file(folder / "prompts.jsonl", prompts)
-    out = folder / "results" / "chat" / "responses" / "shard-00000.jsonl"
-    config = job_config(base, {"chat": {}}, budget_usd=budget, concurrency=20, progress_interval_s=1)
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "tasks.json").write_text(json.dumps([["chat", str(prompt_file), str(out)]]))
-    return subprocess.Popen(
-        [sys.executable, "-c", JOB, str(folder / "config.json"), str(folder / "tasks.json"), str(go)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def test_two_runs_at_once_on_one_key_stay_within_one_budget(tmp_path: Path) -> None:
+def test_two_runs_at_once_on_one_key_stay_within_one_budget_and_each_folder_books_its_own(
+    tmp_path: Path, monkeypatch
+) -> None:
     """Two responses jobs of two results folders, started together on one key, each with the same budget for 120
-    of its 300 requests, against an emulator that refuses 20% of requests (429s with and without Retry-After,
-    500, 503): together they are billed at most that one budget, and use it. Without the key ledger each keeps
-    its 20 requests in flight and spends its own budget (2x, issue 30)."""
+    of its 300 requests, against an emulator that refuses 10% of requests and answers 5% too late (billed, retried):
+    together they are billed one budget (plus the late answers billed after the last reading), and use it; and each
+    folder's report and preview say what was billed for its own requests. Without the key ledger each keeps its 20
+    requests in flight and spends its own budget (2x, issue 30); without the key's books each folder books the other
+    run's spend as its own billed retries (issue 39)."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-shared")  # the reports read the account live, as a user's do
     per = exact_cost(100)
     budget = round(120 * per, 9)
     go = tmp_path / "go"
-    env = {**os.environ, "OPENROUTER_API_KEY": "sk-shared", "PYTHONPATH": str(REPO)}
-    emu = EmulatorSettings(
-        output_tokens_mean=100,
-        output_tokens_dist="fixed",
-        latency_mean=0.3,
-        faults={"429": 0.05, "429-retry-after": 0.05, "500": 0.05, "503": 0.05},
-        retry_after=0.1,
-    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    emu = EmulatorSettings(**SCHEDULE_EMULATOR, request_log=str(tmp_path / "requests.jsonl"))
+    folders = [tmp_path / "one", tmp_path / "two"]
     with serve_in_thread(emu) as base:
         jobs = {}
-        for name in ("one", "two"):
-            (tmp_path / name).mkdir()
-            jobs[name] = start_job(tmp_path / name, base, budget, go, 300, env)
+        for folder in folders:
+            folder.mkdir()
+            jobs[folder.name] = start_job(folder, base, budget, go, 300, env, read_timeout_s=0.5)
         time.sleep(3)  # both imported and waiting
         go.touch()
         logs = {name: proc.communicate(timeout=240)[0] for name, proc in jobs.items()}
-        stats = requests.get(f"{base}/emulator/stats", timeout=5).json()
+        stats = drained(base)
+        books = {folder.name: books_of(folder) for folder in folders}
     assert all(proc.returncode == 0 for proc in jobs.values()), logs
     assert stats["max_in_flight"] > 20, stats  # the two ran at once (one job keeps at most 20 in flight)
     billed = stats["charged_usd"]
-    assert billed <= budget + 1e-9, f"{billed / per:.1f} requests billed for a budget of 120"
+    late = stats["outcomes"].get("client-gone", 0)
+    assert late > 0 and sum(n for k, n in stats["outcomes"].items() if k in ("429", "500")) > 0, stats["outcomes"]
+    assert billed <= budget + late * per + 1e-9, f"{billed / per:.1f} requests billed for a budget of 120"
     for name in jobs:
         assert "budget: $" in logs[name] and "other runs on the key" in logs[name], logs[name][-3000:]
     assert billed >= budget - 3 * per, billed / per  # and the budget was used
-    journaled = sum(
-        read_journal(journal_path(tmp_path / n / "results/chat/responses/shard-00000.jsonl")).cost for n in jobs
-    )
-    assert journaled == pytest.approx(billed)
-    assert sum(n for k, n in stats["outcomes"].items() if k != "ok") > 0, stats["outcomes"]  # faults were met
+    own = billed_per_folder(tmp_path / "requests.jsonl", folders)
+    assert sum(own.values()) == pytest.approx(billed)
+    for name in books:  # each folder's books are what was billed for its requests (to a fraction of a request)
+        assert books[name] == pytest.approx(own[name], abs=per / 2), (books, own)
     ended = read_key_ledger(key_ledger_path(base, "sk-shared"))["runs"].values()
     assert len(ended) == 2 and all(e["ended"] and e["reserved"] == 0 for e in ended)  # both left cleanly
-    assert sum(e["spent"] for e in ended) == pytest.approx(billed)  # with their last answers
+    journaled = sum(read_journal(journal_path(shard_of(f))).cost for f in folders)
+    assert sum(e["spent"] for e in ended) == pytest.approx(journaled)  # with their last answers
+
+
+def wait_for_answers(folder: Path, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    journal = journal_path(shard_of(folder))
+    while not journal.exists() or len(journal.read_bytes().splitlines()) < n:
+        assert time.monotonic() < deadline, f"{folder.name}: fewer than {n} answers"
+        time.sleep(0.02)
+
+
+def wait_for_in_flight(folder: Path, n: int, timeout: float = 60.0) -> int:
+    """Wait until the folder's job has at least ``n`` requests sent and unanswered (its intents log); how many."""
+    deadline = time.monotonic() + timeout
+    while (now := len(request_tally(shard_of(folder)).unanswered)) < n:
+        assert time.monotonic() < deadline, f"{folder.name}: fewer than {n} requests in flight"
+        time.sleep(0.01)
+    return now
+
+
+def test_a_run_killed_and_restarted_beside_another_books_its_lost_requests_and_nothing_of_the_other(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two runs on one key at once; one is SIGKILLed with its requests in flight (the provider bills them, no answer
+    comes back) and restarted at once while the other goes on. Each folder's report and preview say what was billed
+    for its own requests: the killed run's lost requests in its books, the other run's spend in neither (issue 39:
+    both folders claimed the key's whole spend after this schedule)."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-shared")
+    per = exact_cost(100)
+    budget = round(100 * per, 9)
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    emu = EmulatorSettings(**SCHEDULE_EMULATOR, request_log=str(tmp_path / "requests.jsonl"))
+    killed, other = tmp_path / "killed", tmp_path / "other"
+    with serve_in_thread(emu) as base:
+        for folder in (killed, other):
+            folder.mkdir()
+        first = start_job(killed, base, budget, go, 300, env, read_timeout_s=0.5)
+        second = start_job(other, base, budget, go, 300, env, read_timeout_s=0.5)
+        time.sleep(3)
+        go.touch()
+        wait_for_answers(killed, 20)
+        wait_for_in_flight(killed, 5)  # a kill between two waves would leave too few to tell lost from noise
+        first.kill()  # SIGKILL with 5 to 20 requests in flight: billed when their generations end
+        first.communicate(timeout=30)
+        left = len(request_tally(shard_of(killed)).unanswered)  # sent and never answered: the kill's lost requests
+        restarted = start_job(killed, base, budget, go, 300, env, read_timeout_s=0.5)
+        logs = {name: proc.communicate(timeout=240)[0] for name, proc in (("killed", restarted), ("other", second))}
+        stats = drained(base)
+        books = {folder.name: books_of(folder) for folder in (killed, other)}
+        # read while the account can still be read live: the jobs' last recorded reading may predate the billing
+        # of the kill's abandoned generations (pending there), as the books above would without the live account
+        lost = {folder.name: spend_story([shard_of(folder)]).billed["chat"].lost for folder in (killed, other)}
+    assert all(proc.returncode == 0 for proc in (restarted, second)), logs
+    assert stats["outcomes"].get("client-gone", 0) >= 5, stats["outcomes"]  # the kill left requests to be billed
+    own = billed_per_folder(tmp_path / "requests.jsonl", [killed, other])
+    assert sum(own.values()) == pytest.approx(stats["charged_usd"])
+    for name in books:
+        assert books[name] == pytest.approx(own[name], abs=per / 2), (books, own)
+    assert left >= 5 and lost["killed"] >= (left - 1) * per, (left, lost)  # one may have died before it was sent
+    assert lost["other"] == 0, lost
+    # Each run's budget held, give or take the answers billed after its last reading (the other run may have ended
+    # before the killed one came back: a run that ended before another opened does not count against it).
+    for name in books:
+        assert books[name] <= budget + stats["outcomes"]["client-gone"] * per + 1e-9, (books, budget)
+
+
+@pytest.mark.parametrize("mode", ["stream", "batch"])
+def test_runs_one_after_the_other_on_one_key_each_book_their_own(tmp_path: Path, monkeypatch, mode: str) -> None:
+    """One run, then another on the same key, each to its budget for 60 of its 150 requests (streaming: with late
+    answers billed and retried; batch: through the Batch API at its price). The first folder's report and preview,
+    read after the second run, still say what was billed for its requests - not its own plus the second's, which would
+    make "raise the budget and rerun" ask for the other run's money (issue 39) - and each run's budget held."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-shared")
+    per = exact_cost(100) * (0.5 if mode == "batch" else 1.0)
+    budget = round(60 * per, 9)
+    go = tmp_path / "go"
+    go.touch()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    emu = EmulatorSettings(
+        **SCHEDULE_EMULATOR, request_log=str(tmp_path / "requests.jsonl"), batch_latency_mean=0.3, batch_validate_s=0.1
+    )
+    batch = {"mode": "batch", "batch": {"size": 20, "poll_interval_s": 0.1}} if mode == "batch" else {}
+    folders = [tmp_path / "first", tmp_path / "second"]
+    billed_after = []
+    with serve_in_thread(emu) as base:
+        for folder in folders:
+            folder.mkdir()
+            proc = start_job(folder, base, budget, go, 150, env, read_timeout_s=0.5, **batch)
+            log = proc.communicate(timeout=240)[0]
+            assert proc.returncode == 0 and "budget: $" in log, log[-3000:]
+            stats = drained(base)
+            billed_after.append(stats["charged_usd"])
+        books = {folder.name: books_of(folder) for folder in folders}
+        remaining = {
+            folder.name: budget - folder_money(folder / "results", where_from_record(
+                read_folder_books(folder / "results" / "api_account.jsonl")[-1]), ["chat"]).billed
+            for folder in folders
+        }  # fmt: skip
+    own = billed_per_folder(tmp_path / "requests.jsonl", folders)
+    assert own["first"] == pytest.approx(billed_after[0]) and sum(own.values()) == pytest.approx(billed_after[1])
+    for name in books:  # the report, and the preview's remaining budget (what the rerun advice rests on)
+        assert books[name] == pytest.approx(own[name], abs=per / 2), (books, own)
+        assert remaining[name] == pytest.approx(budget - own[name], abs=per / 2), remaining
+    # Each run's budget held, give or take the late answers billed after its last reading of the account.
+    late = stats["outcomes"].get("client-gone", 0) * per
+    assert billed_after[0] <= budget + late + 1e-9 and billed_after[1] - billed_after[0] <= budget + late + 1e-9

@@ -72,9 +72,11 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "OVER BUDGET" not in out, out
-    # the warm start is shown: the published drafter is not in this machine's Hub cache, so a real run would refuse
-    assert "aerie warm start: drafter.init 'lightseekorg/kimi-k2.5-eagle3' is NOT here" in out, out
-    assert "models--lightseekorg--kimi-k2.5-eagle3" in out and "huggingface-cli download" in out
+    # each drafter's warm start is shown: the published drafters are not in this machine's Hub cache, so a real run
+    # would refuse
+    for name, init in (("eagle3", "lightseekorg/kimi-k2.5-eagle3"), ("dflash", "z-lab/Kimi-K2.5-DFlash")):
+        assert f"aerie warm start (kimi-k2.5-{name}): drafters.{name}.init '{init}' is NOT here" in out, out
+        assert f"models--{init.replace('/', '--')}" in out and "huggingface-cli download" in out
     header = next(x for x in out.splitlines() if x.startswith("aerie cost preview"))
     price_in, price_out = (float(v) / 1e6 for v in re.search(r"price ([\d.]+)/([\d.]+) USD", header).groups())
     config = yaml.safe_load(KIMI.read_text())
@@ -120,5 +122,9 @@ def test_kimi_config_previews_under_budget_with_quotas(workdir: Path) -> None:
     # The disk preview is cut at the same quotas (per dataset) and names the compact layout.
     disk = next(x for x in out.splitlines() if x.startswith("aerie disk preview"))
     assert "compact" in disk and "sharegpt ~" in disk
-    gib = float(re.search(r"= ~([\d,.]+) GiB", disk).group(1).replace(",", ""))
-    assert gib < 600, disk  # 5,000 chat prompts x 3,500 tokens uncapped would be ~360 GiB for sharegpt alone
+    per_token = int(re.search(r"x ([\d,]+) bytes/token", disk).group(1).replace(",", ""))
+    sharegpt = float(re.search(r"sharegpt ~([\d,.]+)", disk).group(1).replace(",", ""))
+    # cut at its quota (2,000 samples, ~4,000 prompts' shards planned) - uncapped, its 5,000 prompts x 3,500 output
+    # tokens alone would be ~940 GiB at the 8 captured layers (EAGLE-3's 3 and DFlash's 6 share layer 1)
+    assert sharegpt < 0.5 * 5000 * 3500 * per_token / 2**30, disk
+    assert "8 aux layers" in disk

@@ -1,7 +1,7 @@
 """The SGLang capture's copy of the target's lm_head: where it lives, how much it holds, when it is placed.
 
 SGLang keeps its (vocab-parallel) lm_head to itself, so for the compact layout's top-k targets the capture reads
-``lm_head.weight`` from the target's safetensors onto SGLang's rank-0 GPU (``aerie.sglang_capture.lm_head_copy``,
+``lm_head.weight`` from the target's safetensors onto SGLang's rank-0 GPU (``aerie.hidden.sglang.lm_head_copy``,
 torch-free, what the fit plan counts), with its top-k workspace, before SGLang's workers start and size their
 memory pools. No GPU here: the placement runs on the CPU; on a GPU host ``aerie-sglang-capture check`` reports the
 bytes the allocator reserved.
@@ -19,7 +19,7 @@ from tiny_world import save_random_llama
 
 from aerie.hidden.backends import open_sglang_capture
 from aerie.hidden.head import lm_head_topk, place_lm_head
-from aerie.sglang_capture import TOPK_CHUNK_ELEMENTS, SGLangMappingError, lm_head_copy
+from aerie.hidden.sglang.mapping import TOPK_CHUNK_ELEMENTS, SGLangMappingError, lm_head_copy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,8 +45,9 @@ def test_the_plan_is_torch_free() -> None:
     import subprocess
 
     code = (
-        "import sys; import aerie.sglang_capture as sc; from aerie.target_model.config import weight_dtype_bytes\n"
-        "c = sc.lm_head_copy(163840, 7168, {'tp_size': 8}, 'auto', weight_dtype_bytes({'torch_dtype': 'bfloat16'}))\n"
+        "import sys; from aerie.hidden.sglang.mapping import lm_head_copy\n"
+        "from aerie.target_model.config import weight_dtype_bytes\n"
+        "c = lm_head_copy(163840, 7168, {'tp_size': 8}, 'auto', weight_dtype_bytes({'torch_dtype': 'bfloat16'}))\n"
         "print(c.bytes, 'torch' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)

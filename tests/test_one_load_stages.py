@@ -1,7 +1,8 @@
 """The two one-load stages, fast: the target is loaded once per run, and a stored shard is reused only for the
 settings it was made with.
 
-Rule ``hidden`` (aerie.hidden.capture_shards) and rule ``responses_hf`` (aerie.responses.generate_hf_shards) each
+Rule ``hidden`` (aerie.hidden.capture_shards) and rule ``responses_hf`` (aerie.responses.in_process.generate_hf_shards)
+each
 load the target once for every shard of the run (a 554 GB target takes many minutes to load) and keep finished
 shards in a store for the next attempt. Here they run in-process on tiny targets, the loads counted where they
 happen (transformers' ``from_pretrained``), and ``snakemake -n`` shows one job for each stage however many shards
@@ -19,10 +20,11 @@ import yaml
 from conftest import REPO, snakemake
 from tiny_world import save_random_llama, save_tiny_llama_target, write_random_tokens_shard
 
-from aerie.artifacts import load_packed
 from aerie.formats.hidden import HIDDEN_FORMAT
-from aerie.hidden import ShardTask, capture_shards
-from aerie.shard_store import KEY_FIELD, config_key_function, store_path
+from aerie.hidden.run import ShardTask, capture_shards
+from aerie.hidden.settings import CaptureSettings
+from aerie.target_model.store import KEY_FIELD, config_key_function, store_path
+from aerie.tools.artifacts import load_packed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,7 +74,7 @@ def capture_tasks(root: Path, shards: int = SHARDS) -> list[ShardTask]:
 
 
 def capture(root: Path, target: Path, **changes) -> dict:
-    return capture_shards(capture_tasks(root), str(target), log=lambda _: None, **{**BASE, **changes})
+    return capture_shards(capture_tasks(root), str(target), CaptureSettings(**{**BASE, **changes}), log=lambda _: None)
 
 
 # ---- the capture job ------------------------------------------------------------------------------------------
@@ -170,8 +172,9 @@ def test_the_dry_run_computes_the_capture_jobs_own_key(capture_target, tmp_path)
 
 
 def test_the_responses_job_loads_the_target_once_for_all_its_shards(tmp_path, loads) -> None:
-    from aerie.prompts import write_prompts
-    from aerie.responses import ResponsesTask, generate_hf_shards
+    from aerie.responses.in_process import ResponsesTask, generate_hf_shards
+    from aerie.responses.sampling import Sampling
+    from aerie.sources.datasets import write_prompts
 
     target = save_tiny_llama_target(tmp_path / "target")
     datasets = {
@@ -184,7 +187,7 @@ def test_the_responses_job_loads_the_target_once_for_all_its_shards(tmp_path, lo
         for s in range(2):
             prompts = tmp_path / name / "prompts" / f"shard-{s:05d}.jsonl"
             write_prompts(name, source, 2 * s, 2 * s + 2, prompts)
-            settings = {"top_p": 1.0, "max_new_tokens": 4, "batch_size": 2, **sampling}
+            settings = Sampling(**{"top_p": 1.0, "max_new_tokens": 4, "batch_size": 2, **sampling})
             tasks.append(ResponsesTask(prompts, tmp_path / name / "responses" / prompts.name, settings))
     loads.clear()
     result = generate_hf_shards(tasks, str(target), device="cpu", dtype="float32", threads=1, log=lambda _: None)

@@ -154,7 +154,7 @@ def test_each_rung_changes_the_one_thing_it_names_from_specforge_defaults() -> N
     """specforge-default trains at SpecForge's defaults but for the settings every arm shares on purpose (listed
     in the result); each later rung differs from the one above in exactly its own settings, and the last rung
     trains with aerie's values for all of them."""
-    cfg = TrainConfig(epochs=1, seed=3, ttt_steps=3, batch_size=4, learning_rate=1e-3, max_seq_len=2048)
+    cfg = TrainConfig.of(epochs=1, seed=3, ttt_steps=3, batch_size=4, learning_rate=1e-3, max_seq_len=2048)
     arms = list(LADDER)
     assert ARMS[0] == "aerie" and arms[0] == "specforge-default" and len(arms) == 1 + len(RUNG_CHANGES)
     assert list(ARMS[1 : 1 + len(arms)]) == arms  # the ladder in rung order, the diagnostic arms after it
@@ -271,6 +271,27 @@ def test_paired_test_on_per_seed_differences() -> None:
     assert noisy["p"] > 0.5 and noisy["ci95"][0] < 0 < noisy["ci95"][1]
     with pytest.raises(ValueError, match="same seeds"):
         paired_stats.paired_test([1.0], [1.0, 2.0])
+
+
+def test_every_paired_cell_prints_the_sign_count_and_the_exact_sign_flip_p() -> None:
+    """Issue 37's covered study: one seed of five above, t p 0.048 - the cell shows both, so a t-test verdict that
+    rests on normality is visible as such."""
+    warm = [2.85, 2.83, 2.86, 2.92, 2.82]
+    published = [2.907] * 5
+    test = paired_stats.paired_test(warm, published)
+    assert test["signs"] == (1, 4, 0)
+    # the exact sign-flip p by enumeration, written out: patterns whose |sum| reaches the observed one
+    diffs = [w - p for w, p in zip(warm, published)]
+    import itertools
+
+    extreme = sum(
+        abs(sum(s * d for s, d in zip(signs, diffs))) >= abs(sum(diffs)) - 1e-12
+        for signs in itertools.product((1, -1), repeat=5)
+    )
+    assert test["sign_flip_p"] == pytest.approx(extreme / 32)
+    text = tables.gap_text(test)
+    assert "1 of 5 above" in text and f"sign-flip p {tables.p_text(test['sign_flip_p'])}" in text and "t p " in text
+    assert "1 tied" in tables.gap_text(paired_stats.paired_test([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]))
 
 
 def write_result(run: Path, arm: str, seed: int, sim: float, rung: int) -> None:

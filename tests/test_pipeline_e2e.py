@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import REPO, snakemake
 
-from aerie.artifacts import read_jsonl, write_jsonl
+from aerie.tools.artifacts import read_jsonl, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -122,13 +122,16 @@ def test_the_demo_writes_training_curves_a_model_card_and_progress_lines(demo_ru
     curves = read_curves(drafter / "tensorboard")
     train = [json.loads(x) for x in (drafter / "train_log.jsonl").read_text().splitlines()]
     steps = [e["step"] for e in train if e["event"] == "train"]
-    assert [s for s, _ in curves["train/loss"]] == steps and "train/acc_per_position/0" in curves
+    assert [s for s, _ in curves["train/loss"]] == steps and "train/top1_match_per_position/0" in curves
     assert len(curves["heldout/acceptance_length"]) == 2  # untrained + the one epoch
     export_card = (drafter / "README.md").read_text()
     assert export_card.startswith("---\n") and "library_name: sglang" in export_card and "## Training" in export_card
     card = (published / "README.md").read_text()
     bench = json.loads((results / "bench" / "demo.json").read_text())
-    assert "**all prompts**" in card and f"{bench['acceptance_length']:,.2f}" in card
+    assert "**all prompts**" in card and f"{bench['methods']['demo']['acceptance_length']:,.2f}" in card
+    assert "# demo: a speculative-decoding drafter (eagle3)" in card and "**Gate: passed**" in card
+    assert not [p for p in published.rglob(".*")]  # no dotfile (.snakemake_timestamp) is published
+    assert "<table>" in (results / "report" / "cards" / "demo.html").read_text()  # the card as the report's page
     assert "## Training data: where the responses came from" in card and "| humaneval |" in card
     assert os.stat(published / "model.safetensors").st_ino == os.stat(drafter / "model.safetensors").st_ino
     assert json.loads((published / "benchmark.json").read_text()) == bench
@@ -146,17 +149,19 @@ def test_the_demo_writes_training_curves_a_model_card_and_progress_lines(demo_ru
 def test_benchmark_json_reports_speed_against_baseline(demo_run) -> None:
     workdir, _ = demo_run
     bench = json.loads((workdir / "results" / "bench" / "demo.json").read_text())
-    assert bench["format"] == "aerie.bench/3"
-    assert set(bench["methods"]) == {"eagle3", "untrained", "ngram"}
+    assert bench["format"] == "aerie.bench/4"
+    assert list(bench["methods"]) == ["demo", "untrained", "ngram"]  # the run's one drafter, named by the run
+    assert bench["drafters"]["demo"]["kind"] == "eagle3" and bench["gate"]["serve"] == "demo"
     assert (workdir / "results" / "bench" / "demo.png").stat().st_size > 10_000
     assert list(bench["sets"]) == ["chat", "humaneval", "tasks", "arith"] and bench["prompts"] == 4  # datasets sorted
     assert all(t["prompts"] == 1 and set(t["methods"]) == set(bench["methods"]) for t in bench["sets"].values())
     assert (workdir / "results" / "bench" / "sets" / "arith.jsonl").exists()
-    base, spec = bench["baseline"]["tokens_per_s"], bench["speculative"]["tokens_per_s"]
+    mine = bench["methods"]["demo"]
+    base, spec = bench["baseline"]["tokens_per_s"], mine["tokens_per_s"]
     assert base > 0 and spec > 0
-    assert bench["speedup"] == pytest.approx(spec / base, rel=1e-6)
-    assert bench["acceptance_length"] >= 1.0
-    assert len(bench["acceptance_per_position"]) == bench["num_draft_steps"]
+    assert mine["speedup"] == pytest.approx(spec / base, rel=1e-6)
+    assert mine["acceptance_length"] >= 1.0
+    assert len(mine["acceptance_per_position"]) == bench["num_draft_steps"] == mine["draft_tokens"]
     assert bench["lossless"] is True
 
 
@@ -174,15 +179,15 @@ def test_gate_fails_the_benchmark_job_and_keeps_the_evidence(demo_run) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     log = (workdir / "results" / "logs" / "bench" / "demo.log").read_text()
-    assert "the drafter does not pay off: speedup" in log and "below bench.gate.min_speedup 50" in log
-    assert "tok/s with the drafter vs" in log
+    assert "the trained drafter does not pay off: demo (eagle3): speedup" in log
+    assert "below bench.gate.min_speedup 50" in log and "tok/s with the drafter vs" in log
     kept = json.loads((workdir / "results" / "bench" / "demo.gate-failed.json").read_text())
-    assert kept["speedup"] < 50
-    assert kept["methods"]["results/drafter/demo"]["kind"] == "drafter" and len(kept["sets"]) == 4
+    assert kept["methods"]["demo"]["speedup"] < 50
+    assert kept["methods"]["results/drafter/demo"]["role"] == "drafter" and len(kept["sets"]) == 4
     for name, table in kept["sets"].items():  # the same drafter: the same acceptance, a tie on every set
         twin = table["methods"]["results/drafter/demo"]["acceptance_length"]
-        assert twin == table["methods"]["eagle3"]["acceptance_length"]
-        assert f"set {name}: the trained drafter's acceptance length {twin or 0:.3f} does not beat reference " in log
+        assert twin == table["methods"]["demo"]["acceptance_length"]
+        assert f"set {name}: demo's acceptance length {twin or 0:.3f} does not beat reference " in log
     assert "serve" in log and kept["gate"]["passed"] is False
     assert not (workdir / "results" / "bench" / "demo.json").exists()  # never published as a pass
     # Restore the passing report for the tests that follow.
@@ -191,7 +196,7 @@ def test_gate_fails_the_benchmark_job_and_keeps_the_evidence(demo_run) -> None:
 
 
 def test_the_fit_plan_agrees_with_the_jobs_measured_peaks(demo_run) -> None:
-    """aerie.fit's estimate of each job, for the CPU, plus the Python/torch baseline, against its peak RSS
+    """aerie.preview.fit's estimate of each job, for the CPU, plus the Python/torch baseline, against its peak RSS
     (tests/fit_check.py says what the comparison means)."""
     from fit_check import assert_estimates_agree
 
@@ -273,8 +278,8 @@ def test_planted_dropped_reasoning_stops_the_tokens_job(demo_run, tmp_path) -> N
 def test_planted_shifted_loss_mask_stops_the_hidden_job(demo_run, tmp_path) -> None:
     import torch
 
-    from aerie.artifacts import load_packed, save_packed
     from aerie.formats.tokens import TOKENS_FORMAT
+    from aerie.tools.artifacts import load_packed, save_packed
 
     copy, configfile = planted_copy(demo_run, tmp_path)
     tokens = copy / "results" / "tasks" / "tokens" / "shard-00000.safetensors"
@@ -308,4 +313,5 @@ def test_planted_off_by_one_layer_ids_stop_the_drafter_job(demo_run, tmp_path) -
     # A shard removed by an earlier test is recaptured at the right ids first: then the shards disagree among
     # themselves; otherwise they disagree with the configured ids. Either way the job names both and stops.
     assert str([i - 1 for i in ids]) in log and str(ids) in log and "recapture" in log, log
-    assert "captured at aux layers" in log or "hidden shards disagree on aux_layer_ids" in log
+    assert f"was captured at layers {[i - 1 for i in ids]}" in log or "hidden shards disagree on aux_layer_ids" in log
+    assert f"the drafter reads layers {ids}" in log or "hidden shards disagree on aux_layer_ids" in log

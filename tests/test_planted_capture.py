@@ -12,10 +12,13 @@ import torch
 from tiny_world import save_random_llama
 from transformers import LlamaForCausalLM
 
-from aerie.artifacts import save_packed
-from aerie.capture import AuxHiddenCapture
 from aerie.formats.tokens import TOKENS_FORMAT
-from aerie.hidden import CaptureChecks, HiddenStateError, backends, capture_shard
+from aerie.hidden import backends
+from aerie.hidden.checks import CaptureChecks, HiddenStateError
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_shard
+from aerie.target_model.capture import AuxHiddenCapture
+from aerie.tools.artifacts import save_packed
 
 AUX = [1, 3, 4]
 
@@ -53,10 +56,7 @@ def capture(world: dict, name: str) -> dict:
         world["tokens"],
         world["root"] / f"{name}.safetensors",
         world["target"],
-        aux_layer_ids=AUX,
-        batch_tokens=256,
-        threads=1,
-        min_next_token_agreement=0.995,
+        CaptureSettings(aux_layer_ids=AUX, batch_tokens=256, threads=1, min_next_token_agreement=0.995),
         log=lambda _: None,
     )
 
@@ -192,8 +192,7 @@ def test_a_layer_that_does_nothing_shows_as_identical_layers(world, tmp_path) ->
             world["tokens"],
             tmp_path / "x.safetensors",
             str(tmp_path / "dead"),
-            aux_layer_ids=AUX,
-            threads=1,
+            CaptureSettings(aux_layer_ids=AUX, threads=1),
             log=lambda _: None,
         )
 
@@ -204,8 +203,7 @@ def test_unservable_layer_ids_are_refused_before_any_work(world, tmp_path) -> No
             world["tokens"],
             tmp_path / "x.safetensors",
             world["target"],
-            aux_layer_ids=[1, 3, 5],
-            threads=1,
+            CaptureSettings(aux_layer_ids=[1, 3, 5], threads=1),
             log=lambda _: None,
         )
 

@@ -1,6 +1,6 @@
 """Profiles: `snakemake -n --workflow-profile profiles/{gpu-host,slurm}` on the Kimi K2.5 example config
 resolves, per rule, the resources and threads the profile says (and at least the GPUs the config's rules
-need); profiles/default finds the GPU count the same way as aerie.gpu_slots.
+need); profiles/default finds the GPU count the same way as aerie.tools.gpu_slots.
 
 The prompt files of the Kimi config are small stand-ins written here.
 """
@@ -20,7 +20,7 @@ import yaml
 from conda_stand_in import conda_on_path
 from conftest import REPO
 
-from aerie import gpu_slots
+from aerie.tools import gpu_slots
 
 PROFILES = REPO / "profiles"
 # Rules whose GPU count comes from config resources.<rule>_gpus.

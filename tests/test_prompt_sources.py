@@ -18,10 +18,9 @@ import yaml
 from conda_stand_in import CONDA_DEPLOYMENT, conda_on_path
 from conftest import REPO, snakemake
 
-import aerie.prompt_sources
-import aerie.prompts
-from aerie.prompt_sources import normalised_text, prompt_turns
-from aerie.prompts import (
+import aerie.sources.datasets
+import aerie.sources.tables
+from aerie.sources.datasets import (
     PromptSourceError,
     iter_prompts,
     plan_dataset,
@@ -30,6 +29,7 @@ from aerie.prompts import (
     source_files,
     write_prompts,
 )
+from aerie.sources.tables import normalised_text, prompt_turns
 
 
 @pytest.fixture(autouse=True)
@@ -223,7 +223,7 @@ def test_hub_dataset_is_never_downloaded_at_parse_time() -> None:
     with pytest.raises(
         PromptSourceError,
         match=r"datasets\.gone: dataset 'aerie-tests/no-such-dataset' is not in the "
-        r"local Hugging Face datasets cache.*aerie.prompt_sources fetch",
+        r"local Hugging Face datasets cache.*aerie.sources fetch",
     ):
         plan_dataset("gone", ds)
 
@@ -317,7 +317,7 @@ def test_kimi_example_names_hub_datasets_and_never_downloads_in_a_dry_run(workdi
     assert rc != 0
     named = re.search(r"datasets\.(\w+): dataset '([^']+)' is not in the local Hugging Face datasets cache", out)
     assert named and sources[named.group(1)]["name"] == named.group(2), out
-    assert "python -m aerie.prompt_sources fetch --configfile" in out
+    assert "python -m aerie.sources fetch --configfile" in out
 
 
 def test_kimi_example_plans_every_named_dataset_from_local_stand_ins(workdir: Path) -> None:
@@ -331,12 +331,12 @@ def test_kimi_example_plans_every_named_dataset_from_local_stand_ins(workdir: Pa
     assert int(counts["prompts"]) == 5 * 3 and int(counts["bench_set"]) == len(config["bench"]["sets"]) == 3, out
 
 
-# ---- the prompt cache (aerie.prompt_cache): converted once, read by every later parse ------------------------
+# ---- the prompt cache (aerie.sources.cache): converted once, read by every later parse ------------------------
 
 
 def forget_conversions() -> None:
     """A new process: nothing converted in memory (each Snakemake invocation and SLURM job starts so)."""
-    aerie.prompts._CONVERTED.clear()
+    aerie.sources.datasets._CONVERTED.clear()
 
 
 def no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -345,8 +345,8 @@ def no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the source was converted again")
 
-    monkeypatch.setattr(aerie.prompt_sources, "load_table", refuse)
-    monkeypatch.setitem(aerie.prompts._SOURCES, "jsonl", refuse)
+    monkeypatch.setattr(aerie.sources.tables, "load_table", refuse)
+    monkeypatch.setitem(aerie.sources.datasets._SOURCES, "jsonl", refuse)
 
 
 def test_a_second_parse_reads_the_prompt_cache_and_a_changed_file_converts_again(
@@ -431,7 +431,7 @@ def test_a_torn_cache_entry_is_never_read(tmp_path: Path) -> None:
 
 
 def test_a_hub_dataset_is_identified_by_its_copy_in_the_datasets_cache(tmp_path: Path, monkeypatch) -> None:
-    from aerie.prompt_sources import hub_cache_dir, source_identity
+    from aerie.sources.tables import hub_cache_dir, source_identity
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds"))
     source = {"kind": "hf", "name": "HuggingFaceH4/ultrachat_200k", "split": "train_sft"}

@@ -14,14 +14,17 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
 from aerie.drafter.data import make_windows, split_heldout
 from aerie.formats.hidden import open_hidden_shards
-from aerie.hidden import capture_shard
-from aerie.prompts import write_prompts
-from aerie.responses import generate_hf
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_shard
+from aerie.responses.in_process import generate_hf
+from aerie.responses.sampling import Sampling
+from aerie.sources.datasets import write_prompts
+from aerie.targets.demo.tokenizer import tokenizer_corpus, train_tokenizer
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard
-from aerie.vocab import build_draft_vocab
+from aerie.vocab.draft_vocab import build_draft_vocab
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,11 +63,7 @@ def test_an_empty_responses_shard_flows_through_tokens_hidden_vocab_and_drafter_
         full / "prompts.jsonl",
         full / "responses.jsonl",
         str(tiny_target),
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=8,
-        batch_size=4,
-        seed=0,
+        Sampling(temperature=0.0, top_p=1.0, max_new_tokens=8, batch_size=4, seed=0),
         threads=1,
         log=quiet,
     )
@@ -75,19 +74,16 @@ def test_an_empty_responses_shard_flows_through_tokens_hidden_vocab_and_drafter_
             d / "tokens.safetensors",
             d / "report.json",
             str(tiny_target),
-            max_seq_len=256,
-            drop_truncated=False,
+            TokenSettings(max_seq_len=256, drop_truncated=False),
             log=quiet,
         )
         capture_shard(
             d / "tokens.safetensors",
             d / "hidden.safetensors",
             str(tiny_target),
-            aux_layer_ids=[1, 3, 4],
-            batch_tokens=64,
-            layout="full",
-            storage_dtype="float32",
-            threads=1,
+            CaptureSettings(
+                aux_layer_ids=[1, 3, 4], batch_tokens=64, layout="full", storage_dtype="float32", threads=1
+            ),
             log=quiet,
         )
     report = json.loads((empty / "report.json").read_text())
@@ -104,6 +100,6 @@ def test_an_empty_responses_shard_flows_through_tokens_hidden_vocab_and_drafter_
     assert shards[1].num_seqs == 0
     split_heldout(shards, 0.25, 0)
     windows = [
-        w for si, sh in enumerate(shards) for seq in range(sh.num_seqs) for w in make_windows(si, sh, seq, 256, 3)
+        w for si, sh in enumerate(shards) for seq in range(sh.num_seqs) for w in make_windows(si, sh, seq, 256, 3 + 1)
     ]
     assert windows and all(w.shard == 0 for w in windows)

@@ -19,13 +19,13 @@ import pytest
 import requests
 from conftest import REPO
 
-from aerie.api.emulator import EmulatorSettings, serve_in_thread
-from aerie.api.journal import journal_path
-from aerie.artifacts import read_jsonl
-from aerie.config_file import ConfigError
+from aerie.emulator import EmulatorSettings, serve_in_thread
 from aerie.formats.responses import COMPLETION_FORMAT, QUOTA_REASON, write_completion
-from aerie.plan import plan_datasets
-from aerie.prompts import read_prompts, sample_order, write_prompts
+from aerie.plan.config_file import ConfigError
+from aerie.plan.resolve import plan_datasets
+from aerie.responses.api.journal import journal_path
+from aerie.sources.datasets import read_prompts, sample_order, write_prompts
+from aerie.tools.artifacts import read_jsonl
 
 
 def splitmix64_order(pool: int, seed: int) -> list[int]:
@@ -188,10 +188,10 @@ def test_a_setting_that_would_change_a_written_shard_is_refused(tmp_path: Path) 
 def test_the_cost_preview_reads_the_sampled_shards(tmp_path: Path) -> None:
     """The preview prices what the planned shards still lack: their prompts in the plan's order, matched with
     their journals (source order would count none of these journaled samples as done)."""
-    from aerie.api.preview import cost_preview
-    from aerie.api.settings import backend_settings
-    from aerie.config_file import ConfigSources
-    from aerie.plan import api_run, validate_config
+    from aerie.plan.config_file import ConfigSources
+    from aerie.plan.resolve import api_run, validate_config
+    from aerie.preview.money import cost_preview
+    from aerie.responses.api.settings import responses_settings
 
     config, results = quota_config(tmp_path), tmp_path / "results"
     config["responses"] |= {"price_per_million_output_usd": 1.0, "live_prices": False}
@@ -199,7 +199,7 @@ def test_the_cost_preview_reads_the_sampled_shards(tmp_path: Path) -> None:
     validate_config(config, ConfigSources.read([str(tmp_path / "c.yaml")]))
     plans = write_planned_prompts(config, results)
     prompts = read_prompts(results / "chat" / "prompts" / "shard-00000.jsonl")
-    phash = backend_settings(config["responses"], config["target"]["path"]).params_hash()
+    phash = responses_settings(config["responses"], config["target"]["path"]).request.params_hash()
     journal = journal_path(results / "chat" / "responses" / "shard-00000.jsonl")
     journal.parent.mkdir(parents=True, exist_ok=True)
     journal.write_text(

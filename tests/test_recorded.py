@@ -1,4 +1,4 @@
-"""Responses that already exist (source.kind: recorded, aerie/recorded.py): the target's own answers from a
+"""Responses that already exist (source.kind: recorded, aerie/sources/recorded.py): the target's own answers from a
 ShareGPT dump, an OpenAI messages set or a gateway's request/response log become responses shards at $0, go through
 the same token rebuild as an API's answers (exact, or refused with counted reasons), and the dry run counts them as
 $0 with their token totals while the API datasets of the same run still go to rule `responses`.
@@ -21,12 +21,13 @@ import yaml
 from conftest import REPO
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 
-from aerie.artifacts import iter_jsonl
-from aerie.prompt_sources import PromptSourceError
-from aerie.prompts import plan_dataset, prompts_at, write_prompts
-from aerie.recorded import RecordedError, field, recorded_samples
-from aerie.recorded_responses import write_recorded_shard
+from aerie.responses.recorded import write_recorded_shard
+from aerie.sources.datasets import plan_dataset, prompts_at, write_prompts
+from aerie.sources.recorded import RecordedError, field, recorded_samples
+from aerie.sources.tables import PromptSourceError
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard
+from aerie.tools.artifacts import iter_jsonl
 
 DATASETS = Path(__file__).parent / "fixtures" / "datasets"
 SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -121,7 +122,12 @@ def write_sources(tmp: Path, tok) -> dict[str, Path]:
                                 "finish_reason": "stop",
                             }
                         ],
-                        "usage": {"prompt_tokens": len(ids["prompt_ids"]), "completion_tokens": len(ids["output_ids"])},
+                        # a gateway log keeps what the request was billed then: never this run's spend
+                        "usage": {
+                            "prompt_tokens": len(ids["prompt_ids"]),
+                            "completion_tokens": len(ids["output_ids"]),
+                            "cost": 0.0021,
+                        },
                         "output_ids": ids["output_ids"],
                     },
                 },
@@ -188,7 +194,7 @@ def test_recorded_answers_become_responses_and_rebuild_exactly(tmp_path: Path, k
             tmp_path / name / "t.safetensors",
             tmp_path / name / "t.report.json",
             str(kimi_target),
-            max_seq_len=4096,
+            TokenSettings(max_seq_len=4096),
         )
     assert records[0]["model"] == "moonshotai/Kimi-K2.5" and records[0]["generation_id"] == "chatcmpl-0"
     for name, rep in reports.items():
@@ -212,8 +218,8 @@ def test_recorded_answers_become_responses_and_rebuild_exactly(tmp_path: Path, k
 
 
 def _tensors(path: Path):
-    from aerie.artifacts import load_packed
     from aerie.formats.tokens import TOKENS_FORMAT
+    from aerie.tools.artifacts import load_packed
 
     t, _ = load_packed(path, TOKENS_FORMAT)
     return t["input_ids"], t["loss_mask"], t["seq_offsets"]
@@ -261,7 +267,9 @@ def test_every_assistant_turn_and_the_history_trap(tmp_path: Path, kimi_target: 
     write_prompts("m", ds, 0, 2, prompts, datasets)
     shard = tmp_path / "r.jsonl"
     write_recorded_shard("m", ds, datasets, [0, 1], prompts, shard, None, "t")
-    rep = tokenize_shard(shard, tmp_path / "t.safetensors", tmp_path / "t.json", str(kimi_target), max_seq_len=4096)
+    rep = tokenize_shard(
+        shard, tmp_path / "t.safetensors", tmp_path / "t.json", str(kimi_target), TokenSettings(max_seq_len=4096)
+    )
     assert rep["kept"] == 2 and rep["rebuild_paths"]["refused"] == 0
     ids, _, offsets = _tensors(tmp_path / "t.safetensors")
     from aerie.target_model.model import load_tokenizer
@@ -400,7 +408,7 @@ def test_dry_run_counts_recorded_samples_at_zero_dollars_beside_api_shards(workd
 
 
 def test_the_report_keeps_recorded_samples_apart_from_paid_ones(tmp_path: Path) -> None:
-    from aerie.report import figure_spend, load_responses
+    from aerie.publish.report import figure_spend, load_responses
 
     def rec(i: int, **extra) -> dict:
         return {
@@ -448,8 +456,8 @@ def test_the_report_keeps_recorded_samples_apart_from_paid_ones(tmp_path: Path) 
     ],
 )
 def test_settings_that_do_not_fit_a_recorded_dataset_are_named(workdir: Path, edit: dict, named: str) -> None:
-    from aerie.config_file import ConfigError, ConfigSources
-    from aerie.plan import check_config, validate_config
+    from aerie.plan.config_file import ConfigError, ConfigSources
+    from aerie.plan.resolve import check_config, validate_config
 
     cfg = demo_config_with_recorded(workdir, 4)
     config = yaml.safe_load(cfg.read_text())

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from aerie.demo_target.pretrain import completion_loss
-from aerie.demo_target.tasks import generate_prompts
-from aerie.rehearsal_target.build import REPORT_FILE, LiveVocabLoss, build_rehearsal_target
-from aerie.rehearsal_target.chat_template import DEFAULT_SYSTEM_PROMPT
-from aerie.rehearsal_target.config import RehearsalTargetConfig
-from aerie.rehearsal_target.tokenizer import KIMI_SPECIAL_TOKEN_IDS, SPECIAL_TOKENS_START, VOCAB_SIZE
+from aerie.sources.synthetic import generate_prompts
+from aerie.targets.demo.pretrain import completion_loss
+from aerie.targets.rehearsal.build import REPORT_FILE, LiveVocabLoss, build_rehearsal_target
+from aerie.targets.rehearsal.chat_template import DEFAULT_SYSTEM_PROMPT
+from aerie.targets.rehearsal.config import VOCAB_SIZE, RehearsalTargetConfig
+from aerie.targets.rehearsal.tokenizer import KIMI_SPECIAL_TOKEN_IDS, SPECIAL_TOKENS_START
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -274,7 +274,7 @@ def test_decoder_layer_hooks_see_deepseek_layer_outputs(loaded) -> None:
     """What aerie's capture relies on. As for any transformers wrapper with a ``language_model``,
     get_decoder() is the DeepseekV3ForCausalLM itself; unwrapping get_decoder() to its fixed point reaches
     the DeepseekV3Model, whose layer i output is output_hidden_states[i + 1] (SGLang's aux-id convention)."""
-    from aerie.capture import base_decoder
+    from aerie.target_model.capture import base_decoder
 
     model, tok = loaded
     assert type(model.get_decoder()).__name__ == "DeepseekV3ForCausalLM"
@@ -292,7 +292,7 @@ def test_decoder_layer_hooks_see_deepseek_layer_outputs(loaded) -> None:
 
 
 def test_aerie_capture_hooks_the_wrapped_decoder(loaded) -> None:
-    from aerie.capture import AuxHiddenCapture
+    from aerie.target_model.capture import AuxHiddenCapture
 
     model, tok = loaded
     ids = torch.tensor([tok.encode("Compute 2 + 3.", add_special_tokens=False)])
@@ -307,8 +307,8 @@ def test_served_by_transformers_serve_behind_the_openrouter_emulator(target, loa
     OpenRouter's envelope with the upstream's token counts, the provider's price and name."""
     import requests
 
-    from aerie.api.emulator import EmulatorSettings, FakeProvider, serve_in_thread
-    from aerie.api.serve import serve_on_loopback, transformers_serve_command
+    from aerie.emulator import EmulatorSettings, FakeProvider, serve_in_thread
+    from aerie.target_model.serve import serve_on_loopback, transformers_serve_command
 
     _, tok = loaded
     messages = [{"role": "user", "content": generate_prompts(["arith"], 1, 3)[0]["user"]}]

@@ -15,8 +15,8 @@ import yaml
 from conftest import snakemake
 from test_pipeline_e2e import small_demo_config
 
-from aerie.artifacts import save_packed, write_jsonl
-from aerie.report import FIGURES, write_figures
+from aerie.publish.report import FIGURES, write_figures
+from aerie.tools.artifacts import save_packed, write_jsonl
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -30,7 +30,7 @@ CHROMIUM_FLAGS = [
     "--disable-dev-shm-usage",
     "--hide-scrollbars",
 ]
-CATEGORIES = ["1. Data", "2. Hidden states", "3. Drafter", "4. Benchmark"]
+CATEGORIES = ["1. Data", "2. Hidden states", "3. Drafter", "4. Benchmark", "5. Published drafters"]
 CAPTIONS = {
     "spend": "API spend and where the responses came from",
     "lengths": "Response and reasoning lengths",
@@ -144,47 +144,57 @@ def write_artifacts(root: Path, *, api: bool) -> dict:
         inputs["responses"].append(shard)
         inputs["token_reports"].append(report)
         inputs["hidden"].append(hidden)
-    drafter = root / "drafter" / "demo"
-    drafter.mkdir(parents=True)
-    write_jsonl(
-        drafter / "train_log.jsonl",
-        [
-            {"event": "eval", "epoch": 0, "heldout_loss": 9.0},
-            *({"event": "train", "epoch": 1, "step": s, "loss": 9.0 - s / 10, "lr": 1e-3} for s in range(1, 21)),
-            {"event": "eval", "epoch": 1, "heldout_loss": 7.5},
-        ],
-    )
-    (drafter / "eval.json").write_text(
-        json.dumps(
-            {
-                "format": "aerie.drafter-eval/1",
-                "simulated_acceptance_length": 1.6,
-                "acceptance_per_position": [0.5, 0.1],
-                "untrained": {"acceptance_per_position": [0.0, 0.0]},
-            }
+    drafters = {}
+    for name, kind, steps, positions in (("demo-eagle3", "eagle3", 20, [0.5, 0.1]), ("demo-dflash", "dflash", 12,
+                                                                                   [0.6, 0.3, 0.1])):  # fmt: skip
+        drafter = root / "drafter" / name
+        drafter.mkdir(parents=True)
+        write_jsonl(
+            drafter / "train_log.jsonl",
+            [
+                {"event": "eval", "epoch": 0, "heldout_loss": 9.0},
+                *(
+                    {"event": "train", "epoch": 1, "step": s, "loss": 9.0 - s / 10, "lr": 1e-3}
+                    for s in range(1, steps + 1)
+                ),
+                {"event": "eval", "epoch": 1, "heldout_loss": 7.5},
+            ],
         )
-    )
+        (drafter / "eval.json").write_text(
+            json.dumps(
+                {
+                    "format": "aerie.drafter-eval/1",
+                    "kind": kind,
+                    "simulated_acceptance_length": 1 + sum(positions),
+                    "acceptance_per_position": positions,
+                    "untrained": {"acceptance_per_position": [0.0] * len(positions)},
+                }
+            )
+        )
+        drafters[name] = drafter
     bench = root / "bench" / "demo.json"
     bench.parent.mkdir(parents=True)
-    method = {"tokens_per_s": 12.0, "speedup": 1.2}
+
+    def method(role: str, kind: str | None, tps: float) -> dict:
+        return {"role": role, "kind": kind, "draft_tokens": 3, "tokens_per_s": tps, "speedup": tps / 10.0}
+
     bench.write_text(
         json.dumps(
             {
-                "format": "aerie.bench/2",
+                "format": "aerie.bench/4",
                 "prompts": 3,
                 "device": "cpu",
-                "speedup": 1.2,
                 "baseline": {"tokens_per_s": 10.0},
-                "speculative": method,
                 "methods": {
-                    "eagle3": method,
-                    "untrained": {"tokens_per_s": 8.0, "speedup": 0.8},
-                    "ngram": {"tokens_per_s": 9.0, "speedup": 0.9},
+                    "demo-eagle3": method("trained", "eagle3", 12.0),
+                    "demo-dflash": method("trained", "dflash", 14.0),
+                    "untrained:demo-eagle3": method("untrained", "eagle3", 8.0),
+                    "ngram": method("ngram", None, 9.0),
                 },
             }
         )
     )
-    inputs.update(drafter=drafter, bench=bench)
+    inputs.update(drafters=drafters, bench=bench)
     return inputs
 
 
@@ -194,17 +204,17 @@ def test_figures_from_artifacts(tmp_path: Path, api: bool) -> None:
     sglang = None
     if api:
         sglang = tmp_path / "results" / "bench" / "demo.sglang.json"
+        modes = {"baseline": 100.0, "demo-eagle3": 180.0, "demo-dflash": 220.0, "ngram": 120.0}
         sglang.write_text(
             json.dumps(
                 {
-                    "format": "aerie.sglang-bench/1",
+                    "format": "aerie.sglang-bench/5",
                     "summary": {
                         "by_concurrency": [
                             {
                                 "concurrency": c,
-                                "baseline_output_tokens_per_s": 100.0 * c,
-                                "eagle3_output_tokens_per_s": 180.0 * c,
-                                "speedup": 1.8,
+                                "output_tokens_per_s": {m: tps * c for m, tps in modes.items()},
+                                "speedup": {m: tps / 100.0 for m, tps in modes.items() if m != "baseline"},
                             }
                             for c in (1, 4, 16)
                         ]
@@ -222,12 +232,14 @@ def test_figures_from_artifacts(tmp_path: Path, api: bool) -> None:
         assert summary["lengths"]["reasoning_unit"] == "tokens"
         assert summary["quality"]["responses"]["alpha"]["truncated"] == pytest.approx(1 / 6)
         assert summary["quality"]["fidelity"]["beta"]["usage length equal / checked"] == pytest.approx(5 / 6)
-        assert summary["benchmark"]["sglang_speedup"] == {1: 1.8, 4: 1.8, 16: 1.8}
+        speedups = {"demo-eagle3": 1.8, "demo-dflash": 2.2, "ngram": 1.2}
+        assert summary["benchmark"]["sglang_speedup"] == dict.fromkeys((1, 4, 16), speedups)
     else:
         assert summary["spend"]["total_usd"] == 0  # drawn as "no API spend (in-process generation)"
         assert summary["quality"]["fidelity"]["alpha"]["retokenized equal / exact ids"] == 1.0
     assert summary["hidden"] == {"shards": 2, "tokens": 600}
-    assert summary["training"]["steps"] == 20
+    assert {n: t["steps"] for n, t in summary["training"].items()} == {"demo-eagle3": 20, "demo-dflash": 12}
+    assert summary["benchmark"]["speedup"] == {"demo-eagle3": 1.2, "demo-dflash": 1.4}
 
 
 def tiny_config() -> dict:
@@ -258,6 +270,9 @@ def test_html_report_renders_in_chromium(tmp_path: Path) -> None:
     for name in FIGURES:  # every figure is embedded, with its caption
         assert f"results/report/{name}.png" in html and CAPTIONS[name] in html, name
     assert "results/bench/demo.png" in html
+    # The published drafter's model card is a page of the report, and the training caption links it and the curves.
+    assert "results/report/cards/demo.html" in html and "Model card of drafter demo" in html
+    assert (workdir / "results" / "drafter" / "demo" / "tensorboard").resolve().as_uri() in html
 
     profile = tmp_path / "chromium-profile"
     base = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=15000"]

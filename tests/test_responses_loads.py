@@ -27,15 +27,16 @@ import yaml
 from conftest import REPO, snakemake
 from tiny_world import save_tiny_llama_target
 
-from aerie.artifacts import read_jsonl
-from aerie.responses import generate_hf
-from aerie.shard_store import (
+from aerie.responses.in_process import generate_hf
+from aerie.responses.sampling import Sampling
+from aerie.target_model.store import (
     GENERATION_STORE_DIR,
     generation_record_path,
     responses_loads_text,
     store_path,
     stored_generation,
 )
+from aerie.tools.artifacts import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -44,7 +45,7 @@ DATASETS = {"greedy": {"temperature": 0.0, "seed": 0}, "sampled": {"temperature"
 SHARDS_PER_DATASET, SHARD_SIZE = 3, 3
 SHARDS = len(DATASETS) * SHARDS_PER_DATASET
 LOADS = re.compile(r"^\S+ aerie responses: .* target loads in this job: (\d+)", flags=re.M)  # the job's summary
-LOADING = "loading the target "  # logged by each load (aerie.responses.GenerationSession.open)
+LOADING = "loading the target "  # logged by each load (aerie.responses.in_process.GenerationSession.open)
 
 
 def loads(log: str) -> int:
@@ -170,11 +171,13 @@ def test_shards_equal_those_generated_alone_with_a_load_each(full_run, target, t
             prompts_of(out),
             alone,
             str(target),
-            temperature=r["temperature"],
-            top_p=r["top_p"],
-            max_new_tokens=r["max_new_tokens"],
-            batch_size=r["batch_size"],
-            seed=r["seed"],
+            Sampling(
+                temperature=r["temperature"],
+                top_p=r["top_p"],
+                max_new_tokens=r["max_new_tokens"],
+                batch_size=r["batch_size"],
+                seed=r["seed"],
+            ),
             device="cpu",
             dtype="float32",
             threads=1,
@@ -272,7 +275,7 @@ def test_dry_run_job_resources_and_served_shards(target, tmp_path) -> None:
     make_config(root, target, responses_gpus=1)
     out = dry_run(root, "--cores", "2", "--resources", "gpu=1")  # a host with one GPU (the default profile: 0)
     job = re.search(r"^rule responses_hf:\n(?:    .*\n)+", out, flags=re.M).group(0)
-    # One job with every core and the configured GPUs (checked against the grant in the job: aerie.gpu_slots).
+    # One job with every core and the configured GPUs (checked against the grant in the job: aerie.tools.gpu_slots).
     assert "threads: 2" in job and re.search(r"resources: .*\bgpu=1\b", job), job
     assert re.search(r"^responses_hf\s+1$", out, flags=re.M) and not re.search(r"^responses\s+\d+$", out, flags=re.M)
 

@@ -1,4 +1,5 @@
-"""Every attempt of a job keeps its log (aerie.rulelog): Snakemake deletes a job's declared log when it restarts."""
+"""Every attempt of a job keeps its log (aerie.tools.rulelog): Snakemake deletes a job's declared log when
+it restarts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, snakemake
 
-from aerie.rulelog import attempt_log_path, attempt_logs, keep_attempt_log, open_rule_log
+from aerie.tools.rulelog import attempt_log_path, attempt_logs, keep_attempt_log, open_rule_log
 
 
 @pytest.fixture()
@@ -75,8 +76,8 @@ def test_without_hard_links_the_copy_is_written_alongside(tmp_path: Path, restor
 def test_kill_9_of_snakemake_mid_job_keeps_both_attempts_logs(workdir: Path) -> None:
     """A real responses job (the emulator as provider) killed mid-run with SIGKILL, then rerun to completion:
     the killed attempt's log is still there, beside the one Snakemake recreated."""
-    from aerie.api.emulator import EmulatorSettings, serve_in_thread
-    from aerie.api.journal import journal_path
+    from aerie.emulator import EmulatorSettings, serve_in_thread
+    from aerie.responses.api.journal import journal_path
 
     n = 120
     shard = "results/chat/responses/shard-00000.jsonl"
@@ -158,11 +159,11 @@ def test_kill_9_of_snakemake_mid_job_keeps_both_attempts_logs(workdir: Path) -> 
 def test_the_log_ends_with_the_jobs_exact_peak_memory(tmp_path: Path) -> None:
     """A job that held ~256 MiB for a moment (far shorter than Snakemake's 0.5 s benchmark sampling) says so in its
     log's last line; the fit plan's check reads that line (tests/fit_check.py)."""
-    from aerie.rulelog import PEAK_MEMORY
+    from aerie.tools.rulelog import PEAK_MEMORY
 
     log = tmp_path / "job.log"
     code = (
-        "from aerie.rulelog import open_rule_log\n"
+        "from aerie.tools.rulelog import open_rule_log\n"
         f"log = open_rule_log({str(log)!r}, echo=False)\n"
         "block = bytearray(256 * 2**20)\n"  # zero-filled and touched: resident
         "del block\n"
@@ -172,3 +173,29 @@ def test_the_log_ends_with_the_jobs_exact_peak_memory(tmp_path: Path) -> None:
     peak = PEAK_MEMORY.search(last)
     assert peak and last.endswith("(VmHWM)"), last
     assert 256 < int(peak.group(1).replace(",", "")) < 256 + 200, last  # the block + the interpreter and aerie
+
+
+def test_third_party_progress_bars_stay_out_of_the_log(tmp_path: Path) -> None:
+    """transformers' "Loading weights" bar (tqdm on stderr, which the log takes) is not written to the job's log:
+    the job's own lines say what it does. Both orders: transformers imported before the log is opened (as a rule
+    script that imports the stage first does) and after."""
+    from tiny_world import save_tiny_llama_target
+
+    target = save_tiny_llama_target(tmp_path / "target")
+    for order in ("before", "after"):
+        declared = tmp_path / f"{order}.log"
+        program = f"""
+import sys
+if {order!r} == "before":
+    import transformers
+from aerie.tools.rulelog import open_rule_log
+log = open_rule_log({str(declared)!r}, echo=False)
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained({str(target)!r})
+log("loaded")
+"""
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        text = declared.read_text()
+        assert "loaded" in text and "Loading weights" not in text and "%|" not in text, (order, text)

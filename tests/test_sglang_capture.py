@@ -1,7 +1,7 @@
 """SGLang capture backend without SGLang: the layer-id convention (against a real transformers forward), the
 arguments it hands SGLang, batching, splitting SGLang's flat outputs in recorded shapes, the worker processes
 (spawned for real, tensor-parallel ranks included) with a CPU stand-in for the SGLang-specific part, and the
-GPU-host check tool started as `python -m aerie.sglang_capture` (the module form of the README's
+GPU-host check tool started as `python -m aerie.hidden.sglang_check` (the module form of the README's
 `aerie-sglang-capture`; tests/test_entry_points.py starts the console script)."""
 
 from __future__ import annotations
@@ -19,12 +19,30 @@ import pytest
 import torch
 from torch import nn
 
-from aerie import sglang_capture as sc
-from aerie.capture import AuxHiddenCapture
-from aerie.sglang_capture import SGLangCapture, SGLangCaptureError, SGLangUnavailableError
-from aerie.sglang_capture.sglang_0523 import request_capacity
-from aerie.sglang_capture.worker import backend_reference, resolve_backend
-from aerie.target_model.config import check_servable_aux_layer_ids
+from aerie.hidden.sglang.batches import check_sequences, split_capture
+from aerie.hidden.sglang.capture import SGLangCapture
+from aerie.hidden.sglang.mapping import (
+    ANY_VERSION_ENV,
+    TESTED_SGLANG_VERSION,
+    SGLangCaptureError,
+    SGLangUnavailableError,
+    capture_layers_of,
+    check_capture_mapping,
+    gpu_ids,
+    plan_forwards,
+    sglang_server_kwargs,
+    target_dims,
+)
+from aerie.hidden.sglang.sglang_0523 import SGLang0523, request_capacity
+from aerie.hidden.sglang.worker import backend_reference, resolve_backend
+from aerie.hidden.sglang_check.check import compare_with_transformers
+from aerie.target_model.capture import AuxHiddenCapture
+from aerie.target_model.config import (
+    captured_output_ids,
+    check_servable_aux_layer_ids,
+    predicted_capture_inputs,
+    sglang_capture_inputs,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_capture"
@@ -104,7 +122,7 @@ class FakeBackend:
 
     @staticmethod
     def installed_version() -> str:
-        return sc.TESTED_SGLANG_VERSION
+        return TESTED_SGLANG_VERSION
 
     @staticmethod
     def prepare(server_kwargs: dict) -> dict:
@@ -132,7 +150,7 @@ class FakeBackend:
     @staticmethod
     def runner_info(runner) -> dict:
         return {
-            "layers_to_capture": sc.capture_layers_of(runner.model),
+            "layers_to_capture": capture_layers_of(runner.model),
             "model_class": type(runner.model).__name__,
             "max_tokens": runner.payload.get("fake_max_tokens", 4096),
             "max_requests": 8,
@@ -199,7 +217,10 @@ class FakeCapture(SGLangCapture):
 
 
 def test_module_imports_without_sglang() -> None:
-    code = "import sys; sys.modules['sglang'] = None; import aerie.sglang_capture as m; print(m.SGLangCapture.__name__)"
+    code = (
+        "import sys; sys.modules['sglang'] = None\n"
+        "from aerie.hidden.sglang.capture import SGLangCapture as C; print(C.__name__)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "SGLangCapture"
@@ -214,10 +235,10 @@ def test_construction_without_sglang_says_to_use_its_environment(monkeypatch, tm
 
 def test_another_sglang_version_is_refused_unless_allowed(monkeypatch, tmp_path) -> None:
     monkeypatch.setitem(sys.modules, "sglang", SimpleNamespace(__version__="0.5.9"))
-    monkeypatch.delenv(sc.ANY_VERSION_ENV, raising=False)
+    monkeypatch.delenv(ANY_VERSION_ENV, raising=False)
     with pytest.raises(SGLangUnavailableError, match=r"SGLang 0\.5\.9 is installed.*0\.5\.23"):
         SGLangCapture(str(tmp_path / "missing"), [1])
-    monkeypatch.setenv(sc.ANY_VERSION_ENV, "1")  # allowed: construction goes on, to the target's config
+    monkeypatch.setenv(ANY_VERSION_ENV, "1")  # allowed: construction goes on, to the target's config
     with pytest.raises(FileNotFoundError, match="config.json"):
         SGLangCapture(str(tmp_path / "missing"), [1])
 
@@ -232,8 +253,8 @@ def test_sglang_capture_points_are_transformers_hidden_states_id_plus_one() -> N
     layers = model.model.layers
     ids = torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(3))
     layer_ids = [0, 2, 4]
-    inputs = sc.sglang_capture_inputs(layer_ids)
-    assert inputs == [1, 3, 5] and sc.captured_output_ids(inputs) == layer_ids
+    inputs = sglang_capture_inputs(layer_ids)
+    assert inputs == [1, 3, 5] and captured_output_ids(inputs) == layer_ids
     seen: dict[int, torch.Tensor] = {}
     hooks = [
         layers[j].register_forward_pre_hook(
@@ -269,26 +290,26 @@ def test_loaded_model_mapping_is_checked_llama_and_deepseek_styles() -> None:
     llama, kimi = LlamaLike(), KimiLike()
     for ids in ([1, 3, 4], [2, 3, 5], [0, 29, 57]):
         llama.set_eagle3_layers_to_capture(ids)
-        sc.check_capture_mapping(ids, sc.capture_layers_of(llama))  # always id + 1
+        check_capture_mapping(ids, capture_layers_of(llama))  # always id + 1
     kimi.set_eagle3_layers_to_capture([1, 29, 57])  # Kimi's default: first id 1, so SGLang adds 1
-    assert sc.capture_layers_of(kimi) == [2, 30, 58]
-    sc.check_capture_mapping([1, 29, 57], sc.capture_layers_of(kimi))
+    assert capture_layers_of(kimi) == [2, 30, 58]
+    check_capture_mapping([1, 29, 57], capture_layers_of(kimi))
     kimi.set_eagle3_layers_to_capture([2, 30, 58])  # taken as layer inputs: outputs 1, 29, 57
     with pytest.raises(SGLangCaptureError, match=r"outputs \[1, 29, 57\], not \[2, 30, 58\]"):
-        sc.check_capture_mapping([2, 30, 58], sc.capture_layers_of(kimi), "KimiK25ForConditionalGeneration")
+        check_capture_mapping([2, 30, 58], capture_layers_of(kimi), "KimiK25ForConditionalGeneration")
 
 
 def test_models_that_would_capture_nothing_are_refused() -> None:
     with pytest.raises(SGLangCaptureError, match="has no set_eagle3_layers_to_capture"):
-        sc.capture_layers_of(NoEagle3())
+        capture_layers_of(NoEagle3())
     with pytest.raises(SGLangCaptureError, match="capture nothing"):
-        sc.capture_layers_of(LlamaLike())  # set_eagle3_layers_to_capture never called (e.g. not the last PP rank)
+        capture_layers_of(LlamaLike())  # set_eagle3_layers_to_capture never called (e.g. not the last PP rank)
     two = KimiLike()
     two.extra = LlamaLike()
     two.set_eagle3_layers_to_capture([1, 2, 3])
     two.extra.set_eagle3_layers_to_capture([2, 3, 4])
     with pytest.raises(SGLangCaptureError, match="several decoder stacks"):
-        sc.capture_layers_of(two)
+        capture_layers_of(two)
 
 
 def test_prediction_before_loading_matches_sglang_models() -> None:
@@ -300,23 +321,23 @@ def test_prediction_before_loading_matches_sglang_models() -> None:
     ):
         model = DeepseekLike() if "Llama" not in archs[0] else LlamaLike()
         model.set_eagle3_layers_to_capture(ids)
-        assert sc.predicted_capture_inputs(archs, ids) == sc.capture_layers_of(model), (archs, ids)
+        assert predicted_capture_inputs(archs, ids) == capture_layers_of(model), (archs, ids)
 
 
 # ---- target config and SGLang arguments ---------------------------------------------------------------
 
 
 def test_target_dims_read_kimi_nested_text_config() -> None:
-    kimi = sc.target_dims(json.loads((FIXTURES / "kimi_k25_config.json").read_text()))
+    kimi = target_dims(json.loads((FIXTURES / "kimi_k25_config.json").read_text()))
     assert kimi == {
         "num_hidden_layers": 61,
         "hidden_size": 7168,
         "vocab_size": 163840,
         "architectures": ["KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM"],
     }
-    assert sc.target_dims({"architectures": ["LlamaForCausalLM"], **TINY})["num_hidden_layers"] == 6
+    assert target_dims({"architectures": ["LlamaForCausalLM"], **TINY})["num_hidden_layers"] == 6
     with pytest.raises(ValueError, match="vocab_size"):
-        sc.target_dims({"num_hidden_layers": 2, "hidden_size": 8})
+        target_dims({"num_hidden_layers": 2, "hidden_size": 8})
 
 
 def test_kimi_ids_not_starting_at_one_are_refused_before_any_model_load(tmp_path) -> None:
@@ -339,7 +360,7 @@ def test_kimi_ids_not_starting_at_one_are_refused_before_any_model_load(tmp_path
 
 
 def test_server_kwargs_capture_mode_and_user_settings() -> None:
-    kw = sc.sglang_server_kwargs(
+    kw = sglang_server_kwargs(
         "/m/K", [1, 29, 57], torch.bfloat16, {"tp_size": 8, "mem_fraction_static": 0.85, "trust_remote_code": True}
     )
     assert kw["model_path"] == "/m/K" and kw["dtype"] == "bfloat16"
@@ -347,7 +368,7 @@ def test_server_kwargs_capture_mode_and_user_settings() -> None:
     assert kw["return_aux_hidden_state_layer_ids"] == [1, 29, 57]  # passed as is: SGLang maps them like a drafter's
     assert kw["disable_cuda_graph"] and kw["disable_radix_cache"] and kw["skip_tokenizer_init"]
     assert (kw["tp_size"], kw["mem_fraction_static"], kw["trust_remote_code"]) == (8, 0.85, True)
-    assert sc.sglang_server_kwargs("/m", [1], user_kwargs={"disable_cuda_graph": False})["disable_cuda_graph"] is False
+    assert sglang_server_kwargs("/m", [1], user_kwargs={"disable_cuda_graph": False})["disable_cuda_graph"] is False
     for bad in (
         {"return_aux_hidden_state_layer_ids": [2]},
         {"speculative_algorithm": "EAGLE"},
@@ -363,16 +384,16 @@ def test_server_kwargs_capture_mode_and_user_settings() -> None:
         {"tp_size": "8"},
     ):
         with pytest.raises(ValueError):
-            sc.sglang_server_kwargs("/m", [1], user_kwargs=bad)
-    assert sc.gpu_ids({"tp_size": 4}) == [0, 1, 2, 3]
-    assert sc.gpu_ids({"tp_size": 2, "base_gpu_id": 4, "gpu_id_step": 2}) == [4, 6]
+            sglang_server_kwargs("/m", [1], user_kwargs=bad)
+    assert gpu_ids({"tp_size": 4}) == [0, 1, 2, 3]
+    assert gpu_ids({"tp_size": 2, "base_gpu_id": 4, "gpu_id_step": 2}) == [4, 6]
 
 
 # ---- batches, and SGLang's flat outputs -> per-sequence states --------------------------------------------
 
 
 def test_sequences_are_checked() -> None:
-    assert sc.check_sequences([torch.tensor([1, 2, 3], dtype=torch.int32)], 10) == [[1, 2, 3]]
+    assert check_sequences([torch.tensor([1, 2, 3], dtype=torch.int32)], 10) == [[1, 2, 3]]
     for bad in (
         [torch.zeros(2, 3, dtype=torch.long)],
         [torch.tensor([1.0, 2.0])],
@@ -382,20 +403,20 @@ def test_sequences_are_checked() -> None:
         [[1, 2]],
     ):
         with pytest.raises(ValueError):
-            sc.check_sequences(bad, 10)
+            check_sequences(bad, 10)
 
 
 def test_forwards_fit_sglang_pools_in_order() -> None:
-    assert sc.plan_forwards([5, 3, 7, 2], max_tokens=100, max_requests=8) == [[0, 1, 2, 3]]
-    assert sc.plan_forwards([5, 3, 7, 2], max_tokens=10, max_requests=8) == [[0, 1], [2, 3]]
-    assert sc.plan_forwards([5, 3, 7, 2], max_tokens=100, max_requests=3) == [[0, 1, 2], [3]]
+    assert plan_forwards([5, 3, 7, 2], max_tokens=100, max_requests=8) == [[0, 1, 2, 3]]
+    assert plan_forwards([5, 3, 7, 2], max_tokens=10, max_requests=8) == [[0, 1], [2, 3]]
+    assert plan_forwards([5, 3, 7, 2], max_tokens=100, max_requests=3) == [[0, 1, 2], [3]]
     # chunked_prefill_size bounds a forward; a longer sequence runs alone
-    assert sc.plan_forwards([4, 4, 9, 1], max_tokens=100, max_requests=8, chunk_tokens=8) == [[0, 1], [2], [3]]
-    assert sc.plan_forwards([4, 4], max_tokens=100, max_requests=8, chunk_tokens=-1) == [[0, 1]]
+    assert plan_forwards([4, 4, 9, 1], max_tokens=100, max_requests=8, chunk_tokens=8) == [[0, 1], [2], [3]]
+    assert plan_forwards([4, 4], max_tokens=100, max_requests=8, chunk_tokens=-1) == [[0, 1]]
     with pytest.raises(ValueError, match="KV pool"):
-        sc.plan_forwards([5, 11], max_tokens=10, max_requests=8)
+        plan_forwards([5, 11], max_tokens=10, max_requests=8)
     with pytest.raises(ValueError, match="context length"):
-        sc.plan_forwards([5, 11], max_tokens=100, max_requests=8, context_len=10)
+        plan_forwards([5, 11], max_tokens=100, max_requests=8, context_len=10)
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +431,7 @@ def test_flat_batch_outputs_split_into_sequences(shapes) -> None:
     final = -torch.arange(torch.Size(full["last_hidden_states"]).numel(), dtype=torch.float32).reshape(
         full["last_hidden_states"]
     )
-    pieces = sc.split_capture(aux, final, lengths, A, H)
+    pieces = split_capture(aux, final, lengths, A, H)
     assert [(tuple(a.shape), tuple(f.shape)) for a, f in pieces] == [((n, A * H), (n, H)) for n in lengths]
     start = 0
     for (a, f), n in zip(pieces, lengths):  # rows in order, nothing dropped or shifted
@@ -433,12 +454,12 @@ def test_wrong_capture_shapes_are_explained(shapes, mode, message) -> None:
         torch.randn(m["last_hidden_states"]) if m["last_hidden_states"] else torch.randn(aux.shape[0], b["hidden_size"])
     )
     with pytest.raises(SGLangCaptureError, match=message):
-        sc.split_capture(aux, final, b["lengths"], b["num_aux"], b["hidden_size"])
+        split_capture(aux, final, b["lengths"], b["num_aux"], b["hidden_size"])
 
 
 def test_missing_or_malformed_outputs_are_refused() -> None:
     aux, final = torch.randn(8, 48), torch.randn(8, 16)
-    sc.split_capture(aux, final, [5, 3], 3, 16)
+    split_capture(aux, final, [5, 3], 3, 16)
     for a, f, msg in (
         (None, final, "no hidden states"),
         (aux, None, "no final"),
@@ -448,7 +469,7 @@ def test_missing_or_malformed_outputs_are_refused() -> None:
         (torch.randn(7, 48), torch.randn(7, 16), "7 aux and 7 final rows for a batch of 8"),
     ):
         with pytest.raises(SGLangCaptureError, match=msg):
-            sc.split_capture(a, f, [5, 3], 3, 16)
+            split_capture(a, f, [5, 3], 3, 16)
 
 
 # ---- worker processes (spawned for real) ----------------------------------------------------------------
@@ -546,7 +567,7 @@ def test_backends_must_be_importable_by_name() -> None:
     """Workers import the backend by name: a class in __main__ or in a function would die unpickled in them."""
     ref = backend_reference(FakeBackend)
     assert ref == f"{FakeBackend.__module__}:FakeBackend" and resolve_backend(ref) is FakeBackend
-    assert backend_reference(sc.SGLang0523) == "aerie.sglang_capture.sglang_0523:SGLang0523"
+    assert backend_reference(SGLang0523) == "aerie.hidden.sglang.sglang_0523:SGLang0523"
 
     class Local(FakeBackend):
         pass
@@ -555,7 +576,7 @@ def test_backends_must_be_importable_by_name() -> None:
         backend_reference(Local)
     with pytest.raises(SGLangCaptureError, match="defined in __main__"):
         backend_reference(type("InMain", (FakeBackend,), {"__module__": "__main__"}))
-    for bad, message in (("FakeBackend", "expected MODULE:CLASS"), ("aerie.sglang_capture:Nope", "has no Nope")):
+    for bad, message in (("FakeBackend", "expected MODULE:CLASS"), ("aerie.hidden.sglang:Nope", "has no Nope")):
         with pytest.raises(ValueError, match=message):
             resolve_backend(bad)
 
@@ -567,7 +588,7 @@ def test_a_worker_reports_a_backend_it_cannot_import(tmp_path) -> None:
     import pickle
     import queue
 
-    from aerie.sglang_capture.worker import run_rank
+    from aerie.hidden.sglang.worker import run_rank
 
     outbox: queue.Queue = queue.Queue()
     was_enabled = faulthandler.is_enabled()  # run_rank points faulthandler at its file: pytest's is restored below
@@ -621,9 +642,9 @@ def test_request_pool_capacity_is_every_row_but_the_padding_row() -> None:
     pool.alloc_rows(3)  # left over from an earlier forward: the capture empties the pool first
     assert request_capacity(pool) == 8 == pool.size  # `size` already excludes the padding row
     assert pool.alloc_rows(8) is not None and pool.alloc_rows(1) is None
-    assert sc.plan_forwards([4] * 9, max_tokens=100, max_requests=request_capacity(pool)) == [list(range(8)), [8]]
+    assert plan_forwards([4] * 9, max_tokens=100, max_requests=request_capacity(pool)) == [list(range(8)), [8]]
     with pytest.raises(ValueError, match="request pool"):
-        sc.plan_forwards([4], max_tokens=100, max_requests=0)
+        plan_forwards([4], max_tokens=100, max_requests=0)
 
 
 # ---- the environment and the GPU-host check tool ---------------------------------------------------------
@@ -635,12 +656,12 @@ def test_sglang_environment_pins_the_version_the_glue_was_written_for() -> None:
     env = yaml.safe_load((REPO / "envs" / "sglang.yaml").read_text())
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
     names = {p.split("=")[0].split(">")[0].strip() for p in pip}
-    assert f"sglang=={sc.TESTED_SGLANG_VERSION}" in pip
+    assert f"sglang=={TESTED_SGLANG_VERSION}" in pip
     assert {"safetensors", "numpy", "aiohttp", "requests", "pyyaml"} <= names
 
 
 def test_gpu_check_tool_tells_right_from_off_by_one(tmp_path) -> None:
-    """`python -m aerie.sglang_capture check` judges SGLang's states with compare_with_transformers: it must
+    """`python -m aerie.hidden.sglang_check check` judges SGLang's states with compare_with_transformers: it must
     pass the right tensors and name the neighbour an off-by-one capture matches."""
     model = tiny_llama()
     model.save_pretrained(tmp_path / "t")
@@ -653,20 +674,21 @@ def test_gpu_check_tool_tells_right_from_off_by_one(tmp_path) -> None:
             final = model.get_decoder()(input_ids=s[None]).last_hidden_state[0]
             right.append((cap.aux_hidden_states()[0], final))
             early.append((torch.cat([out.hidden_states[i][0] for i in layer_ids], -1), final))
-    good = sc.compare_with_transformers(tmp_path / "t", layer_ids, right, seqs)
+    good = compare_with_transformers(tmp_path / "t", layer_ids, right, seqs)
     assert good["ok"] and good["argmax_agreement"] == 1.0
     assert [good["aux"][i]["closest_hidden_states_index"] for i in layer_ids] == [1, 3, 5]
-    bad = sc.compare_with_transformers(tmp_path / "t", layer_ids, early, seqs)
+    bad = compare_with_transformers(tmp_path / "t", layer_ids, early, seqs)
     assert not bad["ok"]
     assert [bad["aux"][i]["closest_hidden_states_index"] for i in layer_ids] == [0, 2, 4]
 
 
 def run_tool(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python -m aerie.sglang_capture ARGS``, with this test module importable (it holds the stand-in backend)."""
+    """``python -m aerie.hidden.sglang_check ARGS``, with this test module importable (it holds the
+    stand-in backend)."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "aerie.sglang_capture", *args],
+        [sys.executable, "-m", "aerie.hidden.sglang_check", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -676,7 +698,7 @@ def run_tool(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.Compl
 
 
 def test_check_tool_started_with_python_m_runs_its_workers(tmp_path) -> None:
-    """`python -m aerie.sglang_capture check` (the README's first GPU step) on CPU with the stand-in backend: the
+    """`python -m aerie.hidden.sglang_check check` (the README's first GPU step) on CPU with the stand-in backend: the
     tool's own module is __main__, and its spawned worker must still start, load, capture, and match transformers
     (before the fix the worker died unpickling `__main__._worker_main`)."""
     tiny_llama().save_pretrained(tmp_path / "t")  # the same weights the stand-in's worker builds

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aerie import sglang_capture as sc
-from aerie.sglang_capture.batches import check_replicated, states_digest
+from aerie.hidden.sglang.batches import check_replicated, states_digest
+from aerie.hidden.sglang.capture import SGLangCapture
+from aerie.hidden.sglang.mapping import SGLangCaptureError, SGLangMappingError, target_dims
+from aerie.hidden.sglang_check.check import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_KIMI = dict(  # CPU-sized text model (make-tiny's defaults are sized for SGLang's GPU kernels)
@@ -43,14 +45,14 @@ TINY_KIMI = dict(  # CPU-sized text model (make-tiny's defaults are sized for SG
 @pytest.fixture(scope="module")
 def tiny_kimi(tmp_path_factory) -> Path:
     torch.set_num_threads(1)
-    return sc.make_tiny_target("kimi", tmp_path_factory.mktemp("kimi") / "tiny-kimi", **TINY_KIMI)
+    return make_tiny_target("kimi", tmp_path_factory.mktemp("kimi") / "tiny-kimi", **TINY_KIMI)
 
 
 def run_tool(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m aerie.sglang_capture ARGS`` with tests/ importable (the stand-in backend lives there)."""
+    """``python -m aerie.hidden.sglang_check ARGS`` with tests/ importable (the stand-in backend lives there)."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "aerie.sglang_capture", *args]
+    cmd = [sys.executable, "-m", "aerie.hidden.sglang_check", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
 
@@ -63,7 +65,7 @@ def test_make_tiny_kimi_is_kimis_form(tiny_kimi) -> None:
     config = json.loads((tiny_kimi / "config.json").read_text())
     assert config["architectures"] == ["KimiK25ForConditionalGeneration"] and config["model_type"] == "kimi_k25"
     assert config["text_config"]["architectures"] == ["DeepseekV3ForCausalLM"]
-    assert sc.target_dims(config) == {
+    assert target_dims(config) == {
         "num_hidden_layers": 6,
         "hidden_size": 64,
         "vocab_size": 163840,
@@ -108,9 +110,9 @@ def test_states_not_replicated_across_ranks_fail_the_batch(tiny_kimi) -> None:
     """A rank that keeps its partial sums (no all-reduce): rank 0 alone would hold half the target's states."""
     from sglang_standin import SGLangTP
 
-    cap = sc.SGLangCapture(str(tiny_kimi), [1, 3, 4], backend=SGLangTP, tp_size=2, fake_skip_all_reduce=True)
+    cap = SGLangCapture(str(tiny_kimi), [1, 3, 4], backend=SGLangTP, tp_size=2, fake_skip_all_reduce=True)
     try:
-        with pytest.raises(sc.SGLangCaptureError, match="rank 1 holds other hidden states than rank 0"):
+        with pytest.raises(SGLangCaptureError, match="rank 1 holds other hidden states than rank 0"):
             cap.capture([torch.tensor([5, 6, 7, 8, 9])])
     finally:
         cap.close()
@@ -120,8 +122,8 @@ def test_kimi_ids_from_zero_are_refused_by_the_loaded_wrapper(tiny_kimi) -> None
     """The check on the loaded model, reached through the wrapper's own loading (early prediction off)."""
     from sglang_standin import SGLangTP
 
-    with pytest.raises(sc.SGLangMappingError, match=r"outputs \[-1, 1, 3\], not \[0, 2, 4\]"):
-        sc.SGLangCapture(str(tiny_kimi), [0, 2, 4], backend=SGLangTP, early_mapping_check=False).close()
+    with pytest.raises(SGLangMappingError, match=r"outputs \[-1, 1, 3\], not \[0, 2, 4\]"):
+        SGLangCapture(str(tiny_kimi), [0, 2, 4], backend=SGLangTP, early_mapping_check=False).close()
 
 
 def test_rank_digests_tell_replicated_states_from_others() -> None:
@@ -132,12 +134,12 @@ def test_rank_digests_tell_replicated_states_from_others() -> None:
     rounding = states_digest(aux * (1 + 1e-6), final)
     assert check_replicated({0: d0, 1: d0.clone(), 2: rounding}, batch=1) < 1e-4
     half = states_digest(aux / 2, final / 2)  # one of two partial sums
-    with pytest.raises(sc.SGLangCaptureError, match="batch 3: tensor-parallel rank 1 holds other hidden states"):
+    with pytest.raises(SGLangCaptureError, match="batch 3: tensor-parallel rank 1 holds other hidden states"):
         check_replicated({0: d0, 1: half}, batch=3)
     rows = states_digest(aux[:4], final[:4])  # the rows split across ranks
-    with pytest.raises(sc.SGLangCaptureError, match="rank 2 returned a state digest of shape \\(4, 8\\)"):
+    with pytest.raises(SGLangCaptureError, match="rank 2 returned a state digest of shape \\(4, 8\\)"):
         check_replicated({0: d0, 1: d0, 2: rows}, batch=1)
-    with pytest.raises(sc.SGLangCaptureError, match="do not hold the same token rows"):
+    with pytest.raises(SGLangCaptureError, match="do not hold the same token rows"):
         check_replicated({0: d0, 1: None}, batch=1)
     assert states_digest(None, final) is None and states_digest(aux, final[:3]) is None
     # Rows beyond one conversion chunk are digested like the others.
@@ -152,7 +154,7 @@ def test_the_first_gpu_step_runs_kimis_path_with_valid_commands() -> None:
     import re
     import shlex
 
-    from aerie.sglang_capture.cli import build_parser
+    from aerie.hidden.sglang_check.cli import build_parser
 
     page = (REPO / "docs" / "sglang-capture-check.md").read_text()
     section = page.split("# The first GPU step", 1)[1].split("\n## ", 1)[0]

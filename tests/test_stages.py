@@ -10,18 +10,22 @@ import torch
 from tiny_world import save_tiny_llama_target
 from transformers import AutoModelForCausalLM
 
-from aerie.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
 from aerie.formats.hidden import HIDDEN_FORMAT
 from aerie.formats.tokens import TOKENS_FORMAT
 from aerie.formats.vocab import load_draft_vocab
-from aerie.hidden import HiddenStateError, capture_shard, check_captured
-from aerie.prompts import PromptSourceError, plan_dataset, read_prompts, write_prompts
-from aerie.responses import generate_hf, split_generated
-from aerie.target_model.chat import read_chat_format, special_token_id
+from aerie.hidden.checks import HiddenStateError, check_captured
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_shard
+from aerie.responses.in_process import generate_hf
+from aerie.responses.sampling import Sampling
+from aerie.sources.datasets import PromptSourceError, plan_dataset, read_prompts, write_prompts
+from aerie.target_model.chat import read_chat_format, special_token_id, split_generated
 from aerie.target_model.config import default_aux_layer_ids, resolve_aux_layer_ids
 from aerie.tokens.rebuild import rebuild_output_ids
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard
-from aerie.vocab import build_draft_vocab, select_draft_vocab
+from aerie.tools.artifacts import FormatError, load_packed, read_jsonl, split_packed, write_jsonl
+from aerie.vocab.draft_vocab import build_draft_vocab, select_draft_vocab
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +138,7 @@ def pipeline_dir(tiny_target, tmp_path_factory) -> dict[str, Path]:
         paths["prompts"],
         paths["responses"],
         str(tiny_target),
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=12,
-        batch_size=3,
-        seed=0,
+        Sampling(temperature=0.0, top_p=1.0, max_new_tokens=12, batch_size=3, seed=0),
         threads=1,
         log=lambda m: None,
     )
@@ -148,20 +148,21 @@ def pipeline_dir(tiny_target, tmp_path_factory) -> dict[str, Path]:
         paths["tokens"],
         paths["report"],
         str(tiny_target),
-        max_seq_len=4096,
-        drop_truncated=False,
+        TokenSettings(max_seq_len=4096, drop_truncated=False),
         log=lambda m: None,
     )
     capture_shard(
         paths["tokens"],
         paths["hidden"],
         str(tiny_target),
-        aux_layer_ids=[1, 3, 4],
-        batch_tokens=64,
-        layout="full",
-        storage_dtype="float32",
-        threads=1,
-        min_next_token_agreement=0.99,
+        CaptureSettings(
+            aux_layer_ids=[1, 3, 4],
+            batch_tokens=64,
+            layout="full",
+            storage_dtype="float32",
+            threads=1,
+            min_next_token_agreement=0.99,
+        ),
         log=lambda m: None,
     )
     return paths
@@ -206,8 +207,7 @@ def test_tokens_refuse_changed_template_and_missing_fields(pipeline_dir, tiny_ta
             tmp_path / "t.safetensors",
             tmp_path / "t.json",
             str(tiny_target),
-            max_seq_len=4096,
-            drop_truncated=False,
+            TokenSettings(max_seq_len=4096, drop_truncated=False),
             log=lambda m: None,
         )
     recs = read_jsonl(pipeline_dir["responses"])
@@ -219,8 +219,7 @@ def test_tokens_refuse_changed_template_and_missing_fields(pipeline_dir, tiny_ta
             tmp_path / "t.safetensors",
             tmp_path / "t.json",
             str(tiny_target),
-            max_seq_len=4096,
-            drop_truncated=False,
+            TokenSettings(max_seq_len=4096, drop_truncated=False),
             log=lambda m: None,
         )
     assert not (tmp_path / "t.safetensors").exists()
@@ -242,10 +241,7 @@ def test_tokens_drop_truncated_and_overlong(pipeline_dir, tiny_target, tok, tmp_
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(tiny_target),
-        max_seq_len=shortest,
-        overlong="drop",
-        drop_truncated=True,
-        max_dropped_fraction=1.0,
+        TokenSettings(max_seq_len=shortest, overlong="drop", drop_truncated=True, max_dropped_fraction=1.0),
         log=lambda m: None,
     )
     assert report["dropped"]["truncated_response"] == 1
@@ -317,9 +313,7 @@ def test_states_from_another_target_fail_the_agreement_check(pipeline_dir, tiny_
             pipeline_dir["tokens"],
             tmp_path / "h.safetensors",
             str(other),
-            aux_layer_ids=[1, 3, 4],
-            threads=1,
-            min_next_token_agreement=0.9,
+            CaptureSettings(aux_layer_ids=[1, 3, 4], threads=1, min_next_token_agreement=0.9),
             log=lambda m: None,
         )
     assert not (tmp_path / "h.safetensors").exists()

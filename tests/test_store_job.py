@@ -1,8 +1,8 @@
-"""The store job (aerie.shard_store.run_store_job), the one loop of rules ``hidden`` and ``responses_hf``.
+"""The store job (aerie.target_model.store.run_store_job), the one loop of rules ``hidden`` and ``responses_hf``.
 
 Run here with real store entries of both kinds - JSONL shards bound to their key by a generation record (the
 generation store), safetensors shards carrying their key in their header (the capture store) - and each
-stage's own lines (aerie.hidden.run.CAPTURE_STAGE, aerie.responses.GENERATION_STAGE), with a producer that
+stage's own lines (aerie.hidden.run.CAPTURE_STAGE, aerie.responses.in_process.GENERATION_STAGE), with a producer that
 writes the entry from its input's bytes instead of running a target: what is checked is the loop, not the
 target. A finished entry for the task's key is reused without producing; an entry whose bytes changed, one
 cut short, one without its record (a job killed between the two) or one made for another key is produced
@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from aerie.artifacts import save_packed, write_jsonl
 from aerie.hidden.run import CAPTURE_STAGE, ShardTask
-from aerie.responses import GENERATION_STAGE, ResponsesTask
-from aerie.shard_store import (
+from aerie.responses.in_process import GENERATION_STAGE
+from aerie.target_model.store import (
     KEY_FIELD,
     file_sha256,
     generation_record_path,
@@ -33,8 +32,19 @@ from aerie.shard_store import (
     stored_generation,
     write_generation_record,
 )
+from aerie.tools.artifacts import save_packed, write_jsonl
 
 SHARDS = 4
+
+
+@dataclass(frozen=True)
+class SaltedTask:
+    """A store task (aerie.target_model.store.StoreTask) whose settings are a salt: another salt is another key."""
+
+    prompts: Path
+    out: Path
+    salt: str
+    log: Path | None = None
 
 
 class LazyTarget:
@@ -57,27 +67,27 @@ class Generation:
     salt: str = "v1"  # stands for the settings: another salt is another key
     fail_at: int | None = None  # the 0-based task whose producer raises
 
-    def tasks(self) -> list[ResponsesTask]:
+    def tasks(self) -> list[SaltedTask]:
         tasks = []
         for s in range(SHARDS):
             prompts = self.root / "prompts" / f"shard-{s:05d}.jsonl"
             if not prompts.exists():
                 write_jsonl(prompts, [{"id": f"p{s}-{i}", "text": f"question {s}.{i}"} for i in range(3)])
             out = self.root / "responses" / prompts.name
-            tasks.append(ResponsesTask(prompts, out, {"salt": self.salt}, self.root / "logs" / f"{prompts.stem}.log"))
+            tasks.append(SaltedTask(prompts, out, self.salt, self.root / "logs" / f"{prompts.stem}.log"))
         return tasks
 
     def run(self, log: Callable[[str], None]) -> tuple[dict, list[int], LazyTarget]:
         session, produced = LazyTarget(), []
         tasks = self.tasks()
 
-        def key_of(task: ResponsesTask) -> str:
-            return f"{file_sha256(task.prompts)}-{task.settings['salt']}"
+        def key_of(task: SaltedTask) -> str:
+            return f"{file_sha256(task.prompts)}-{task.salt}"
 
-        def reuse(task: ResponsesTask, store: Path, key: str) -> bool:
+        def reuse(task: SaltedTask, store: Path, key: str) -> bool:
             return stored_generation(store, key) is not None
 
-        def produce(task: ResponsesTask, store: Path, key: str, shard_log: Callable[[str], None]) -> float:
+        def produce(task: SaltedTask, store: Path, key: str, shard_log: Callable[[str], None]) -> float:
             n = tasks.index(task)
             if n == self.fail_at:
                 raise RuntimeError("the target ran out of memory")

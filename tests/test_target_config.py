@@ -8,6 +8,7 @@ import pytest
 import yaml
 from conftest import REPO, snakemake
 
+from aerie.hidden.settings import CaptureSettings
 from aerie.target_model.config import (
     architectures,
     check_servable_aux_layer_ids,
@@ -104,7 +105,7 @@ def test_other_models_take_any_first_id() -> None:
 def test_default_ids_are_what_sglang_captures_when_a_drafter_names_none(layers) -> None:
     """With no ids SGLang 0.5.23 captures the inputs of layers [2, L//2, L-3] (llama.py, deepseek_v2.py): the
     outputs [1, L//2-1, L-4], which start with 1 and so mean the same layers for the DeepSeek family too."""
-    from aerie.sglang_capture.mapping import captured_output_ids, predicted_capture_inputs
+    from aerie.target_model.config import captured_output_ids, predicted_capture_inputs
 
     sglang_default_inputs = [2, layers // 2, layers - 3]
     ids = default_aux_layer_ids(layers)
@@ -125,8 +126,8 @@ def kimi_like_folder(root, layers: int = 8):
 
 
 def test_parse_time_refuses_a_local_kimi_target_with_ids_from_zero(tmp_path) -> None:
-    from aerie.config_file import ConfigError
-    from aerie.plan import check_config
+    from aerie.plan.config_file import ConfigError
+    from aerie.plan.resolve import check_config
 
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["target"] = {"path": str(kimi_like_folder(tmp_path / "kimi", 61)), "device": "cpu", "dtype": "float32"}
@@ -139,8 +140,8 @@ def test_parse_time_refuses_a_local_kimi_target_with_ids_from_zero(tmp_path) -> 
 
 def test_parse_time_refuses_the_rehearsal_target_with_ids_from_zero() -> None:
     """The rehearsal target is built by the pipeline: parse time knows its architectures before the folder exists."""
-    from aerie.config_file import ConfigError
-    from aerie.plan import check_config
+    from aerie.plan.config_file import ConfigError
+    from aerie.plan.resolve import check_config
 
     config = yaml.safe_load((REPO / "config" / "kimi-rehearsal.yaml").read_text())
     assert config["target"].get("rehearsal") is not None
@@ -151,15 +152,22 @@ def test_parse_time_refuses_the_rehearsal_target_with_ids_from_zero() -> None:
 
 
 def test_the_capture_job_refuses_kimi_ids_from_zero_before_loading(tmp_path) -> None:
-    from aerie.hidden import ShardTask, TargetSession, capture_shard, capture_shards
+    from aerie.hidden.backends import TargetSession
+    from aerie.hidden.run import ShardTask, capture_shards
+    from aerie.hidden.shard import capture_shard
 
     target = kimi_like_folder(tmp_path / "kimi")
     tokens = tmp_path / "tokens.safetensors"  # never read: the ids are refused first
     for call in (
         lambda: TargetSession(str(target), aux_layer_ids=[0, 3, 4], log=lambda _: None),
-        lambda: capture_shard(tokens, tmp_path / "h.safetensors", str(target), aux_layer_ids=[0, 3, 4], log=print),
+        lambda: capture_shard(
+            tokens, tmp_path / "h.safetensors", str(target), CaptureSettings(aux_layer_ids=[0, 3, 4]), log=print
+        ),
         lambda: capture_shards(
-            [ShardTask(tokens, tmp_path / "h.safetensors")], str(target), aux_layer_ids=[0, 3, 4], log=print
+            [ShardTask(tokens, tmp_path / "h.safetensors")],
+            str(target),
+            CaptureSettings(aux_layer_ids=[0, 3, 4]),
+            log=print,
         ),
     ):
         with pytest.raises(ValueError, match=r"\[0, 3, 4\] do not start with 1"):
@@ -180,7 +188,7 @@ def test_the_drafter_job_refuses_kimi_ids_from_zero_before_training(tmp_path) ->
             tmp_path / "vocab.safetensors",
             target,
             tmp_path / "drafter",
-            TrainConfig(),
+            TrainConfig.of(),
             gpus=0,
             configured_aux_layer_ids=[0, 3, 4],
             log=lambda _: None,
@@ -192,8 +200,8 @@ def test_the_drafter_job_refuses_kimi_ids_from_zero_before_training(tmp_path) ->
 def test_parse_time_refuses_the_kimi_config_with_ids_from_zero_before_its_folder_is_here(monkeypatch) -> None:
     """config/kimi-k2.5.yaml as shipped, target folder absent: its target.config_json names the architectures, so
     ids from 0 are refused by the dry run (they were accepted when only num_hidden_layers was known)."""
-    from aerie.config_file import ConfigError
-    from aerie.plan import check_config
+    from aerie.plan.config_file import ConfigError
+    from aerie.plan.resolve import check_config
 
     monkeypatch.chdir(REPO)
     config = yaml.safe_load((REPO / "config" / "kimi-k2.5.yaml").read_text())

@@ -78,7 +78,7 @@ def test_cuda_spread_asks_for_device_map_and_max_memory(tmp_path: Path, monkeypa
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
     monkeypatch.setattr(target_model, "visible_gpu_memory", lambda: [GIB, GIB])
     monkeypatch.setattr(target_model, "load_tokenizer", lambda path, trust=False: "tok")
-    monkeypatch.setattr("aerie.target_model.placement.weight_bytes", lambda path, dtype=None: 3 * GIB // 2)
+    monkeypatch.setattr("aerie.target_model.model.weight_bytes", lambda path, dtype=None: 3 * GIB // 2)
     calls = []
 
     def from_pretrained(path, **kwargs):

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 from template_families import EXPECTED, FAMILIES, Family, family_records, family_tokenizer
 
-from aerie.artifacts import split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, read_tokens_shard
 from aerie.target_model.markers import check_template_markers
 from aerie.target_model.template import ChatTemplateError
 from aerie.target_model.turns import TurnRefused, render_turn
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard
+from aerie.tools.artifacts import split_packed, write_jsonl
 
 # The token that ends each family's answer turn (its documented format); GLM writes none: the model stops
 # on the next turn's opener, <|user|> (or <|observation|> after tool calls).
@@ -69,6 +70,9 @@ MODEL_WRITES = {
         f"{rec['reasoning']}</think><TOOLCALL>{nemotron_calls(rec)}</TOOLCALL><SPECIAL_12>"
     ),
 }
+
+
+SETTING_KEYS = set(TokenSettings.__dataclass_fields__)  # tokens.* keys a test passes by name
 
 
 def nemotron_calls(rec: dict) -> str:
@@ -202,9 +206,8 @@ def test_family_rebuild_is_the_templates_own_rendering(fam: Family, targets, loa
             tmp_path / "t.safetensors",
             tmp_path / "t.json",
             str(targets[fam.name]),
-            max_seq_len=1 << 20,
-            max_dropped_fraction=1.0,
-            reasoning_requested=False,  # every record reaches the template (missing reasoning: see below)
+            TokenSettings(max_seq_len=1 << 20, max_dropped_fraction=1.0),
+            reasoning_requested=False,
             log=lambda m: None,
             tokenizer=tok,
         )
@@ -256,7 +259,7 @@ def test_each_record_has_its_own_generation_prompt(targets, tmp_path) -> None:
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(targets[fam.name]),
-        max_seq_len=1 << 20,
+        TokenSettings(max_seq_len=1 << 20),
         log=lambda m: None,
     )
     _, meta = read_tokens_shard(tmp_path / "t.safetensors")
@@ -317,8 +320,7 @@ def test_shard_does_not_depend_on_how_records_are_chunked(targets, tmp_path, mon
                 out / "t.safetensors",
                 out / "t.json",
                 str(targets[name]),
-                max_seq_len=1 << 20,
-                max_dropped_fraction=1.0,
+                TokenSettings(max_seq_len=1 << 20, max_dropped_fraction=1.0),
                 log=lambda m: None,
                 chunk_chars=chunk_chars,
             )
@@ -341,7 +343,7 @@ def run_family(target: Path, records: list[dict], tmp_path: Path, **kw) -> tuple
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(target),
-        max_seq_len=1 << 20,
+        TokenSettings(**{"max_seq_len": 1 << 20, **{k: kw.pop(k) for k in list(kw) if k in SETTING_KEYS}}),
         log=lambda m: None,
         **kw,
     )
@@ -400,6 +402,45 @@ def test_a_finished_turn_inside_the_open_reasoning_block_is_refused(targets, loa
     assert tok.decode(generated["no_think"], skip_special_tokens=False) == "Paris.\n<SPECIAL_12>"
     turn = render_turn(tok, no_think["messages"], None, "Paris.")
     assert turn.generation_prompt.endswith("<think></think>")
+
+
+def test_no_kept_record_trains_a_stop_token_before_its_end(targets, loaded, tmp_path) -> None:
+    """An R1-Distill-shaped template that renders an assistant turn's tool calls, closed with the end of the sentence,
+    and then its text as a second assistant segment: ``...<｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜Assistant｜>Let me
+    check.<｜end▁of▁sentence｜>``. The model stops at its first end of sentence; that turn is refused and counted
+    (``stop_token_in_framing``), never trained with a stop token mid-sequence (issue 39); a plain answer of the same
+    template is kept, its only end of sentence last."""
+    import shutil
+
+    from template_families import TOOLS, call, record
+
+    fam = next(f for f in FAMILIES if f.name == "DeepSeek R1-Distill")
+    target = tmp_path / "r1-shaped"
+    shutil.copytree(targets[fam.name], target)
+    template = (target / "chat_template.jinja").read_text(encoding="utf-8")
+    calls_when = "{%- if message['role'] == 'assistant' and message['content'] is none %}"
+    assert template.count(calls_when) == 1
+    shaped = template.replace(
+        calls_when, "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    )
+    (target / "chat_template.jinja").write_text(shaped, encoding="utf-8")
+    ask = [{"role": "user", "content": "Weather in Paris and Lyon?"}]
+    text_then_calls = record(
+        "text_then_calls",
+        ask,
+        "Two cities: two calls.",
+        "Let me check.",
+        tool_calls=[call("Paris"), call("Lyon")],
+        tools=TOOLS,
+        finish_reason="tool_calls",
+    )
+    plain = [record(f"plain{i}", [{"role": "user", "content": f"Capital {i}?"}], "Easy.", "Paris.") for i in range(3)]
+    report, generated = run_family(target, [*plain, text_then_calls], tmp_path, max_dropped_fraction=1.0)
+    assert report["dropped"] == {"stop_token_in_framing": 1}, report["dropped"]
+    assert report["drop_examples"]["stop_token_in_framing"] == ["text_then_calls"]
+    eos = loaded(fam.name).convert_tokens_to_ids(DEEPSEEK_EOS)
+    assert sorted(generated) == ["plain0", "plain1", "plain2"]
+    assert all(ids.count(eos) == 1 and ids[-1] == eos for ids in generated.values())
 
 
 def test_every_family_tokenizer_keeps_its_template_markers_one_id(targets, loaded) -> None:

@@ -1,11 +1,11 @@
-"""aerie.time_preview: hours per GPU stage from committed measurements only, each with its source; without a
+"""aerie.preview.timing: hours per GPU stage from committed measurements only, each with its source; without a
 measurement of the run's GPU it says so and estimates nothing."""
 
 from __future__ import annotations
 
 import json
 
-from aerie.time_preview import StepModel, step_model, time_preview, training_seconds
+from aerie.preview.timing import StepModel, step_model, time_preview, training_seconds
 
 CONFIG = {
     "resources": {"drafter_gpus": 8, "gpu_model": "H200"},
@@ -50,7 +50,9 @@ def test_no_measurement_of_this_gpu_estimates_nothing(tmp_path) -> None:
     line = next(x for x in text.splitlines() if x.strip().startswith("drafter"))
     assert "not estimated: no committed measurement for H200" in line and "A100" in line and " h " not in line
     toy = measurement(tmp_path, device="NVIDIA H200", toy=True)  # a toy run is no measurement of the real dims
-    assert "not estimated" in time_preview(CONFIG, {"chat": 10}, {"chat": 1000.0}, measurements=toy, nvidia_smi=None)
+    text = time_preview(CONFIG, {"chat": 10}, {"chat": 1000.0}, measurements=toy, nvidia_smi=None)
+    line = next(x for x in text.splitlines() if x.strip().startswith("drafter"))
+    assert "not estimated: no committed measurement for H200" in line and " h " not in line, line
     unknown = {**CONFIG, "resources": {"drafter_gpus": 8}}
     text = time_preview(unknown, {"chat": 10}, {"chat": 1000.0}, measurements=where, nvidia_smi=None)
     assert "GPU model unknown" in text and "set resources.gpu_model" in text

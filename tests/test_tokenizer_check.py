@@ -18,7 +18,6 @@ import yaml
 from conftest import REPO, snakemake
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 
-from aerie.artifacts import write_jsonl
 from aerie.target_model.markers import (
     TokenizerMarkerError,
     check_template_markers,
@@ -26,7 +25,9 @@ from aerie.target_model.markers import (
     write_tokenizer_check,
 )
 from aerie.target_model.model import load_tokenizer
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard
+from aerie.tools.artifacts import write_jsonl
 
 TRANSFORMERS = package_version("transformers")
 
@@ -58,8 +59,8 @@ def split_think(kimi_like, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory) -> Path:
     """The rehearsal target's tokenizer files, as rule rehearsal_target writes them (a small BPE: seconds)."""
-    from aerie.demo_target.tokenizer import tokenizer_corpus
-    from aerie.rehearsal_target.tokenizer import train_bpe_ranks, write_tokenizer
+    from aerie.targets.demo.tokenizer import tokenizer_corpus
+    from aerie.targets.rehearsal.tokenizer import train_bpe_ranks, write_tokenizer
 
     folder = tmp_path_factory.mktemp("rehearsal") / "target"
     write_tokenizer(folder, train_bpe_ranks(tokenizer_corpus(200, seed=1), 600), model_max_length=2048)
@@ -67,7 +68,7 @@ def rehearsal(tmp_path_factory) -> Path:
 
 
 def test_the_built_tokenizers_keep_every_marker_one_id(kimi_like, rehearsal, tmp_path) -> None:
-    from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
+    from aerie.targets.demo.tokenizer import tokenizer_corpus, train_tokenizer
 
     kimi = check_template_markers(load_tokenizer(kimi_like), kimi_like)
     assert {"<think>", "</think>", "<|im_end|>", "<|tool_call_begin|>", "<|tool_calls_section_begin|>"} <= set(kimi)
@@ -101,7 +102,11 @@ def test_a_tokenizer_that_splits_think_is_refused_naming_the_marker_and_transfor
     write_jsonl(tmp_path / "r.jsonl", [{**record, "finish_reason": "stop"}])
     with pytest.raises(TokenizerMarkerError, match="'<think>' as "):
         tokenize_shard(
-            tmp_path / "r.jsonl", tmp_path / "t.safetensors", tmp_path / "t.json", str(split_think), max_seq_len=64
+            tmp_path / "r.jsonl",
+            tmp_path / "t.safetensors",
+            tmp_path / "t.json",
+            str(split_think),
+            TokenSettings(max_seq_len=64),
         )
     assert not (tmp_path / "t.safetensors").exists() and not (tmp_path / "t.json").exists()
 
@@ -188,7 +193,7 @@ def test_no_api_request_is_paid_on_a_target_whose_tokenizer_splits_a_marker(spli
     request); the plan shows the check file as an input of the paid job and of the tokens job."""
     import os
 
-    from aerie.api.emulator import EmulatorSettings, serve_in_thread
+    from aerie.emulator import EmulatorSettings, serve_in_thread
 
     requests_log = workdir.parent / "requests.jsonl"
     emu = EmulatorSettings(api_key="sk-test", request_log=str(requests_log), latency_mean=0.0)

@@ -1,4 +1,4 @@
-"""The one definition of a degenerate output (aerie.bench.degenerate), as the tokens stage and the benchmarks
+"""The one definition of a degenerate output (aerie.tools.degenerate), as the tokens stage and the benchmarks
 run it: the fast n-gram count must give exactly what the plain definition gives, on every kind of input."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from aerie.bench.degenerate import REPEAT_NGRAM, REPEAT_RATE, degenerate_flags, distinct_ngrams, repeated_ngram_rate
+from aerie.tools.degenerate import REPEAT_NGRAM, REPEAT_RATE, degenerate_flags, distinct_ngrams, repeated_ngram_rate
 
 
 def reference_rate(ids: list[int], n: int) -> float:

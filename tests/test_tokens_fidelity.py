@@ -15,17 +15,21 @@ import pytest
 import torch
 from kimi_tokenizer import KIMI_K2_THINKING_TEMPLATE, kimi_like_tokenizer
 
-from aerie.artifacts import load_packed, split_packed, write_jsonl
 from aerie.formats.tokens import TOKENS_FORMAT, FidelityError, check_loss_mask
-from aerie.responses import RESPONSES_FORMAT, split_generated
-from aerie.target_model.chat import read_chat_format
+from aerie.responses.in_process import RESPONSES_FORMAT
+from aerie.target_model.chat import read_chat_format, split_generated
 from aerie.target_model.template import render_prompt_ids
 from aerie.tokens.rebuild import classify_mismatch, rebuild_output_ids
+from aerie.tokens.settings import TokenSettings
 from aerie.tokens.stage import tokenize_shard
+from aerie.tools.artifacts import load_packed, split_packed, write_jsonl
 
 DATASETS = Path(__file__).parent / "fixtures" / "datasets"
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+
+SETTING_KEYS = set(TokenSettings.__dataclass_fields__)  # tokens.* keys a test passes by name
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +84,7 @@ def run_stage(tmp_path: Path, target: Path, records: list[dict], **kw) -> tuple[
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(target),
-        max_seq_len=kw.pop("max_seq_len", 1 << 20),
+        TokenSettings(**{"max_seq_len": 1 << 20, **{k: kw.pop(k) for k in list(kw) if k in SETTING_KEYS}}),
         log=lambda m: None,
         **kw,
     )
@@ -297,8 +301,7 @@ def test_text_only_records_that_lost_information_are_dropped_and_counted(tok, ki
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(kimi_target),
-        max_seq_len=4096,
-        max_dropped_fraction=0.3,
+        TokenSettings(max_seq_len=4096, max_dropped_fraction=0.3),
         log=lambda m: None,
     )
     _, meta = load_packed(tmp_path / "t.safetensors", TOKENS_FORMAT)
@@ -410,7 +413,7 @@ def test_decode_then_rebuild_reproduces_canonical_ids_for_every_real_text(tok, f
 
 
 def test_tool_conversation_from_a_jsonl_dataset_reaches_the_tokens_stage(tok, kimi_target, tmp_path) -> None:
-    from aerie.prompts import iter_prompts
+    from aerie.sources.datasets import iter_prompts
 
     conversation = [
         {"role": "user", "content": "Weather in Paris?"},
@@ -603,7 +606,7 @@ def test_looping_answers_are_dropped_and_counted_per_provider(tok, kimi_target, 
 
 
 def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_target, tmp_path) -> None:
-    from aerie.report import figure_quality
+    from aerie.publish.report import figure_quality
 
     msgs = [{"role": "user", "content": "Q"}]
     recs = [
@@ -623,8 +626,7 @@ def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_t
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(kimi_target),
-        max_seq_len=4096,
-        drop_truncated=False,
+        TokenSettings(max_seq_len=4096, drop_truncated=False),
         log=lines.append,
     )
     assert report["providers"]["B"]["truncation_rate"] == 0.5 and report["providers"]["A"]["truncation_rate"] == 0
@@ -643,7 +645,7 @@ def test_an_outlier_provider_is_named_with_the_line_that_excludes_it(tok, kimi_t
 def test_a_provider_that_strips_reasoning_is_counted_and_shown_per_provider(kimi_target, tmp_path) -> None:
     """Provider B returns no reasoning for half its answers: dropped and counted under B in the shard report, named
     as an outlier with the line that excludes it, and shown per provider in the report's quality figure."""
-    from aerie.report import figure_quality
+    from aerie.publish.report import figure_quality
 
     msgs = [{"role": "user", "content": "Q"}]
     recs = [
@@ -661,7 +663,7 @@ def test_a_provider_that_strips_reasoning_is_counted_and_shown_per_provider(kimi
         tmp_path / "t.safetensors",
         tmp_path / "t.json",
         str(kimi_target),
-        max_seq_len=4096,
+        TokenSettings(max_seq_len=4096),
         log=lines.append,
     )
     warning = [line for line in lines if "provider B differs" in line]

@@ -1,4 +1,5 @@
-"""The CUDA attention path (aerie.drafter.ttt_flex: flex attention over the step-0 keys, the diagonal merged by
+"""The CUDA attention path (aerie.drafter_kinds.eagle3.ttt_flex: flex attention over the step-0 keys, the diagonal
+merged by
 log-sum-exp) equals the chunked kernel (layers.TTTAttention, the CPU path and the reference), and both equal a
 float64 composition - also at score magnitudes where a softmax without its row max overflows (exp(x) is inf in
 fp32 once x > 88.7), and in packed rows (several sequences per row, each attending only to itself).
@@ -17,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-from aerie.drafter import ttt_flex
-from aerie.drafter.layers import TTTCache, TTTLayout, attention_kernel, repeat_kv
+from aerie.drafter_kinds.eagle3 import ttt_flex
+from aerie.drafter_kinds.eagle3.layers import TTTCache, TTTLayout, attention_kernel, repeat_kv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")

@@ -19,12 +19,12 @@ import pytest
 import torch
 from ttt_reference import NaiveTTTCache, naive_forward
 
-from aerie.drafter import layers, ttt
 from aerie.drafter.config import TrainConfig
-from aerie.drafter.data import Batch
-from aerie.drafter.layers import TTTCache
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
-from aerie.drafter.ttt import TargetHead, ttt_forward
+from aerie.drafter_kinds.batch import Batch
+from aerie.drafter_kinds.eagle3 import layers, ttt
+from aerie.drafter_kinds.eagle3.layers import TTTCache
+from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.eagle3.ttt import TargetHead, ttt_forward
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -158,7 +158,9 @@ def run_both(model, b, head, cfg, steps, *, checkpointing=True, autocast_bf16=Fa
         ref_loss, ref_stats, ref_drafts = naive_forward(model, b, head, cfg, steps)
     ref_grads = torch.autograd.grad(ref_loss, params)
     with ctx:
-        loss, stats, drafts = ttt_forward(model, b, head.prepare(b, cfg), steps, cfg.step_loss_decay, checkpointing)
+        loss, stats, drafts = ttt_forward(
+            model, b, head.prepare(b, cfg.mask_out_of_vocab_targets), steps, cfg.step_loss_decay, checkpointing
+        )
     grads = torch.autograd.grad(loss, params)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     return (ref_loss, ref_stats, ref_drafts, ref_grads), (loss, stats, drafts, grads), names
@@ -178,7 +180,7 @@ def test_training_forward_equals_naive(kind, layout, T, steps, attn_chunk, loss_
     model = drafter(kind)
     b, head_full = batch(layout, T, steps)
     head = target_head(model, layout, head_full)
-    cfg = TrainConfig(ttt_steps=steps)
+    cfg = TrainConfig.of(ttt_steps=steps)
     for checkpointing in (True, False):
         (rl, rs, rd, rg), (nl, ns, nd, ng), names = run_both(model, b, head, cfg, steps, checkpointing=checkpointing)
         torch.testing.assert_close(nl, rl, rtol=1e-5, atol=1e-6)
@@ -200,7 +202,7 @@ def test_training_forward_bf16_autocast_within_tolerance(kind, monkeypatch) -> N
     model = drafter(kind)
     b, head_full = batch("compact", 17, 3)
     head = target_head(model, "compact", head_full)
-    (rl, _, _, rg), (nl, _, _, ng), names = run_both(model, b, head, TrainConfig(ttt_steps=3), 3, autocast_bf16=True)
+    (rl, _, _, rg), (nl, _, _, ng), names = run_both(model, b, head, TrainConfig.of(ttt_steps=3), 3, autocast_bf16=True)
     torch.testing.assert_close(nl, rl, rtol=2e-2, atol=1e-3)
     for name, r, n in zip(names, rg, ng):
         assert (n - r).norm() <= 0.02 * r.norm() + 1e-4, name
@@ -215,8 +217,14 @@ def test_lm_head_gradient_is_one_matmul_per_block_not_per_chunk(monkeypatch) -> 
     monkeypatch.setattr(ttt, "_mm_fp32", lambda a, b: calls.append(a.shape) or real(a, b))
     model = drafter("llama")
     b, head_full = batch("full", 13, 3)
-    cfg = TrainConfig(ttt_steps=3)
-    loss, _, _ = ttt_forward(model, b, target_head(model, "full", head_full).prepare(b, cfg), 3, cfg.step_loss_decay)
+    cfg = TrainConfig.of(ttt_steps=3)
+    loss, _, _ = ttt_forward(
+        model,
+        b,
+        target_head(model, "full", head_full).prepare(b, cfg.mask_out_of_vocab_targets),
+        3,
+        cfg.step_loss_decay,
+    )
     loss.backward()
     assert len(calls) == 3 and all(shape == (VD, 2 * 13) for shape in calls), calls  # one per step, all rows
 
@@ -227,8 +235,8 @@ def test_padding_rows_and_unusable_targets_carry_no_gradient(monkeypatch) -> Non
     model = drafter("llama")
     b, head_full = batch("full", 10, 2)
     head = target_head(model, "full", head_full)
-    cfg = TrainConfig(ttt_steps=2)
-    targets = head.prepare(b, cfg)
+    cfg = TrainConfig.of(ttt_steps=2)
+    targets = head.prepare(b, cfg.mask_out_of_vocab_targets)
     loss, stats, _ = ttt_forward(model, b, targets, 2, cfg.step_loss_decay)
     # padding rows of window 1 (rows 7..9): new features there change neither the loss nor the stats
     b.aux[1, 7:] += 10.0

@@ -1,4 +1,5 @@
-"""Which rows the TTT loss supervises at each draft step (aerie.drafter.ttt.step_weights), on a hand-built batch.
+"""Which rows the TTT loss supervises at each draft step (aerie.drafter_kinds.eagle3.ttt.step_weights), on a hand-built
+batch.
 
 Convention (aerie/drafter/data.py): row t carries the target's features at position t; draft step k at row t reads
 token t+1+k and predicts token t+2+k against the target distribution ``q[t+1+k]``. A row is supervised at step k
@@ -14,8 +15,8 @@ import pytest
 import torch
 from ttt_reference import naive_loss as ttt_loss
 
-from aerie.drafter.data import Batch
-from aerie.drafter.ttt import step_weights
+from aerie.drafter_kinds.batch import Batch
+from aerie.drafter_kinds.eagle3.ttt import step_weights
 
 STEPS = 3
 T = 7  # rows of the window

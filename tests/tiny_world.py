@@ -1,7 +1,7 @@
 """Builders shared by the tests: tiny targets, their data and drafters.
 
 - :func:`target_world`: a tiny target's own training data, as the pipeline would make it: greedy continuations
-  of random prompts, their aux states (aerie.capture's hooks) and final states written as two hidden shards
+  of random prompts, their aux states (aerie.target_model.capture's hooks) and final states written as two hidden shards
   in the documented ``aerie.hidden/1`` (full) layout, and a draft vocab of the most frequent generated tokens
   (``aerie.draft-vocab/1``); :func:`world_drafter` an untrained EAGLE-3 drafter for it, :data:`TINY_TRAIN`
   how the tests train one.
@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from aerie.capture import AuxHiddenCapture
-from aerie.drafter.model import DrafterConfig, Eagle3Drafter
+from aerie.drafter_kinds.eagle3.model import DrafterConfig, Eagle3Drafter
+from aerie.target_model.capture import AuxHiddenCapture
 
 # How the tests train a tiny world's drafter (short windows, small batches, one thread); epochs are each test's.
 TINY_TRAIN: dict[str, Any] = dict(
@@ -215,7 +215,7 @@ def save_tiny_llama_target(path: Path) -> Path:
     """A random 6-layer Llama (hidden 32) and a Kimi-style tokenizer trained on 300 chat texts, saved at ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from aerie.demo_target.tokenizer import tokenizer_corpus, train_tokenizer
+    from aerie.targets.demo.tokenizer import tokenizer_corpus, train_tokenizer
 
     tok = train_tokenizer(tokenizer_corpus(300, seed=1), vocab_size=400)
     torch.manual_seed(0)
@@ -240,8 +240,8 @@ def save_tiny_llama_target(path: Path) -> Path:
 
 def write_random_tokens_shard(path: Path, seqs: int, seq_len: int, seed: int) -> None:
     """An ``aerie.tokens/3`` shard of ``seqs`` random sequences of ``seq_len`` ids (second halves supervised)."""
-    from aerie.artifacts import save_packed
     from aerie.formats.tokens import TOKENS_FORMAT
+    from aerie.tools.artifacts import save_packed
 
     ids = torch.randint(3, 200, (seqs, seq_len), generator=torch.Generator().manual_seed(seed))
     mask = torch.zeros(seq_len, dtype=torch.uint8)

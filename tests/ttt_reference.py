@@ -1,5 +1,6 @@
 """The TTT unroll and loss as aerie trained them before issue 22 (aerie 27746c1): the plain composition, kept
-here as the reference the memory-bounded path (aerie.drafter.layers.TTTAttention, aerie.drafter.ttt.ttt_forward)
+here as the reference the memory-bounded path (aerie.drafter_kinds.eagle3.layers.TTTAttention,
+aerie.drafter_kinds.eagle3.ttt.ttt_forward)
 must equal, in outputs and gradients. Not used by the product: it builds [B, h, T, T + k] scores per step, keeps
 every step's activations and [B, T, Vd] fp32 logits, so it is quadratic in the window (bench/drafter_memory.py
 measures it as the "old" rows).
@@ -13,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aerie.drafter.data import Batch
-from aerie.drafter.layers import repeat_kv
-from aerie.drafter.model import Eagle3Drafter
-from aerie.drafter.ttt import TargetHead, step_weights, target_mask
+from aerie.drafter_kinds.batch import Batch
+from aerie.drafter_kinds.eagle3.layers import repeat_kv
+from aerie.drafter_kinds.eagle3.model import Eagle3Drafter
+from aerie.drafter_kinds.eagle3.ttt import TargetHead, step_weights, target_mask
 
 
 class NaiveTTTCache:
@@ -80,5 +81,7 @@ def naive_forward(model: Eagle3Drafter, b: Batch, head: TargetHead, cfg, steps: 
     """(loss, per-step stats, per-step draft ids) exactly as the trainer computed them before issue 22."""
     q, greedy, has_q = head.targets(b)
     logits = naive_unroll(model, b.aux, b.ids, b.position_ids, steps)
-    loss, stats = naive_loss(logits, q, b, target_mask(head, greedy, has_q, cfg), cfg.step_loss_decay)
+    loss, stats = naive_loss(
+        logits, q, b, target_mask(head, greedy, has_q, cfg.mask_out_of_vocab_targets), cfg.step_loss_decay
+    )
     return loss, stats, [x.argmax(-1) for x in logits]

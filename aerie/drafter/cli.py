@@ -10,23 +10,32 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from aerie.drafter import distributed
 from aerie.drafter.config import TrainConfig
 from aerie.drafter.loop import train_drafter
-from aerie.model_card import CardSettings, write_export_card
-from aerie.target_model.config import resolve_aux_layer_ids, target_architectures, target_num_hidden_layers
+from aerie.drafter_kinds.kind import TargetView
+from aerie.target_model.config import (
+    read_text_config,
+    target_architectures,
+)
+
+
+def drafter_layer_ids(cfg: TrainConfig, target_path: Path, configured_aux_layer_ids: Sequence[int] | None) -> list[int]:
+    """The target layers the drafter reads: its kind's choice for this target (EAGLE-3: hidden.aux_layer_ids, null
+    meaning SGLang's default; DFlash: drafter.target_layer_ids, else SGLang's default), refused unless SGLang
+    captures and serves exactly them."""
+    target = TargetView(read_text_config(target_path), tuple(target_architectures(target_path)))
+    return cfg.drafter_kind.capture_layer_ids(cfg.kind_settings, target, configured_aux_layer_ids)
 
 
 def run_training_job(
     hidden_shards: Sequence[Path],
-    vocab_path: Path,
+    vocab_path: Path | None,
     target_path: Path,
     out_dir: Path,
     cfg: TrainConfig,
@@ -35,27 +44,19 @@ def run_training_job(
     configured_aux_layer_ids: Sequence[int] | None,
     log: Callable[[str], None],
     log_path: Path,
-    card: CardSettings | None = None,
-    sglang: Mapping[str, Any] | None = None,
 ) -> None:
-    """The drafter rule's work: resolve the aux layers, then train in this process, or - with ``gpus`` > 1 and
-    that many visible - as torchrun processes (one per GPU, DDP) whose output goes to ``log_path``.
-
-    The configured aux layers (null: SGLang's default for the target's depth) are checked against what SGLang
-    serves; training refuses shards captured at other layers or from a target of another depth. Either way a
-    killed job resumes where its last checkpoint left off (aerie.drafter.state). The exported folder gets its model
-    card (README.md, aerie.model_card; ``card``: config section card, ``sglang``: the serve command's flags)."""
-    aux_layer_ids = resolve_aux_layer_ids(
-        configured_aux_layer_ids, target_num_hidden_layers(target_path), target_architectures(target_path)
-    )
+    """The drafter rule's work: resolve the layers the drafter reads (``drafter_layer_ids``), then train in this
+    process, or - with ``gpus`` > 1 and that many visible - as torchrun processes (one per GPU, DDP) whose output goes
+    to ``log_path``. Training refuses shards without those layers or from a target of another depth. Either way a
+    killed job resumes where its last checkpoint left off (aerie.drafter.state)."""
+    layer_ids = drafter_layer_ids(cfg, target_path, configured_aux_layer_ids)
     inputs = (list(hidden_shards), vocab_path, target_path, out_dir)
     nproc = distributed.processes_for(gpus, cfg)
     if nproc <= 1:
-        train_drafter(*inputs, cfg, log=log, aux_layer_ids=aux_layer_ids)
-        write_export_card(out_dir, card or CardSettings(), str(target_path), hidden_shards, sglang)
+        train_drafter(*inputs, cfg, log=log, layer_ids=layer_ids)
         return
-    cfg = replace(cfg, threads=max(1, cfg.threads // nproc))  # the job's cores, shared by the processes
-    cmd = distributed.torchrun_command(nproc, *inputs, cfg, aux_layer_ids=aux_layer_ids)
+    cfg = cfg.replace(threads=max(1, cfg.threads // nproc))  # the job's cores, shared by the processes
+    cmd = distributed.torchrun_command(nproc, *inputs, cfg, layer_ids=layer_ids)
     log(f"drafter: {nproc} processes: {shlex.join(cmd)}")
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     with open(log_path, "a", buffering=1) as out:  # the processes' output goes to the rule log
@@ -65,43 +66,42 @@ def run_training_job(
         rc = proc.wait()
     if rc != 0:
         raise SystemExit(f"torchrun exited with status {rc}; see {log_path}")
-    write_export_card(out_dir, card or CardSettings(), str(target_path), hidden_shards, sglang)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="aerie-train-drafter", description="Train an EAGLE-3 drafter.")
+    ap = argparse.ArgumentParser(prog="aerie-train-drafter", description="Train a drafter (any kind: --config kind).")
     ap.add_argument("--hidden", nargs="+", required=True, help="aerie.hidden/2 shards")
-    ap.add_argument("--vocab", required=True, help="aerie.draft-vocab/1 file")
+    ap.add_argument("--vocab", default=None, help="aerie.draft-vocab/1 file (kinds with a draft vocabulary: eagle3)")
     ap.add_argument("--target", required=True, help="the target's save_pretrained folder")
     ap.add_argument("--out", required=True, help="output folder for the drafter")
-    ap.add_argument("--config", default="{}", help="TrainConfig fields as JSON")
+    ap.add_argument("--config", default="{}", help="the drafter section as JSON (its kind, every key)")
     ap.add_argument(
-        "--aux-layer-ids", default=None, help="the configured aux layer ids as JSON (checked against the shards)"
+        "--aux-layer-ids", default=None, help="hidden.aux_layer_ids as JSON (EAGLE-3: resolved as the rule does)"
     )
+    ap.add_argument("--layer-ids", default=None, help="the layers the drafter reads, resolved (torchrun's ranks)")
     args = ap.parse_args(argv)
-    cfg = TrainConfig(**json.loads(args.config))
+    cfg = TrainConfig.of(json.loads(args.config))
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     try:
-        ids = json.loads(args.aux_layer_ids) if args.aux_layer_ids else None
-        # By hand as in the rule: ids SGLang would not serve (a DeepSeek/Kimi target's 0) are refused first; without
-        # ids, training takes the shards' own (checked when they were captured).
-        if ids is not None:
+        # By hand as in the rule: layers SGLang would not serve (a DeepSeek/Kimi target's 0) are refused first;
+        # without any, training takes the shards' own (checked when they were captured).
+        ids = json.loads(args.layer_ids) if args.layer_ids else None
+        if ids is None and args.aux_layer_ids:
             try:
-                layers, archs = target_num_hidden_layers(args.target), target_architectures(args.target)
-                ids = resolve_aux_layer_ids(ids, layers, archs)
+                ids = drafter_layer_ids(cfg, Path(args.target), json.loads(args.aux_layer_ids))
             except ValueError as e:
                 raise SystemExit(f"aerie-train-drafter --aux-layer-ids: {e}") from None
         train_drafter(
             [Path(x) for x in args.hidden],
-            Path(args.vocab),
+            Path(args.vocab) if args.vocab else None,
             Path(args.target),
             Path(args.out),
             cfg,
             log=log,
-            aux_layer_ids=ids,
+            layer_ids=ids,
         )
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -7,11 +7,14 @@ the model page). Watch a run live with ``tensorboard --logdir results/drafter``.
 
 Tags (TTT position k = draft step k of the unroll, 0 first), all on the optimizer-step axis:
   per logged step:  train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/loss_per_position/k,
-                    train/acc_per_position/k
+                    train/top1_match_per_position/k
   per epoch, at the step it ended (step 0: the untrained drafter): heldout/acceptance_length, heldout/loss,
-                    heldout/acceptance_per_position/k, heldout/loss_per_position/k, heldout/acc_per_position/k,
-                    epoch/epoch, and epoch/train_loss, epoch/train_acc_per_position/k (means of its logged steps)
-A custom-scalars layout puts each per-position family on one chart. One axis for both keeps a resumed run's
+                    heldout/acceptance_per_position/k, heldout/loss_per_position/k, heldout/top1_match_per_position/k,
+                    epoch/epoch, and epoch/train_loss, epoch/train_top1_match_per_position/k (means of its logged steps)
+``top1_match_per_position``: how often the draft's top token is the target's at position k with the context teacher-
+forced (each position alone); ``acceptance_per_position``: how often a chain of drafts is still accepted at k
+(conditional on every earlier draft): two different figures, two different names. A custom-scalars layout puts each
+per-position family on one chart. One axis for both keeps a resumed run's
 purge exact and the held-out points on the training curves they belong to.
 """
 
@@ -21,6 +24,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
 CURVES_DIR = "tensorboard"
 
 # eval event key -> TensorBoard tag (lists get one tag per TTT position)
@@ -29,7 +35,7 @@ _HELDOUT = {
     "heldout_loss": "heldout/loss",
     "acceptance_per_position": "heldout/acceptance_per_position",
     "heldout_loss_per_step": "heldout/loss_per_position",
-    "heldout_accuracy_per_step": "heldout/acc_per_position",
+    "heldout_accuracy_per_step": "heldout/top1_match_per_position",
 }
 _TRAIN = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s"}
 
@@ -47,8 +53,6 @@ class TrainCurves:
         run_name: str = "",
         config: dict[str, Any] | None = None,
     ):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.logdir = Path(logdir)
         # resumed: events from the interrupted attempt past its checkpoint are dropped, then written again
         purge = resume_step + 1 if resume_step is not None else None
@@ -71,7 +75,7 @@ class TrainCurves:
         self._step = step
         scalars = {tag: event.get(key) for key, tag in _TRAIN.items()}
         scalars |= _per_position("train/loss_per_position", event.get("loss_per_step"))
-        scalars |= _per_position("train/acc_per_position", event.get("acc_per_step"))
+        scalars |= _per_position("train/top1_match_per_position", event.get("acc_per_step"))
         self._write(scalars, step)
         self._layout(len(event.get("acc_per_step") or []))
         self._epoch_train.append(event)
@@ -87,7 +91,7 @@ class TrainCurves:
             scalars["epoch/train_loss"] = sum(e["loss"] for e in logged) / len(logged)
             positions = min(len(e.get("acc_per_step") or []) for e in logged)
             scalars |= _per_position(
-                "epoch/train_acc_per_position",
+                "epoch/train_top1_match_per_position",
                 [sum(e["acc_per_step"][k] for e in logged) / len(logged) for k in range(positions)],
             )
         self._epoch_train = [e for e in self._epoch_train if e.get("epoch") != epoch]
@@ -113,12 +117,12 @@ class TrainCurves:
             {
                 "per TTT position (per step)": {
                     "train loss": ["Multiline", family("train/loss_per_position")],
-                    "train accuracy": ["Multiline", family("train/acc_per_position")],
+                    "train top-1 match": ["Multiline", family("train/top1_match_per_position")],
                 },
                 "per TTT position (per epoch)": {
                     "held-out acceptance": ["Multiline", family("heldout/acceptance_per_position")],
                     "held-out loss": ["Multiline", family("heldout/loss_per_position")],
-                    "train accuracy (epoch mean)": ["Multiline", family("epoch/train_acc_per_position")],
+                    "train top-1 match (epoch mean)": ["Multiline", family("epoch/train_top1_match_per_position")],
                 },
             }
         )
@@ -150,15 +154,13 @@ def open_curves(state_dir: Path, cfg: Any, *, enabled: bool, resume_step: int | 
     """The run's curves writer, or None (not rank 0, or ``drafter.tensorboard: false`` without W&B)."""
     if not enabled or not (cfg.tensorboard or cfg.wandb_project):
         return None
-    from dataclasses import asdict
-
     return TrainCurves(
         Path(state_dir) / CURVES_DIR,
         resume_step=resume_step,
         tensorboard=cfg.tensorboard,
         wandb_project=cfg.wandb_project,
         run_name=Path(state_dir).name.removeprefix(".").removesuffix(".train_state"),  # the run: "demo"
-        config=asdict(cfg),
+        config=cfg.section(),
     )
 
 
@@ -175,8 +177,6 @@ def publish_curves(state_dir: Path, out_dir: Path) -> None:
 
 def read_curves(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar of the event files under ``logdir``: tag -> [(step, value)] (tests, the report)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

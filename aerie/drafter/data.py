@@ -1,15 +1,16 @@
-"""Training data: windows over hidden-shard sequences, the held-out split, batch order, and batch loading.
+"""Training data: windows over hidden-shard sequences, the held-out split, batch order, and batch loading into the
+``aerie.drafter_kinds.batch.Batch`` every kind's objective reads.
 
-Index conventions for one sequence window starting at row ``a`` (all arrays are relative to ``a``):
-``ids[p]`` token at p; ``q[p]`` target distribution after p (it predicts token p+1); ``gen[p]`` 1 when token p
-was generated (loss mask). Step k, row t: input token ``ids[t+1+k]``, target ``q[t+1+k]``, supervised when
-``gen[t+2+k]`` (the predicted token is a generated one).
+A window of a sequence is ``rows`` rows that carry loss plus the kind's look-ahead (``DrafterKind.lookahead``: the
+tokens - and targets - its last rows' objective reads past them: EAGLE-3's later TTT steps). A batch holds the
+columns of the kind's layers among the shard's captured ones (one capture serves every kind of a run), and the
+target's next-token distribution only when the kind reads it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from aerie.drafter.config import TrainConfig
+from aerie.drafter_kinds.batch import Batch
 from aerie.formats.hidden import HiddenShard, dequantize_aux
 
 
@@ -31,12 +33,12 @@ class Window:
     pos0: int  # position id of row `start` within its sequence
 
 
-def make_windows(shard_idx: int, shard: HiddenShard, seq: int, max_len: int, ttt_steps: int) -> list[Window]:
+def make_windows(shard_idx: int, shard: HiddenShard, seq: int, max_len: int, lookahead: int) -> list[Window]:
     s, e = int(shard.seq_offsets[seq]), int(shard.seq_offsets[seq + 1])
     out = []
     for a in range(s, e, max_len):
         b = min(a + max_len, e)
-        look_end = min(b + ttt_steps + 1, e)
+        look_end = min(b + lookahead, e)
         # keep windows with at least one supervised prediction (a generated token at a+2 .. look_end-1)
         if a + 2 < look_end and bool(shard.loss_mask[a + 2 : look_end].any()):
             out.append(Window(shard_idx, a, b, look_end, a - s))
@@ -54,7 +56,7 @@ class WindowPlan:
     stats: dict
 
 
-def plan_windows(shards: list[HiddenShard], held: set[tuple[int, int]], max_len: int, ttt_steps: int) -> WindowPlan:
+def plan_windows(shards: list[HiddenShard], held: set[tuple[int, int]], max_len: int, lookahead: int) -> WindowPlan:
     """Windows of every sequence (``make_windows``), training or held out by ``held`` (shard, sequence) pairs.
 
     stats: sequences, the longest, how many were longer than ``max_len`` (cut into several windows), windows kept
@@ -65,7 +67,7 @@ def plan_windows(shards: list[HiddenShard], held: set[tuple[int, int]], max_len:
     for si, sh in enumerate(shards):
         for seq in range(sh.num_seqs):
             n = int(sh.seq_offsets[seq + 1]) - int(sh.seq_offsets[seq])
-            kept = make_windows(si, sh, seq, max_len, ttt_steps)
+            kept = make_windows(si, sh, seq, max_len, lookahead)
             (heldout if (si, seq) in held else train).extend(kept)
             longest = max(longest, n)
             windowed += n > max_len
@@ -241,45 +243,28 @@ def epoch_batches(windows: list[Window], cfg: TrainConfig, epoch: int) -> list[l
     return batches(windows, cfg, torch.Generator().manual_seed(derived_seed(cfg.seed, "epoch", epoch)))
 
 
-@dataclass
-class Batch:
-    aux: Tensor  # [B, T, A*H]
-    position_ids: Tensor  # [B, T]
-    row_valid: Tensor  # [B, T] bool: real rows (not padding)
-    ids: Tensor  # [B, W] token ids, W = T + ttt_steps + 2
-    have: Tensor  # [B, W] bool: a token and target feature exist at p
-    gen: Tensor  # [B, W] bool: token p was generated
-    final: Tensor | None  # full layout: [B, W, H] target final hidden (after its norm)
-    rows: int  # number of real rows
-    topk_ids: Tensor | None = None  # compact layout: [B, W, k] target's top-k next-token ids
-    topk_logprobs: Tensor | None = None  # compact layout: [B, W, k] their log-probabilities
-    # packed rows (several sequences per batch row); None when every row holds one window from row 0
-    seq_start: Tensor | None = None  # [B, T] long: the batch row where row t's sequence starts
-    row_limit: Tensor | None = None  # [B, T] long: positions row t may read lie before this (its own sequence's)
-
-    def readable(self, offset: int) -> Tensor | None:
-        """[B, T] bool: whether position t + offset still belongs to row t's own sequence (None: always, the
-        padding is zeros there). Step k's weight reads gen at t+2+k, evaluation's chain have at t+2+k."""
-        if self.row_limit is None:
-            return None
-        T = self.row_limit.shape[1]
-        return torch.arange(offset, offset + T, device=self.row_limit.device)[None] < self.row_limit
-
-
 def load_batch(
     windows: list[Window],
     shards: list[HiddenShard],
-    ttt_steps: int,
+    lookahead: int,
     device: torch.device,
     dtype: torch.dtype,
     capacity: int | None = None,
+    *,
+    layers: Sequence[int] | None = None,
+    targets: bool = True,
 ) -> Batch:
     """The batch's tensors on ``device``: one window per batch row, or packed into rows of ``capacity``
-    (``pack_rows``: a sequence's rows, then its look-ahead, then the next sequence). The rows are read in their
-    stored dtypes (compact aux: float8 and per-layer scales) into host buffers, pinned when ``device`` is a GPU,
-    copied without blocking and dequantised on ``device``: the host moves a quarter of fp32's bytes."""
+    (``pack_rows``: a sequence's rows, then its look-ahead, then the next sequence). ``layers``: which of the
+    shards' captured layers (indices into their aux_layer_ids) the batch holds, in that order (None: all);
+    ``targets``: whether it holds the target's next-token distribution (top-k or final states). The rows are read
+    in their stored dtypes (compact aux: float8 and per-layer scales) into host buffers, pinned when ``device`` is a
+    GPU, copied without blocking and dequantised on ``device``: the host moves a quarter of fp32's bytes."""
     device = torch.device(device)
-    return host_batch(windows, shards, ttt_steps, capacity, pin=device.type == "cuda").to_device(device, dtype)
+    pin = device.type == "cuda"
+    return host_batch(windows, shards, lookahead, capacity, pin=pin, layers=layers, targets=targets).to_device(
+        device, dtype
+    )
 
 
 @dataclass
@@ -311,32 +296,51 @@ class HostBatch:
         return sum(x.numel() * x.element_size() for x in parts if x is not None)
 
 
+def _layer_rows(shard: HiddenShard, name: str, start: int, end: int, layers: Sequence[int] | None) -> Tensor:
+    """Rows start..end of a per-layer tensor (aux [n, A*H], scales [n, A]) with only ``layers`` (indices), in order."""
+    rows = shard.rows(name, start, end)
+    if layers is None:
+        return rows
+    A = len(shard.aux_layer_ids)
+    return rows.view(rows.shape[0], A, -1)[:, list(layers)].reshape(rows.shape[0], -1)
+
+
 def host_batch(
-    windows: list[Window], shards: list[HiddenShard], ttt_steps: int, capacity: int | None, pin: bool = False
+    windows: list[Window],
+    shards: list[HiddenShard],
+    lookahead: int,
+    capacity: int | None,
+    pin: bool = False,
+    *,
+    layers: Sequence[int] | None = None,
+    targets: bool = True,
 ) -> HostBatch:
     """Read a batch's rows from the shards into host buffers (``load_batch``'s first half; a loader thread runs
     it while the previous step computes: ``prefetched``)."""
     layout = pack_rows(windows, capacity)
     B = len(layout)
     T = max(row_extent(windows, r) for r in layout)
-    W = T + ttt_steps + 2
+    W = T + lookahead + 1
     first = shards[windows[0].shard]
-    A, H, k = len(first.aux_layer_ids), first.hidden_size, first.topk
+    A = len(first.aux_layer_ids) if layers is None else len(layers)
+    H, k = first.hidden_size, first.topk
     compact = first.layout == "compact"
+    topk = compact and targets
+    final = not compact and targets
     zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, pin_memory=pin)  # noqa: E731
     aux_dtype = first.rows("aux_hidden_states", 0, 0).dtype
     aux = zeros(B, T, A * H, dtype=aux_dtype)
     scales = zeros(B, T, A, dtype=torch.float32) if compact else None
-    final_dtype = None if compact else first.rows("final_hidden_states", 0, 0).dtype
+    final_dtype = first.rows("final_hidden_states", 0, 0).dtype if final else None
     t = {
         "position_ids": zeros(B, T, dtype=torch.long),
         "row_valid": zeros(B, T, dtype=torch.bool),
         "ids": zeros(B, W, dtype=torch.long),
         "have": zeros(B, W, dtype=torch.bool),
         "gen": zeros(B, W, dtype=torch.bool),
-        "final": None if compact else zeros(B, W, H, dtype=final_dtype),
-        "topk_ids": zeros(B, W, k, dtype=torch.long) if compact else None,
-        "topk_logprobs": zeros(B, W, k, dtype=torch.float32) if compact else None,
+        "final": zeros(B, W, H, dtype=final_dtype) if final else None,
+        "topk_ids": zeros(B, W, k, dtype=torch.long) if topk else None,
+        "topk_logprobs": zeros(B, W, k, dtype=torch.float32) if topk else None,
         "seq_start": zeros(B, T, dtype=torch.long),
         "row_limit": zeros(B, T, dtype=torch.long),
     }
@@ -346,12 +350,13 @@ def host_batch(
             w = windows[wi]
             sh = shards[w.shard]
             n, m = w.end - w.start, w.look_end - w.start
-            aux[i, o : o + n] = sh.rows("aux_hidden_states", w.start, w.end)
+            aux[i, o : o + n] = _layer_rows(sh, "aux_hidden_states", w.start, w.end, layers)
             if compact:
-                scales[i, o : o + n] = sh.rows("aux_scales", w.start, w.end)
+                scales[i, o : o + n] = _layer_rows(sh, "aux_scales", w.start, w.end, layers)
+            if topk:
                 t["topk_ids"][i, o : o + m] = sh.rows("target_topk_ids", w.start, w.look_end).long()
                 t["topk_logprobs"][i, o : o + m] = sh.rows("target_topk_logprobs", w.start, w.look_end).float()
-            else:
+            if final:
                 t["final"][i, o : o + m] = sh.rows("final_hidden_states", w.start, w.look_end)
             t["ids"][i, o : o + m] = sh.input_ids[w.start : w.look_end]
             t["gen"][i, o : o + m] = sh.loss_mask[w.start : w.look_end]

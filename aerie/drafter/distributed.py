@@ -11,7 +11,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,7 +85,7 @@ def torchrun_command(
     out_dir: Path,
     cfg: TrainConfig,
     python: str = sys.executable,
-    aux_layer_ids: Sequence[int] | None = None,
+    layer_ids: Sequence[int] | None = None,
 ) -> list[str]:
     """``torchrun --standalone --nproc_per_node=N -m aerie.drafter.cli ...`` (as python -m torch.distributed.run,
     so it runs under the same interpreter)."""
@@ -96,6 +96,6 @@ def torchrun_command(
         "--vocab", str(vocab_path),
         "--target", str(target_path),
         "--out", str(out_dir),
-        "--config", json.dumps(asdict(cfg)),
-        *(["--aux-layer-ids", json.dumps(list(aux_layer_ids))] if aux_layer_ids is not None else []),
+        "--config", json.dumps(cfg.section()),
+        *(["--layer-ids", json.dumps(list(layer_ids))] if layer_ids is not None else []),
     ]  # fmt: skip

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from aerie.artifacts import atomic_publish
 from aerie.drafter.config import RESUME_MAY_CHANGE, TrainConfig
 from aerie.drafter.curves import TrainCurves
-from aerie.drafter.model import Eagle3Drafter
-from aerie.progress import JobProgress
+from aerie.tools.artifacts import atomic_publish
+from aerie.tools.progress import JobProgress
 
 try:
     import numpy as np
@@ -69,18 +69,19 @@ def _safetensors_header_sha(path: Path) -> str:
 
 
 def data_fingerprint(
-    hidden_shards: Sequence[Path], vocab_path: Path, target_path: Path, aux_layer_ids: list[int]
+    hidden_shards: Sequence[Path], vocab_path: Path | None, target_path: Path, layer_ids: list[int]
 ) -> dict:
-    """What the training data is: shard paths, sizes and header hashes, the draft vocab, target, aux ids."""
+    """What the training data is: shard paths, sizes and header hashes, the draft vocab (None: the kind has none),
+    the target, the layers the drafter reads."""
 
     def file(p):
         return [str(p), os.path.getsize(p), _safetensors_header_sha(Path(p))]
 
     return {
         "hidden_shards": [file(p) for p in hidden_shards],
-        "draft_vocab": file(vocab_path),
+        "draft_vocab": file(vocab_path) if vocab_path is not None else None,
         "target": str(target_path),
-        "aux_layer_ids": list(aux_layer_ids),
+        "aux_layer_ids": list(layer_ids),
     }
 
 
@@ -106,22 +107,24 @@ def set_rng_state(state: dict) -> None:
 
 def save_train_state(
     path: Path,
-    model: Eagle3Drafter,
+    model: nn.Module,
     opt,
     progress: Progress,
     cfg: TrainConfig,
     fingerprint: dict,
     world: int,
     total_steps: int,
+    frozen: Sequence[str] = (),
 ) -> None:
-    """Everything a resume needs, in one atomically replaced file. The frozen embeddings are left out: the
-    resumed run reads them from the target again (they are the biggest tensor: 4.7 GB fp32 for Kimi)."""
+    """Everything a resume needs, in one atomically replaced file. The drafter's ``frozen`` tensors (the target's
+    embeddings an EAGLE-3 drafter holds) are left out: the resumed run reads them from the target again (they are
+    the biggest tensor: 4.7 GB fp32 for Kimi)."""
     state = {
         "format": STATE_FORMAT,
-        "config": asdict(cfg),
+        "config": cfg.section(),
         "fingerprint": fingerprint,
         "world_size": world,
-        "model": {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"},
+        "model": {k: v for k, v in model.state_dict().items() if k not in frozen},
         "optimizer": opt.state_dict(),
         "scheduler": {"kind": "warmup-cosine (lr_at)", "step": progress.step, "total_steps": total_steps},
         "progress": asdict(progress),
@@ -140,7 +143,7 @@ def load_train_state(path: Path, cfg: TrainConfig, fingerprint: dict, world: int
         raise ValueError(f"{path}: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
     problems = []
     saved = {k: v for k, v in state["config"].items() if k not in RESUME_MAY_CHANGE}
-    now = {k: v for k, v in asdict(cfg).items() if k not in RESUME_MAY_CHANGE}
+    now = {k: v for k, v in cfg.section().items() if k not in RESUME_MAY_CHANGE}
     for k in sorted(saved.keys() | now.keys()):
         if saved.get(k) != now.get(k):
             problems.append(f"drafter.{k} was {saved.get(k)!r}, is {now.get(k)!r}")

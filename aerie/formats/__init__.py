@@ -1,7 +1,7 @@
 """aerie's on-disk formats: one module per format, holding its version constant, writer and reader together.
 
 Every format is documented once, in docs/formats.md, and versioned in the file itself (a ``format`` key in
-JSON records and in safetensors metadata). Stages import these modules; these import only aerie.artifacts
+JSON records and in safetensors metadata). Stages import these modules; these import only aerie.tools.artifacts
 (atomic publishing, packed safetensors, JSONL) and never a stage.
 
 - ``responses``: ``aerie.responses/1`` JSONL shards (one record per sample).

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from aerie.artifacts import save_packed
+from aerie.tools.artifacts import save_packed
 
 HIDDEN_FORMAT = "aerie.hidden/2"
 READABLE_FORMATS = ("aerie.hidden/1", HIDDEN_FORMAT)  # aerie.hidden/1 is read as the full layout
@@ -139,14 +139,23 @@ def open_hidden_shards(paths: Sequence[Path]) -> list[HiddenShard]:
     return shards
 
 
-def check_shard_layers(shards: Sequence[HiddenShard], aux_layer_ids: Sequence[int], num_hidden_layers: int) -> None:
-    """Refuse shards captured at other layers than the drafter is configured for, or from a target of another
-    depth: the drafter's fc would be trained on features SGLang never feeds it."""
-    want = [int(i) for i in aux_layer_ids]
+def shard_layer_columns(
+    shards: Sequence[HiddenShard], layer_ids: Sequence[int], num_hidden_layers: int
+) -> list[int] | None:
+    """Where the drafter's layers ``layer_ids`` sit among the shards' captured layers (indices into their
+    aux_layer_ids, in the drafter's order; None when they are exactly the captured ones). Refuses shards of a
+    target of another depth or without one of the layers: the drafter would be trained on features SGLang never
+    feeds it."""
+    want = [int(i) for i in layer_ids]
     for s in shards:
-        if s.aux_layer_ids != want or s.num_hidden_layers != num_hidden_layers:
+        missing = [i for i in want if i not in s.aux_layer_ids]
+        if missing or s.num_hidden_layers != num_hidden_layers:
             raise ValueError(
-                f"{s.path} was captured at aux layers {s.aux_layer_ids} of a {s.num_hidden_layers}-layer target, but "
-                f"the drafter is configured for aux layers {want} of the {num_hidden_layers}-layer target "
-                "(hidden.aux_layer_ids): recapture the hidden shards (delete them and rerun) or fix the setting"
+                f"{s.path} was captured at layers {s.aux_layer_ids} of a {s.num_hidden_layers}-layer target, but "
+                f"the drafter reads layers {want} of the {num_hidden_layers}-layer target"
+                + (f" ({missing} not captured)" if missing else "")
+                + ": recapture the hidden shards (delete them and rerun) or fix the setting (hidden.aux_layer_ids, "
+                "drafter.target_layer_ids)"
             )
+    captured = shards[0].aux_layer_ids
+    return None if want == captured else [captured.index(i) for i in want]

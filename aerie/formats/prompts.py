@@ -1,17 +1,21 @@
 """``aerie.prompts/1``: a prompts shard, one record per line (docs/formats.md, "Prompts shard").
 
 The format's reader lives here, below every stage that reads a shard (the API job, in-process generation, the
-benchmark); writing a shard from a dataset's sources is the planning layer's (aerie.prompts.write_prompts).
+benchmark); writing a shard from a dataset's sources is the planning layer's (aerie.sources.datasets.write_prompts).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from aerie.artifacts import FormatError, iter_jsonl
+from aerie.tools.artifacts import FormatError, iter_jsonl
 
 PROMPTS_FORMAT = "aerie.prompts/1"
+# Characters per token of the previews' estimates before any tokenizer has run (usage and the tokens stage give the
+# truth afterwards).
+CHARS_PER_TOKEN = 4
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
@@ -22,3 +26,8 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
             raise FormatError(f"{path}:{lineno}: not an {PROMPTS_FORMAT} record (format={obj.get('format')!r})")
         records.append(obj)
     return records
+
+
+def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """About CHARS_PER_TOKEN characters per token: good enough for a preview; usage gives the truth afterwards."""
+    return max(1, len(json.dumps(messages, ensure_ascii=False)) // CHARS_PER_TOKEN)

@@ -8,24 +8,37 @@ Torch-free and aiohttp-free, so every environment (SGLang's included) can import
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from aerie.artifacts import FormatError, atomic_write_bytes, iter_jsonl
+from aerie.tools.artifacts import FormatError, atomic_write_bytes
 
 RESPONSES_FORMAT = "aerie.responses/1"
 # Beside each API shard: how it completed (all prompts answered, or cut at the dataset's output-token quota).
 COMPLETION_FORMAT = "aerie.responses-completion/1"
 QUOTA_REASON = "max_output_tokens"
 
+# Where a record's answer came from (its ``backend``, as config ``responses.backend`` names it): the one place these
+# names are compared. ``hf``: the target generated it in the job's own process (aerie.responses.in_process);
+# ``recorded``: read back from a recorded log (aerie.responses.recorded); else an API backend's name (the registry of
+# aerie.responses.api.backends), with ``responses.serve`` a server of the target the job started itself.
+IN_PROCESS = "hf"
+RECORDED = "recorded"
 
-def iter_responses(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The records of a responses shard, each checked to be an ``aerie.responses/1`` record."""
-    for line, record in iter_jsonl(path):
-        if record.get("format") != RESPONSES_FORMAT:
-            raise FormatError(f"{path}:{line}: not an {RESPONSES_FORMAT} record (format={record.get('format')!r})")
-        yield record
+
+def is_in_process(backend: str | None) -> bool:
+    """The target generated (generates) it in the job's own process; a record that names no backend is one."""
+    return backend in (None, IN_PROCESS)
+
+
+def is_recorded(backend: str | None) -> bool:
+    return backend == RECORDED
+
+
+def loads_target(responses: dict[str, Any]) -> bool:
+    """Whether a dataset's responses job holds the target itself (``responses``: its merged settings): in-process,
+    or a local server of the target it starts. It then needs the target's folder and the job's cores and GPUs."""
+    return is_in_process(responses.get("backend")) or bool(responses.get("serve"))
 
 
 def completion_path(shard_output: str | Path) -> Path:

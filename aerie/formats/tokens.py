@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import FormatError, load_packed, save_packed
+from aerie.tools.artifacts import FormatError, load_packed, save_packed
 
 TOKENS_FORMAT = "aerie.tokens/3"
 READABLE_TOKENS_FORMATS = (TOKENS_FORMAT, "aerie.tokens/2")

@@ -13,9 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aerie.artifacts import load_packed, save_packed
+from aerie.tools.artifacts import load_packed, save_packed
 
 VOCAB_FORMAT = "aerie.draft-vocab/1"
+# ``meta["source"]`` of a warm start's vocabulary that followed the data (vocab.warm_start): drafter.init's ids with
+# the ones the data never uses replaced; training remaps the folder's lm_head rows to it (new rows: NEW_ROW_RULE).
+FOLLOWED_SOURCE = "drafter.init, following the data"
+NEW_ROW_RULE = "the target's lm_head row of the token (the folder's own row for every kept id)"
 
 
 @dataclass

@@ -2,13 +2,13 @@
 
 A capture backend runs the target over each training sequence and returns, per sequence, the EAGLE-3 aux
 layers' outputs (SGLang's layer convention, see aerie.target_model.config) and the final post-norm hidden state:
-``hf`` in-process with transformers hooks, ``sglang`` through SGLang's engine (aerie.sglang_capture).
+``hf`` in-process with transformers hooks, ``sglang`` through SGLang's engine (aerie.hidden.sglang).
 Every shard is checked on the full-precision states, before anything is compressed: finite values, aux
 layers neither all zero, constant nor identical to each other, one state per token of the tokens shard, and
 ``lm_head(final)`` reproducing the recorded next token on generated positions (greedy data).
 
 The target is loaded once per run, not once per shard (:func:`capture_shards`, rule ``hidden``): every shard
-is captured into the capture store (aerie.shard_store) and hard-linked to its output, so a rerun after a
+is captured into the capture store (aerie.target_model.store) and hard-linked to its output, so a rerun after a
 crash reuses the finished shards and captures only the rest, with one load.
 
 Two storage layouts (``hidden.layout``, both documented in docs/formats.md):
@@ -29,29 +29,3 @@ One module per job; each imports only those above it:
 - :mod:`~aerie.hidden.shard`: one tokens shard -> one checked, compressed hidden shard (:func:`capture_shard`);
 - :mod:`~aerie.hidden.run`: the capture job, every shard of a run with one load (:func:`capture_shards`).
 """
-
-from aerie.hidden.backends import BACKENDS, CaptureBackend, HFCapture, TargetSession, length_batches, open_backend
-from aerie.hidden.checks import CaptureChecks, HiddenStateError, check_agreement, check_captured
-from aerie.hidden.head import lm_head_topk, place_lm_head
-from aerie.hidden.run import ShardTask, capture_shards
-from aerie.hidden.shard import CaptureSettings, capture_into, capture_shard
-
-__all__ = [
-    "BACKENDS",
-    "CaptureBackend",
-    "CaptureChecks",
-    "CaptureSettings",
-    "HFCapture",
-    "HiddenStateError",
-    "ShardTask",
-    "TargetSession",
-    "capture_into",
-    "capture_shard",
-    "capture_shards",
-    "check_agreement",
-    "check_captured",
-    "length_batches",
-    "lm_head_topk",
-    "open_backend",
-    "place_lm_head",
-]

@@ -2,8 +2,9 @@
 
 A backend returns, per sequence, the EAGLE-3 aux layers' outputs (SGLang's layer convention, see
 aerie.target_model.config) and the final post-norm hidden state: ``hf`` in-process with forward hooks on the aux
-layers only (aerie.capture), its hooks checked against transformers' ``output_hidden_states`` once per load;
-``sglang`` through SGLang's engine (aerie.sglang_capture, imported only when asked for), with the lm_head read
+layers only (aerie.target_model.capture), its hooks checked against transformers' ``output_hidden_states`` once per
+load;
+``sglang`` through SGLang's engine (aerie.hidden.sglang, imported only when asked for), with the lm_head read
 from the target's safetensors. :class:`TargetSession` loads one lazily and counts the loads.
 """
 
@@ -14,16 +15,26 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from aerie.capture import AuxHiddenCapture, base_decoder
+from aerie.formats.backends import backend_named
 from aerie.hidden.checks import HiddenStateError
-from aerie.target_model.config import read_text_config, resolve_aux_layer_ids, target_architectures
-
-BACKENDS = ("hf", "sglang")
+from aerie.hidden.head import place_lm_head
+from aerie.hidden.sglang.capture import SGLangCapture  # SGLang's env only, when asked for
+from aerie.hidden.sglang.mapping import lm_head_copy, target_dims
+from aerie.target_model.capture import AuxHiddenCapture, base_decoder
+from aerie.target_model.config import (
+    read_config,
+    read_text_config,
+    resolve_aux_layer_ids,
+    target_architectures,
+    weight_dtype_bytes,
+)
+from aerie.target_model.model import pick_device, pick_dtype
 
 
 class CaptureBackend(Protocol):
-    """What a capture backend provides: :class:`HFCapture`, or aerie.sglang_capture's ``SGLangCapture``."""
+    """What a capture backend provides: :class:`HFCapture`, or aerie.hidden.sglang's ``SGLangCapture``."""
 
     num_hidden_layers: int
     hidden_size: int
@@ -53,7 +64,7 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
 
 
 class HFCapture:
-    """In-process transformers forward with hooks on the aux layers only (aerie.capture.AuxHiddenCapture)."""
+    """In-process transformers forward, hooks on the aux layers only (aerie.target_model.capture.AuxHiddenCapture)."""
 
     def __init__(
         self,
@@ -65,13 +76,9 @@ class HFCapture:
         batch_tokens: int = 8192,
         trust_remote_code: bool = False,
     ):
-        from transformers import AutoModelForCausalLM
-
-        from aerie.target_model.model import pick_device, pick_dtype
-
         # The model alone, as aerie.target_model.model.load_target loads it: capture never needs the tokenizer.
         # trust_remote_code (config target.trust_remote_code): Kimi K2.5 and its rehearsal target load through
-        # their own modeling code, a wrapper whose decoder stack is language_model.model (aerie.capture).
+        # their own modeling code, a wrapper whose decoder stack is language_model.model (aerie.target_model.capture).
         self.device = pick_device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             str(target_path), dtype=pick_dtype(dtype, self.device), trust_remote_code=trust_remote_code
@@ -159,20 +166,8 @@ def open_backend(
     This is the target load (minutes to tens of minutes for a 1T-parameter model): callers open it once for
     every shard of a run (:class:`TargetSession`). ``trust_remote_code`` is for the ``hf`` backend (the
     ``sglang`` backend takes its own from ``hidden.sglang``)."""
-    if name == "hf":
-        cap = HFCapture(
-            target_path,
-            layer_ids,
-            device=device,
-            dtype=dtype,
-            batch_tokens=batch_tokens,
-            trust_remote_code=trust_remote_code,
-        )
-        return cap, cap.lm_head
-    if name == "sglang":
-        cap, head, _ = open_sglang_capture(target_path, layer_ids, dtype=dtype, device=device, options=options, log=log)
-        return cap, head
-    raise ValueError(f"hidden.backend: {name!r} is not one of {', '.join(BACKENDS)}")
+    opener = OPENERS[backend_named("hidden", name).name]
+    return opener(target_path, layer_ids, dtype, device, batch_tokens, options, trust_remote_code, log)
 
 
 def open_sglang_capture(
@@ -188,12 +183,8 @@ def open_sglang_capture(
     what ``aerie-sglang-capture check`` runs. ``options``: ``hidden.sglang``, SGLangCapture's keyword arguments.
 
     SGLang keeps its weights to itself, so lm_head is read from the target's safetensors, onto the GPU
-    ``aerie.sglang_capture.lm_head_copy`` names (SGLang's rank-0 GPU unless ``target.device`` says otherwise),
+    ``aerie.hidden.sglang.lm_head_copy`` names (SGLang's rank-0 GPU unless ``target.device`` says otherwise),
     with its top-k workspace, *before* SGLang starts: SGLang then sizes its KV pool around both."""
-    from aerie.hidden.head import place_lm_head
-    from aerie.sglang_capture import SGLangCapture, lm_head_copy, target_dims  # SGLang's env only, when asked for
-    from aerie.target_model.config import read_config, weight_dtype_bytes
-
     options = dict(options or {})
     config = read_config(target_path)
     dims = target_dims(config)
@@ -210,6 +201,28 @@ def open_sglang_capture(
     )
     head, facts = placed[0]
     return cap, head, facts
+
+
+def _open_hf(target_path, layer_ids, dtype, device, batch_tokens, options, trust_remote_code, log):
+    cap = HFCapture(
+        target_path,
+        layer_ids,
+        device=device,
+        dtype=dtype,
+        batch_tokens=batch_tokens,
+        trust_remote_code=trust_remote_code,
+    )
+    return cap, cap.lm_head
+
+
+def _open_sglang(target_path, layer_ids, dtype, device, batch_tokens, options, trust_remote_code, log):
+    # SGLang batches by its own scheduler and takes trust_remote_code from hidden.sglang
+    cap, head, _ = open_sglang_capture(target_path, layer_ids, dtype=dtype, device=device, options=options, log=log)
+    return cap, head
+
+
+# hidden.backend -> how it opens (aerie.formats.backends names them; every name there has one here, tested)
+OPENERS: dict[str, Callable[..., tuple[CaptureBackend, torch.Tensor]]] = {"hf": _open_hf, "sglang": _open_sglang}
 
 
 class TargetSession:
@@ -231,8 +244,7 @@ class TargetSession:
         trust_remote_code: bool = False,
         log: Callable[[str], None] = print,
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"hidden.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+        backend_named("hidden", backend)  # a ValueError naming hidden.backend when it is none of them
         self.target_path, self.backend_name, self.log = str(target_path), backend, log
         self.options = dict(
             backend_options=backend_options,

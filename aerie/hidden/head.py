@@ -2,7 +2,7 @@
 
 The ``hf`` backend computes the top-k with the loaded model's own head. SGLang keeps its vocab-parallel head to
 itself, so the ``sglang`` backend reads ``lm_head.weight`` from the target's safetensors and keeps a copy where
-:func:`aerie.sglang_capture.mapping.lm_head_copy` says (SGLang's rank-0 GPU by default), placed - with the top-k
+:func:`aerie.hidden.sglang.mapping.lm_head_copy` says (SGLang's rank-0 GPU by default), placed - with the top-k
 workspace already allocated - before SGLang's workers start, so that SGLang sizes its KV pool around it.
 """
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from aerie.sglang_capture.mapping import TOPK_CHUNK_ELEMENTS, HeadCopy
+from aerie.hidden.sglang.mapping import TOPK_CHUNK_ELEMENTS, HeadCopy
+from aerie.target_model.heads import read_target_heads
 
 
 def lm_head_topk(
@@ -46,8 +47,6 @@ def place_lm_head(
     """Read the target's lm_head [V, H] (as stored) onto ``copy.device`` and, on a GPU, allocate the top-k workspace
     there at once (one top-k pass over two row blocks of zeros; the caching allocator keeps the blocks), so that
     memory is in use before SGLang measures what it may take. Returns the head and what it holds, measured."""
-    from aerie.target_model.heads import read_target_heads
-
     head = read_target_heads(target_path, roles=["lm_head"]).lm_head
     V, H = head.shape
     if (V, H) != (copy.vocab_size, copy.hidden_size):
@@ -62,7 +61,7 @@ def place_lm_head(
         "dtype": str(head.dtype).removeprefix("torch."),
         "weight_bytes": head.numel() * head.element_size(),
         "workspace_bytes_bound": copy.workspace_bytes,
-        "plan": copy.describe(),  # what the fit plan counts (aerie.sglang_capture.lm_head_copy)
+        "plan": copy.describe(),  # what the fit plan counts (aerie.hidden.sglang.lm_head_copy)
     }
     if device.type == "cuda":
         rows = max(1, TOPK_CHUNK_ELEMENTS // V)

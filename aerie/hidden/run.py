@@ -1,7 +1,7 @@
 """The capture job of a run (rule ``hidden``): every missing shard captured with at most one target load.
 
 Each shard is captured into the capture store and hard-linked to its declared output by the store job
-(aerie.shard_store.run_store_job), so a rerun after a crash or a failed shard reuses every finished shard
+(aerie.target_model.store.run_store_job), so a rerun after a crash or a failed shard reuses every finished shard
 and captures only the rest; each keeps its own file, checks (aerie.hidden.checks) and log.
 """
 
@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from aerie.hidden.checks import check_agreement
-from aerie.hidden.shard import CaptureSettings, capture_into
-from aerie.shard_store import (
+from aerie.hidden.settings import CaptureSettings
+from aerie.hidden.shard import capture_into, open_session
+from aerie.target_model.store import (
     KEY_FIELD,
     STORE_DIR,
     StoreStage,
@@ -56,28 +57,26 @@ class ShardTask:
 
 @torch.no_grad()
 def capture_shards(
-    shards: Sequence[ShardTask], target_path: str, *, log: Callable[[str], None] = print, **settings: Any
+    shards: Sequence[ShardTask], target_path: str, settings: CaptureSettings, *, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Capture every shard with at most one target load; each shard keeps its own file, checks and log.
 
-    The store job (aerie.shard_store.run_store_job) captures a shard into the capture store and hard-links
+    The store job (aerie.target_model.store.run_store_job) captures a shard into the capture store and hard-links
     it to its output. A store entry whose capture key matches - same tokens bytes, target and settings - is
     reused without any work, after its recorded next-token figures pass the current thresholds; so a rerun
     after a crash or a failed shard captures only what is missing, and loads the target only if something
-    is. The first shard that fails stops the job: the shards finished before it stay in the store.
-    ``settings`` are the fields of :class:`aerie.hidden.shard.CaptureSettings`."""
-    options = CaptureSettings(**settings)
-    session = options.open_session(target_path, log)
+    is. The first shard that fails stops the job: the shards finished before it stay in the store."""
+    session = open_session(settings, target_path, log)
     key_settings = capture_settings(
         aux_layer_ids=session.layer_ids,
-        layout=options.layout,
-        backend=options.backend,
-        backend_options=options.backend_options,
-        batch_tokens=options.batch_tokens,
-        device=options.device,
-        dtype=options.dtype,
-        target_topk=options.target_topk,
-        storage_dtype=options.storage_dtype,
+        layout=settings.layout,
+        backend=settings.backend,
+        backend_options=settings.backend_options,
+        batch_tokens=settings.batch_tokens,
+        device=settings.device,
+        dtype=settings.dtype,
+        target_topk=settings.target_topk,
+        storage_dtype=settings.storage_dtype,
     )
     target = target_identity(target_path)
 
@@ -94,13 +93,13 @@ def capture_shards(
             float(facts["next_token_agreement"]),
             float(facts["next_token_in_topk"]),
             int(facts.get("target_topk") or 0),
-            options.min_next_token_agreement,
-            options.min_next_token_in_topk,
+            settings.min_next_token_agreement,
+            settings.min_next_token_in_topk,
         )
         return True
 
     def produce(task: ShardTask, store: Path, key: str, shard_log: Callable[[str], None]) -> float:
-        summary = capture_into(session, task.tokens, store, options, extra_facts={KEY_FIELD: key}, log=shard_log)
+        summary = capture_into(session, task.tokens, store, settings, extra_facts={KEY_FIELD: key}, log=shard_log)
         return summary["seconds"]
 
     with session:

@@ -9,73 +9,53 @@ those of a target loaded for that shard alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aerie.artifacts import split_packed
-from aerie.formats.hidden import FP8, LAYOUTS, quantize_aux, write_hidden_shard
+from aerie.formats.hidden import FP8, quantize_aux, write_hidden_shard
 from aerie.formats.tokens import mask_facts, read_tokens_shard
 from aerie.hidden.backends import TargetSession, length_batches
 from aerie.hidden.checks import CaptureChecks, HiddenStateError, check_agreement
 from aerie.hidden.head import lm_head_topk
-from aerie.progress import JobProgress, job_progress
+from aerie.hidden.settings import CaptureSettings
+from aerie.target_model.model import set_threads
+from aerie.tools.artifacts import split_packed
+from aerie.tools.progress import JobProgress, job_progress
 
 
-@dataclass(frozen=True)
-class CaptureSettings:
-    """How shards are captured, checked and stored (config ``hidden.*``; ``target.*`` for the load): the keyword
-    arguments of :func:`capture_shard` and :func:`aerie.hidden.run.capture_shards`."""
-
-    aux_layer_ids: Sequence[int] | None  # None: the target's default ids (aerie.target_model.config)
-    layout: str = "compact"
-    target_topk: int = 32
-    backend: str = "hf"
-    backend_options: dict[str, Any] | None = None  # hidden.sglang, for the sglang backend
-    batch_tokens: int = 8192
-    storage_dtype: str = "bfloat16"
-    device: str = "auto"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    threads: int | None = None
-    min_next_token_agreement: float = 0.0
-    min_next_token_in_topk: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"hidden.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-
-    def open_session(self, target_path: str, log: Callable[[str], None]) -> TargetSession:
-        """Set the capture threads and open a session on the target; nothing loads before the first shard."""
-        from aerie.target_model.model import set_threads
-
-        set_threads(self.threads)
-        return TargetSession(
-            target_path,
-            aux_layer_ids=self.aux_layer_ids,
-            backend=self.backend,
-            backend_options=self.backend_options,
-            batch_tokens=self.batch_tokens,
-            device=self.device,
-            dtype=self.dtype,
-            trust_remote_code=self.trust_remote_code,
-            log=log,
-        )
+def open_session(settings: CaptureSettings, target_path: str, log: Callable[[str], None]) -> TargetSession:
+    """Set the capture threads and open a session on the target; nothing loads before the first shard."""
+    set_threads(settings.threads)
+    return TargetSession(
+        target_path,
+        aux_layer_ids=settings.aux_layer_ids,
+        backend=settings.backend,
+        backend_options=settings.backend_options,
+        batch_tokens=settings.batch_tokens,
+        device=settings.device,
+        dtype=settings.dtype,
+        trust_remote_code=settings.trust_remote_code,
+        log=log,
+    )
 
 
 @torch.no_grad()
 def capture_shard(
-    tokens_path: Path, out_path: Path, target_path: str, *, log: Callable[[str], None] = print, **settings: Any
+    tokens_path: Path,
+    out_path: Path,
+    target_path: str,
+    settings: CaptureSettings,
+    *,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Capture the aux + final states of every sequence of one tokens shard with a target loaded for it alone,
-    check them, write one shard; ``settings`` are the fields of :class:`CaptureSettings`. The pipeline captures
-    all shards with one load: :func:`aerie.hidden.run.capture_shards`."""
-    options = CaptureSettings(**settings)
-    with options.open_session(target_path, log) as session:
-        return capture_into(session, tokens_path, out_path, options, log=log)
+    check them, write one shard. The pipeline captures all shards with one load: aerie.hidden.run.capture_shards."""
+    with open_session(settings, target_path, log) as session:
+        return capture_into(session, tokens_path, out_path, settings, log=log)
 
 
 @dataclass

@@ -54,9 +54,6 @@ class ChatFormat:
     generation_prompt_ids: tuple[int, ...]  # what add_generation_prompt appends after a user turn (may be empty)
     special_ids: frozenset[int]  # ids of the tokenizer's added tokens
 
-    def token_text(self, tokenizer, token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
 
 def _render(tokenizer, messages: list[dict[str, Any]], **kwargs: Any):
     return tokenizer.apply_chat_template(messages, return_dict=False, **kwargs)
@@ -155,3 +152,24 @@ def next_turn_opener(
     if not b.startswith(a):
         return None
     return _first_special(tokenizer.encode(b[len(a) :], add_special_tokens=False), special_ids)
+
+
+def split_generated(tokenizer, output_ids: list[int], fmt: ChatFormat) -> dict[str, Any]:
+    """Split exact output ids into reasoning / content text and the finish reason.
+
+    The sampled sequence is ``[<think>] reasoning </think> content <turn end>`` (``<think>`` only when the
+    prompt did not open the block itself, as with Kimi-K2-Thinking's template).
+    """
+    finish_reason = "stop" if output_ids and output_ids[-1] in fmt.stop_ids else "length"
+    body = output_ids[:-1] if finish_reason == "stop" else output_ids
+    if fmt.think_end_id is not None and fmt.think_end_id in body:
+        cut = body.index(fmt.think_end_id)
+        reasoning_ids, content_ids = body[:cut], body[cut + 1 :]
+        if reasoning_ids[:1] == [fmt.think_start_id]:
+            reasoning_ids = reasoning_ids[1:]
+        reasoning = tokenizer.decode(reasoning_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    else:
+        reasoning, content_ids = None, body
+    # skip_special_tokens=False: tool-call markers are special tokens and must survive as text.
+    content = tokenizer.decode(content_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return {"reasoning": reasoning, "content": content, "finish_reason": finish_reason}

@@ -109,6 +109,26 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     return [1, num_hidden_layers // 2 - 1, num_hidden_layers - 4]
 
 
+def sglang_capture_inputs(layer_ids: Sequence[int]) -> list[int]:
+    """aerie aux ids (decoder-layer outputs) -> the layer indices whose *input* SGLang must capture.
+
+    The output of layer ``i`` is the input of layer ``i + 1`` (the residual stream between them)."""
+    return [int(i) + 1 for i in layer_ids]
+
+
+def captured_output_ids(layers_to_capture: Sequence[int]) -> list[int]:
+    """The inverse: what aerie calls the tensors SGLang captures at the inputs of ``layers_to_capture``."""
+    return [int(j) - 1 for j in layers_to_capture]
+
+
+def predicted_capture_inputs(architectures: Sequence[str], layer_ids: Sequence[int]) -> list[int]:
+    """What sglang 0.5.23's set_eagle3_layers_to_capture will set for these ids (FIRST_ID_MUST_BE_ONE)."""
+    ids = [int(i) for i in layer_ids]
+    if any(a in FIRST_ID_MUST_BE_ONE for a in architectures) and ids and ids[0] != 1:
+        return ids
+    return sglang_capture_inputs(ids)
+
+
 def check_aux_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
     """The ids as ints, refused when out of range, duplicated or not ascending."""
     ids = [int(i) for i in layer_ids]

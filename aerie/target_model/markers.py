@@ -22,7 +22,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from aerie.artifacts import FormatError, atomic_write_json
+from aerie.target_model.template import render_text
+from aerie.target_model.text_encoder import TextEncoder
+from aerie.tools.artifacts import FormatError, atomic_write_json
 
 CHECK_FORMAT = "aerie.tokenizer-check/1"
 REASONING_MARKERS = ("<think>", "</think>")
@@ -111,6 +113,50 @@ def declared_tokens(target_path: str | Path | None) -> dict[str, int | None]:
     return declared
 
 
+# A block drafter's MASK slot (DFlash) needs an id of the vocabulary that no text encodes to: SGLang's own name
+# for it, the tokenizer's unknown token (never produced by a byte-level BPE: Kimi K2.5's [UNK] 163838 is what
+# z-lab's drafter uses), or one of the reserved ids some vocabularies keep.
+MASK_TOKEN = "<|MASK|>"
+
+
+def _unk_token(folder: Path) -> str | None:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.is_file():
+            value = (json.loads(path.read_text(encoding="utf-8")) or {}).get("unk_token")
+            if content := _content(value):
+                return content
+    return None
+
+
+def never_in_text_ids(target_path: str | Path) -> dict[int, str]:
+    """The declared tokens of a target's tokenizer that text never encodes to (id -> text): its unknown token,
+    SGLang's ``<|MASK|>``, and reserved tokens (``<|reserved_...|>``, ``[unused...]``)."""
+    folder = Path(target_path)
+    unk = _unk_token(folder)
+    out = {}
+    for text, i in declared_tokens(folder).items():
+        lowered = text.lower()
+        if i is not None and (text in (unk, MASK_TOKEN) or "reserved" in lowered or lowered.startswith("[unused")):
+            out[i] = text
+    return out
+
+
+def mask_token_id(target_path: str | Path) -> int:
+    """The id a block drafter's MASK slots take on this target when drafter.mask_token_id is unset: the tokenizer's
+    ``<|MASK|>``, else its unknown token; ValueError naming the setting when it declares neither."""
+    folder = Path(target_path)
+    declared = declared_tokens(folder)
+    unk = _unk_token(folder)
+    for text in (MASK_TOKEN, unk):
+        if text is not None and declared.get(text) is not None:
+            return int(declared[text])
+    raise ValueError(
+        f"{folder}: its tokenizer declares neither {MASK_TOKEN} nor an unknown token: set drafter.mask_token_id to an "
+        "id of the target's vocabulary that no text encodes to (a reserved special token)"
+    )
+
+
 def _template_source(tokenizer) -> str:
     t = getattr(tokenizer, "chat_template", None)
     if isinstance(t, dict):
@@ -122,8 +168,6 @@ def _template_source(tokenizer) -> str:
 
 def _renders(tokenizer) -> list[str]:
     """The template's text for a few probe conversations (each one the template refuses is left out)."""
-    from aerie.target_model.template import render_text
-
     user = [{"role": "system", "content": "aerie probe"}, {"role": "user", "content": "aerie probe question"}]
     answered = {"role": "assistant", "content": "aerie probe answer", "reasoning_content": "aerie probe reasoning"}
     called = {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": [_PROBE_CALL]}
@@ -163,8 +207,6 @@ def check_template_markers(
     as loaded splits or renumbers, and the transformers version that loaded it. ``as_server``: check
     ``tokenizer.encode`` too (a freshly loaded tokenizer, as a server encodes; the tokens stage checks only its
     own encoder, which no state left on the tokenizer by earlier calls changes)."""
-    from aerie.target_model.text_encoder import TextEncoder
-
     enc = TextEncoder(tokenizer)
     found: dict[str, int] = {}
     wrong = []

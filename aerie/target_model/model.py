@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from aerie.target_model.placement import plan_placement, weight_bytes
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -28,8 +33,6 @@ def set_threads(threads: int | None) -> None:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     if tok.chat_template is None:
         raise ValueError(
@@ -58,10 +61,6 @@ def load_target(
     ``spread``: place the weights by :mod:`aerie.target_model.placement` (one GPU when they fit it, else balanced over
     every visible GPU with ``device_map``/``max_memory``; too large for them all: ValueError before loading).
     Without it, or on the CPU, the whole model goes to ``device``."""
-    from transformers import AutoModelForCausalLM
-
-    from aerie.target_model.placement import plan_placement, weight_bytes
-
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
@@ -87,8 +86,6 @@ def read_generation_config(path: str | Path) -> Any | None:
     file = Path(path) / "generation_config.json"
     if not file.exists():
         return None
-    import json
-    from types import SimpleNamespace
 
     return SimpleNamespace(**json.loads(file.read_text()))
 

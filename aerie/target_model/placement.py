@@ -5,7 +5,7 @@ copy it):
 
 - CPU: the whole model on the CPU (``device: cpu``, or ``auto`` without CUDA).
 - CUDA, one visible device, or weights that fit in :data:`GPU_WEIGHT_FRACTION` of the first device's memory: the
-  whole model on ``cuda:0`` (the job's first GPU: aerie.gpu_slots sets CUDA_VISIBLE_DEVICES to the job's own).
+  whole model on ``cuda:0`` (the job's first GPU: aerie.tools.gpu_slots sets CUDA_VISIBLE_DEVICES to the job's own).
 - CUDA, several visible devices, weights larger than that: the decoder layers balanced over every visible device
   (transformers' ``device_map="auto"``, i.e. accelerate's balanced placement) with at most
   :data:`GPU_WEIGHT_FRACTION` of each device's memory for weights; the rest of each device is left for activations,

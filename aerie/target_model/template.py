@@ -12,7 +12,9 @@ import json
 import re
 from typing import Any
 
-from aerie.artifacts import FormatError
+import jinja2
+
+from aerie.tools.artifacts import FormatError
 
 
 class ChatTemplateError(FormatError):
@@ -64,8 +66,6 @@ def render_text(
     **template_kwargs: Any,
 ) -> str:
     """The template's text for ``messages`` (raises ChatTemplateError naming the failing feature)."""
-    import jinja2
-
     if tools:
         template_kwargs["tools"] = tools
     try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+from tokenizers import Tokenizer
+
 
 class TextEncoder:
     """Text -> ids with every added token matched as one id (``encode``) or as plain text (``encode_plain``).
@@ -34,8 +36,6 @@ class TextEncoder:
             if clean:
                 self._special = backend
             else:
-                from tokenizers import Tokenizer
-
                 self._special = Tokenizer.from_str(backend.to_str())
                 self._special.no_truncation()
                 self._special.no_padding()
@@ -67,8 +67,6 @@ class TextEncoder:
         needs it). ``encode_special_tokens`` would not do: it only splits tokens flagged special, and
         DeepSeek's ``<think>`` is an added token that is not."""
         if self._plain is None:
-            from tokenizers import Tokenizer
-
             bare = json.loads(self._backend.to_str())
             bare["added_tokens"] = []
             self._plain = Tokenizer.from_str(json.dumps(bare))

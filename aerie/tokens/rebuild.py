@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from aerie.artifacts import FormatError
 from aerie.target_model.chat import ChatFormat
 from aerie.target_model.text_encoder import TextEncoder
 from aerie.target_model.turns import TurnText
+from aerie.tools.artifacts import FormatError
 
 
 class Drop(Exception):
@@ -24,11 +24,6 @@ class Drop(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(detail or reason)
         self.reason = reason
-
-
-def encode_text(tokenizer, text: str) -> list[int]:
-    """Ids of ``text`` with special-token text matched as single ids (no BOS/EOS added)."""
-    return TextEncoder(tokenizer).encode(text)
 
 
 def rebuild_output_ids(
@@ -152,10 +147,11 @@ def rebuild_generated(
                 _token_index(offsets, turn.text_end) if offsets is not None else len(enc.encode(text[: turn.text_end]))
             )
     if not finished:
-        return Rebuilt(ids[:tail], special_text, False)
+        return Rebuilt(_no_stop_before_end(ids[:tail], stops), special_text, False)
     end = next((i for i in range(tail, len(ids)) if ids[i] in stops), None)
     if end is not None:
-        return Rebuilt(ids[: end + 1], special_text, True)
+        return Rebuilt(_no_stop_before_end(ids[:end], stops) + [ids[end]], special_text, True)
+    _no_stop_before_end(ids, stops)
     stop = opener()
     if stop is not None and stop in stops:
         return Rebuilt(ids + [stop], special_text, True, ADDED_NEXT_TURN_OPENER)
@@ -170,6 +166,25 @@ def rebuild_generated(
             "its generation_config.json"
         ),
     )
+
+
+def _no_stop_before_end(ids: list[int], stops: set[int]) -> list[int]:
+    """``ids`` (the trained turn before its end), or Drop when the template's framing puts a token the model stops on
+    inside them - e.g. an R1-Distill-shaped render of text before a tool call, ``...<｜tool▁calls▁end｜>
+    <｜end▁of▁sentence｜><｜Assistant｜>Let me check.<｜end▁of▁sentence｜>``: the model never writes on after its
+    stop token, so a drafter trained on it would learn to end the turn mid-way (a stop token inside the model's own
+    text is ``stop_token_in_text``)."""
+    early = next((i for i, t in enumerate(ids) if t in stops), None)
+    if early is not None:
+        raise Drop(
+            "stop_token_in_framing",
+            (
+                f"the template's text of this turn has a token the model stops on (id {ids[early]}) at position "
+                f"{early} of {len(ids) + 1}, before the turn's end: the model stops there, so what follows is not "
+                "what it wrote (e.g. a tool-call block closed with the end of a sentence, the content after it)"
+            ),
+        )
+    return ids
 
 
 def first_diff(a: Sequence[int], b: Sequence[int]) -> int:

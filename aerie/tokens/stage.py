@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from aerie.artifacts import FormatError, atomic_write_json, read_jsonl
-from aerie.bench.degenerate import degenerate_flags
 from aerie.formats.responses import RESPONSES_FORMAT
 from aerie.formats.tokens import FidelityError, write_tokens_shard
 from aerie.target_model.chat import PROBE_USER, next_turn_opener, read_chat_format
@@ -35,8 +33,10 @@ from aerie.target_model.turns import TurnRefused, TurnText, render_turn
 from aerie.tokens.fidelity import MAX_EXAMPLES, MISMATCH_CLASSES, ShardReport
 from aerie.tokens.reasoning import reasoning_requested as _reasoning_requested
 from aerie.tokens.rebuild import Drop, classify_mismatch, first_diff, mismatch_example, rebuild_generated
+from aerie.tokens.settings import TokenSettings
+from aerie.tools.artifacts import FormatError, atomic_write_json, read_jsonl
+from aerie.tools.degenerate import degenerate_flags
 
-SPECIAL_TOKEN_TEXT_POLICIES = ("keep", "plain", "drop")
 FILTERED_FINISH_REASONS = ("content_filter", "error")
 
 
@@ -229,16 +229,10 @@ class _Dropped(Exception):
 
 @dataclass(frozen=True)
 class _Settings:
-    """The ``tokens.*`` settings of one shard (and the dataset's ``reasoning_requested``)."""
+    """One shard's settings: ``tokens.*`` and the dataset's ``reasoning_requested``."""
 
-    max_seq_len: int
-    overlong: str
-    drop_truncated: bool
-    drop_filtered: bool
-    drop_degenerate: bool
-    special_token_text: str
+    tokens: TokenSettings
     reasoning_requested: bool
-    keep_missing_reasoning: bool
 
 
 class _Target:
@@ -319,79 +313,58 @@ def tokenize_shard(
     out_path: Path,
     report_path: Path,
     target_path: str,
+    settings: TokenSettings,
     *,
-    max_seq_len: int,
-    overlong: str = "truncate",
-    drop_truncated: bool = True,
-    drop_filtered: bool = True,
-    drop_degenerate: bool = True,
-    special_token_text: str = "keep",
-    max_dropped_fraction: float = 0.25,
     reasoning_requested: bool = True,
-    keep_missing_reasoning: bool = False,
-    trust_remote_code: bool = False,
     log: Callable[[str], None] = print,
     tokenizer=None,
     chunk_chars: int = CHUNK_CHARS,
 ) -> dict[str, Any]:
     """Build packed ``input_ids`` / ``loss_mask`` for one responses shard and its fidelity report.
 
-    Fails (FidelityError, nothing written) when more than ``max_dropped_fraction`` of the samples are
+    Fails (FidelityError, nothing written) when more than ``settings.max_dropped_fraction`` of the samples are
     dropped beyond chance (``too_many_dropped``), e.g. a provider that returns no reasoning or a template that
     cannot express the turns.
     ``reasoning_requested``: the dataset's responses settings asked the target for its reasoning
     (``aerie.tokens.reasoning.requested_by_config``; a record's own flags and request say it first): a text-only
     record whose reasoning is then missing (``null``) is dropped (``no_reasoning``) unless
-    ``keep_missing_reasoning``.
+    ``settings.keep_missing_reasoning``.
     ``tokenizer`` overrides loading it from the target; ``chunk_chars``: how much model text is rendered and
-    encoded together (``_rendered_ahead``; the output is the same for any value). The other settings are
-    ``tokens.*`` (docs/formats.md).
+    encoded together (``_rendered_ahead``; the output is the same for any value). ``settings``: ``tokens.*``
+    (aerie.tokens.settings; docs/formats.md).
     """
-    if special_token_text not in SPECIAL_TOKEN_TEXT_POLICIES:
-        raise ValueError(
-            f"tokens.special_token_text must be one of {SPECIAL_TOKEN_TEXT_POLICIES}, not {special_token_text!r}"
-        )
-    settings = _Settings(
-        max_seq_len,
-        overlong,
-        drop_truncated,
-        drop_filtered,
-        drop_degenerate,
-        special_token_text,
-        reasoning_requested,
-        keep_missing_reasoning,
-    )
-    target = _Target(target_path, tokenizer, trust_remote_code)
+    shard = _Settings(settings, reasoning_requested)
+    target = _Target(target_path, tokenizer, settings.trust_remote_code)
     records = read_jsonl(responses_path)
     rep, packer = ShardReport(), _Packer()
     dataset = ""
 
     def render(r: Any) -> TurnText | Exception | str | None:
-        return _render_record(r, target, settings)
+        return _render_record(r, target, shard)
 
     for n, (r, rendered) in enumerate(_rendered_ahead(records, render, target.enc, chunk_chars=chunk_chars), start=1):
         problem = _malformed(r)
         if problem:
             raise FormatError(f"{responses_path}:{n}: {problem}")
         dataset = dataset or str(r.get("dataset") or "")
-        provider = _count_record(r, rep, settings)
+        provider = _count_record(r, rep, shard)
         try:
-            _tokenize_record(r, rendered, f"{responses_path}:{n}", target, settings, rep, packer)
+            _tokenize_record(r, rendered, f"{responses_path}:{n}", target, shard, rep, packer)
         except _Dropped as dropped:
             rep.drop(dropped.reason, str(r["id"]), provider, dropped.message)
 
     total_dropped = sum(rep.dropped.values())
-    if records and (not packer.lengths or too_many_dropped(total_dropped, len(records), max_dropped_fraction)):
-        raise _drop_gate_error(rep, responses_path, len(records), max_dropped_fraction)
+    if records and (not packer.lengths or too_many_dropped(total_dropped, len(records), settings.max_dropped_fraction)):
+        raise _drop_gate_error(rep, responses_path, len(records), settings.max_dropped_fraction)
     # No records at all is a valid shard: its dataset reached its output-token quota before the shard began
-    # (aerie.api: the shard is published empty with its completion record). It yields an empty tokens shard.
+    # (aerie.responses.api: the shard is published empty with its completion record). It yields an empty tokens shard.
     packer.write(out_path, target_path, total_dropped, target.stop_ids)
     report = rep.as_dict(
         dataset,
         samples=len(records),
         kept=len(packer.kept_ids),
-        special_token_text_policy=special_token_text,
-        missing_reasoning_policy="keep" if keep_missing_reasoning else "drop",
+        special_token_text_policy=settings.special_token_text,
+        missing_reasoning_policy="keep" if settings.keep_missing_reasoning else "drop",
     )
     atomic_write_json(report_path, report)
     rep.log_summary(report, out_path.name, report_path, log)
@@ -406,9 +379,9 @@ def _render_record(r: Any, target: _Target, settings: _Settings) -> TurnText | E
         return None
     early = _early_drop(
         r,
-        drop_truncated=settings.drop_truncated,
-        drop_filtered=settings.drop_filtered,
-        missing_reasoning_dropped=not settings.keep_missing_reasoning
+        drop_truncated=settings.tokens.drop_truncated,
+        drop_filtered=settings.tokens.drop_filtered,
+        missing_reasoning_dropped=not settings.tokens.keep_missing_reasoning
         and _reasoning_requested(r, settings.reasoning_requested),
     )
     if early:
@@ -494,17 +467,17 @@ def _tokenize_record(
     if degenerate_flags(output_ids[:-1] if ended else output_ids):
         stats.degenerate += 1
         rep.counts["degenerate"] += 1
-        if settings.drop_degenerate:
+        if settings.tokens.drop_degenerate:
             raise _Dropped("degenerate_output")
     n_prompt, n_total = len(prompt_ids), len(prompt_ids) + len(output_ids)
-    if n_total > settings.max_seq_len:
-        if settings.overlong == "drop" or n_prompt >= settings.max_seq_len:
+    if n_total > settings.tokens.max_seq_len:
+        if settings.tokens.overlong == "drop" or n_prompt >= settings.tokens.max_seq_len:
             raise _Dropped("over_max_seq_len")
         rep.counts["truncated_to_max_seq_len"] += 1
         ended = False
     if not output_ids:
         raise _Dropped("empty")
-    n = min(n_total, settings.max_seq_len)
+    n = min(n_total, settings.tokens.max_seq_len)
     gp = target.enc.encode(turn.generation_prompt) if turn is not None else []
     gp = tuple(gp) if prompt_ids[len(prompt_ids) - len(gp) :] == gp else ()
     packer.add(sid, prompt_ids, output_ids, n, ended, gp)
@@ -552,7 +525,7 @@ def _rebuilt_ids(
             turn,
             target.stop_ids,
             finished=finished,
-            policy=settings.special_token_text,
+            policy=settings.tokens.special_token_text,
             opener=lambda: target.opener(calls, kwargs, tools),
             api_texts={"reasoning": r.get("reasoning"), "content": r["content"] or ""},
             turn_end=target.fmt.turn_end_id,

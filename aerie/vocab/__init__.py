@@ -1,0 +1,1 @@
+"""The draft vocabulary stage (rule draft_vocab)."""
