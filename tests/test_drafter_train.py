@@ -593,7 +593,7 @@ def test_rule_script_runs_two_torchrun_processes_on_cpu(data, uninterrupted, tmp
     }
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", DRIVER, json.dumps(args)], capture_output=True, text=True, timeout=600, env=env
     )
     text = rule_log.read_text() if rule_log.exists() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + text[-3000:]

@@ -305,7 +305,9 @@ def test_a_run_killed_and_restarted_beside_another_books_its_lost_requests_and_n
     assert sum(own.values()) == pytest.approx(stats["charged_usd"])
     for name in books:
         assert books[name] == pytest.approx(own[name], abs=per / 2), (books, own)
-    assert left >= 5 and lost["killed"] >= (left - 1) * per, (left, lost)  # one may have died before it was sent
+    # one may have died before it was sent, and the books split the unjournaled spend between billed retries and lost
+    # requests by their expected costs (to a fraction of a request, as the totals above)
+    assert left >= 5 and lost["killed"] >= (left - 1.5) * per, (left, lost)
     assert lost["other"] == 0, lost
     # Each run's budget held, give or take the answers billed after its last reading (the other run may have ended
     # before the killed one came back: a run that ended before another opened does not count against it).

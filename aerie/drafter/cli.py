@@ -9,6 +9,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -108,5 +109,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             torch.distributed.destroy_process_group()
 
 
+def exit_now() -> None:
+    """A torchrun rank that finished (the drafter is written, the group destroyed) leaves without the interpreter's
+    teardown: there gloo's worker threads can abort the process (SIGABRT, "terminate called without an active
+    exception", seen once in CI on CPU), which made torchrun fail a job whose work was done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a torchrun rank (python -m aerie.drafter.cli)
+        exit_now()
