@@ -286,6 +286,24 @@ def json_type(annotation) -> dict:
     raise AssertionError(f"no JSON type for {annotation}")
 
 
+def test_built_targets_declare_their_shared_pretraining_settings_once() -> None:
+    """target.demo and target.rehearsal pre-train with one loop: its data, optimisation and evaluation settings are
+    declared once (PretrainingConfig); a builder restates a shared field only to change its default."""
+    import dataclasses
+
+    from aerie.targets.demo.config import DemoTargetConfig
+    from aerie.targets.pretraining import PretrainingConfig
+    from aerie.targets.rehearsal.config import RehearsalTargetConfig
+
+    shared = {f.name: f.default for f in dataclasses.fields(PretrainingConfig)}
+    for cls in (DemoTargetConfig, RehearsalTargetConfig):
+        assert issubclass(cls, PretrainingConfig), cls.__name__
+        restated = set(vars(cls).get("__annotations__", {})) & set(shared)
+        same = sorted(name for name in restated if getattr(cls(), name) == shared[name])
+        assert not same, f"{cls.__name__} restates {same} with PretrainingConfig's own default"
+    assert RehearsalTargetConfig().train_steps < DemoTargetConfig().train_steps  # the rehearsal builds faster
+
+
 def test_schema_of_dataclass_sections_matches_the_dataclass_fields() -> None:
     """drafter, target.demo and target.rehearsal: the same keys, types and defaults as TrainConfig /
     DemoTargetConfig / RehearsalTargetConfig, so neither can change without the other."""

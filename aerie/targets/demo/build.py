@@ -12,7 +12,6 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -26,6 +25,7 @@ from aerie.targets.demo.pretrain import (
     pretrain,
 )
 from aerie.targets.demo.tokenizer import END_OF_TURN, special_token_ids, tokenizer_corpus, train_tokenizer
+from aerie.targets.pretraining import PretrainingConfig
 from aerie.tools.artifacts import publish_folder
 
 REPORT_FILE = "aerie_demo_target.json"
@@ -80,7 +80,7 @@ def build_demo_target(out_dir: str | Path, cfg: DemoTargetConfig, log: Callable[
     return publish_target(tmp, out_dir, report, REPORT_FILE, cfg.threads, t_start, log)
 
 
-def report_opening(report_format: str, cfg: Any) -> dict:
+def report_opening(report_format: str, cfg: PretrainingConfig) -> dict:
     """The first fields of a target's build report: its format, the whole build config (a dataclass) and the
     pre-training corpus (the demo's task language, ``cfg.families`` from ``cfg.seed``)."""
     return {

@@ -5,8 +5,8 @@ random numbers and names the model cannot predict, so prompt loss would spend th
 noise, and the target only ever generates completions. The prompt still conditions every prediction.
 
 The data, training loop and evaluation are shared with the Kimi-shaped rehearsal target
-(``aerie.targets.rehearsal``): they take any causal LM, a settings object with DemoTargetConfig's data,
-optimisation and evaluation fields, and optionally another loss function (``LossFn``).
+(``aerie.targets.rehearsal``): they take any causal LM, the target's settings (a PretrainingConfig: the data,
+optimisation and evaluation fields both builders share), and optionally another loss function (``LossFn``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from aerie.targets.demo.tokenizer import (
     example_messages,
     special_token_ids,
 )
+from aerie.targets.pretraining import PretrainingConfig
 
 # Seed offsets keep the three example streams apart: the pipeline's prompts come from
 # tasks.generate_prompts (string-seeded per prompt), pretraining and evaluation from these.
@@ -63,14 +63,14 @@ def build_model(cfg: DemoTargetConfig, tokenizer) -> LlamaForCausalLM:
 # --- data -------------------------------------------------------------------------------------------
 
 
-def sample_conversation(rng: random.Random, cfg: Any) -> tuple[TaskExample, list[dict]]:
+def sample_conversation(rng: random.Random, cfg: PretrainingConfig) -> tuple[TaskExample, list[dict]]:
     """One training example and the messages that prompt it (sometimes with a system turn or history)."""
     ex = make_example(rng.choice(cfg.families), rng)
     history = [make_example(rng.choice(cfg.families), rng)] if rng.random() < cfg.history_prob else []
     return ex, example_messages(ex, rng, system_prob=cfg.system_prob, history=history)
 
 
-def training_batches(tokenizer, cfg: Any, pad_id: int) -> Iterator[tuple[torch.Tensor, ...]]:
+def training_batches(tokenizer, cfg: PretrainingConfig, pad_id: int) -> Iterator[tuple[torch.Tensor, ...]]:
     """Endless (input_ids, loss_mask, prompt_mask) batches, each [B, T], right-padded.
 
     Examples are drawn a chunk at a time and sorted by length before batching, so a batch holds
@@ -118,7 +118,7 @@ def completion_loss(
 LossFn = Callable[..., torch.Tensor]
 
 
-def lr_at(step: int, cfg: Any) -> float:
+def lr_at(step: int, cfg: PretrainingConfig) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * learning_rate."""
     if step < cfg.warmup:
         return cfg.learning_rate * (step + 1) / cfg.warmup
@@ -127,11 +127,15 @@ def lr_at(step: int, cfg: Any) -> float:
 
 
 def pretrain(
-    model: torch.nn.Module, tokenizer, cfg: Any, log: Callable[[str], None] = print, loss_fn: LossFn = completion_loss
+    model: torch.nn.Module,
+    tokenizer,
+    cfg: PretrainingConfig,
+    log: Callable[[str], None] = print,
+    loss_fn: LossFn = completion_loss,
 ) -> dict:
     """The training loop: AdamW, warmup + cosine, grad clipping, optional bf16 autocast.
 
-    ``cfg``: a DemoTargetConfig or any settings object with its data and optimisation fields.
+    ``cfg``: the target's settings (its PretrainingConfig fields are the ones read).
     """
     pad_id = special_token_ids(tokenizer)["[PAD]"]
     # No weight decay on norms (1-d tensors), as usual.
@@ -184,7 +188,7 @@ def pretrain(
 # --- evaluation -------------------------------------------------------------------------------------
 
 
-def eval_examples(cfg: Any) -> list[TaskExample]:
+def eval_examples(cfg: PretrainingConfig) -> list[TaskExample]:
     """Held-out examples, round-robin over families, from a seed no training stream uses."""
     fams = list(cfg.families)
     return [
@@ -276,7 +280,11 @@ def humaneval_prompts(n: int) -> list[tuple[str, str]]:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, tokenizer, cfg: Any, log: Callable[[str], None] = print, loss_fn: LossFn = completion_loss
+    model: torch.nn.Module,
+    tokenizer,
+    cfg: PretrainingConfig,
+    log: Callable[[str], None] = print,
+    loss_fn: LossFn = completion_loss,
 ) -> dict:
     """Held-out loss, greedy task accuracy, structure and repetition rates, decode latency (``cfg``: eval fields)."""
     ids = special_token_ids(tokenizer)

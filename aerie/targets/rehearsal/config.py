@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aerie.sources.synthetic import FAMILIES
+from aerie.targets.pretraining import PretrainingConfig
 
 # What the built folder's config.json will say (parse time needs it before the folder exists: SGLang's
 # DeepSeek aux-id rule applies to these architectures).
@@ -13,11 +13,12 @@ VOCAB_SIZE = 163_840  # Kimi K2.5's vocab_size
 
 
 @dataclass
-class RehearsalTargetConfig:
+class RehearsalTargetConfig(PretrainingConfig):
     """Settings of the rehearsal target (``target.rehearsal`` in the config overrides any of them).
 
-    The data, optimisation and evaluation fields are DemoTargetConfig's (same names, same meaning), because
-    the training loop and evaluation are the demo's.
+    The data, optimisation and evaluation fields are PretrainingConfig's, because the training loop and evaluation
+    are the demo's; the few defaults it changes are restated at the end (they keep PretrainingConfig's place in
+    the field order, which the schema's ``target.rehearsal`` follows).
     """
 
     # tokenizer
@@ -45,25 +46,9 @@ class RehearsalTargetConfig:
     yarn_factor: float = 4.0  # yarn rope scaling as Kimi's (factor 64 over 4,096 there)
     yarn_original_max_position_embeddings: int = 2048
     vision_hidden_size: int = 32
-    # data (DemoTargetConfig's)
-    families: tuple[str, ...] = FAMILIES
-    system_prob: float = 0.1
-    history_prob: float = 0.1
-    max_seq_len: int = 768
-    prompt_loss_weight: float = 0.0
-    # optimisation (DemoTargetConfig's)
+    # where the rehearsal differs from PretrainingConfig: a smaller, faster build and evaluation
     train_steps: int = 200
-    batch_size: int = 16
-    learning_rate: float = 2e-3
-    min_lr_ratio: float = 0.1
     warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    bf16: bool = False
-    seed: int = 0
-    threads: int = 2
-    log_every: int = 25
-    # evaluation (DemoTargetConfig's)
     eval_prompts: int = 45
     eval_max_new_tokens: int = 160
     eval_batch_size: int = 15
