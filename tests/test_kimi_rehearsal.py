@@ -586,6 +586,9 @@ def test_kimi_paths_ran_hidden_drafter_and_benchmark(rehearsal) -> None:
     }, described
     assert list(methods) == list(described)  # trained drafters first, then bench.references' order
     assert methods[f"untrained:{dflash}"]["twin_of"] == dflash and all(v["speedup"] > 0 for v in methods.values())
+    # each twin is its drafter as training started: the warm start's published folder, read from the trained folder
+    for name, published in ((eagle3, pub_eagle3), (dflash, pub_dflash)):
+        assert Path(methods[f"untrained:{name}"]["folder"]).resolve() == (workdir / published).resolve(), methods
     assert list(bench["sets"]) == ["mtbench", "gsm8k", "humaneval"] and bench["prompts"] == 12
     assert bench["failed_requests"] == dict.fromkeys(["baseline", *methods], 0)
     # lossless, as the gate counts it: any output that leaves the baseline's does so at a numerical near-tie

@@ -557,3 +557,75 @@ def test_run_benchmark_measures_every_trained_drafter_of_any_kind_beside_referen
     # The DFlash drafter is not judged against the EAGLE-3 folders (another width) nor its sibling's twin.
     dflash_refs = {x["reference"] for s in verdict["drafters"]["demo-dflash"]["sets"].values() for x in s["losses"]}
     assert not dflash_refs & {same, "demo-eagle3", "untrained:demo-eagle3", "ngram"}
+
+
+def test_a_warm_started_drafters_untrained_twin_is_its_start_folder(bench_files, tmp_path):
+    """ "untrained" is the drafter as its training started: for a warm start, the drafter.init folder its config.json
+    records (train_config.init, or init when no epoch beat the start), not a fresh init. The twin drafts exactly as
+    that folder does (same acceptance per set as the folder named as a reference); a drafter trained from scratch
+    keeps the fresh-init twin (no folder)."""
+    import json
+    import shutil
+
+    from aerie.benchmark.methods import bench_methods
+    from aerie.benchmark.run import run_benchmark
+    from aerie.benchmark.settings import BenchRun, TargetLoad
+
+    start = _tiny_dflash_folder(_tiny_llama(seed=3), tmp_path / "start", seed=9)
+    trained = tmp_path / "trained"
+    shutil.copytree(bench_files / "dflash", trained)
+    config = json.loads((trained / "config.json").read_text())
+    config["aerie"] = {**(config.get("aerie") or {}), "train_config": {"init": str(start), "kind": "dflash"}}
+    (trained / "config.json").write_text(json.dumps(config))
+    # the EAGLE-3 form of an export of the start itself (epoch 0): init at the top of the aerie block
+    eagle3 = tmp_path / "eagle3"
+    shutil.copytree(bench_files / "drafter", eagle3)
+    config = json.loads((eagle3 / "config.json").read_text())
+    config["aerie"] = {**(config.get("aerie") or {}), "epoch": 0, "init": str(bench_files / "drafter")}
+    (eagle3 / "config.json").write_text(json.dumps(config))
+    planned = bench_methods(
+        {"a": eagle3, "b": bench_files / "drafter"}, ["untrained"], {}, num_draft_steps=3, ngram_draft_tokens=3
+    )
+    assert planned["untrained:a"].folder == bench_files / "drafter" and planned["untrained:b"].folder is None
+    config["aerie"]["init"] = str(tmp_path / "gone")
+    (eagle3 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="was warm-started from drafter.init"):
+        bench_methods({"a": eagle3}, ["untrained"], {}, num_draft_steps=3, ngram_draft_tokens=3)
+
+    threads_before = torch.get_num_threads()
+    try:
+        report = run_benchmark(
+            TargetLoad(bench_files / "target", "cpu", "float32"),
+            {"demo-dflash": trained},
+            [bench_files / "bench.jsonl"],
+            tmp_path / "out.json",
+            BenchRun(
+                max_new_tokens=10,
+                num_draft_steps=3,
+                warmup=0,
+                threads=1,
+                max_prompts=3,
+                references=("untrained", "published"),
+            ),
+            reference_drafters={"published": start},
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+    twin = report["methods"]["untrained"]
+    assert (twin["role"], twin["folder"], twin["twin_of"]) == ("untrained", str(start), "demo-dflash")
+    for table in report["sets"].values():
+        mine, published = table["methods"]["untrained"], table["methods"]["published"]
+        assert mine["acceptance_length"] == published["acceptance_length"], table["methods"]
+        assert mine["verify_steps"] == published["verify_steps"]
+    # the twin's weights are the start folder's, not a fresh init of the trained drafter's shape
+    from transformers import AutoModelForCausalLM
+
+    from aerie.benchmark.run import load_methods
+    from aerie.drafter_kinds.dflash.training import load_for_bench
+
+    target = AutoModelForCausalLM.from_pretrained(bench_files / "target")
+    planned = bench_methods({"demo-dflash": trained}, ["untrained"], {}, num_draft_steps=3, ngram_draft_tokens=3)
+    loaded = load_methods(target, bench_files / "target", planned, torch.device("cpu"))
+    twin_fc = loaded.proposers["untrained"].drafter.fc.weight
+    assert torch.equal(twin_fc, load_for_bench(target, bench_files / "target", start, torch.device("cpu")).fc.weight)
+    assert not torch.equal(twin_fc, loaded.proposers["demo-dflash"].drafter.fc.weight)

@@ -5,8 +5,10 @@ card read it back from the report (``aerie.bench/4``, docs/formats.md).
 Roles:
 - ``trained``: a drafter this run trained (``results/drafter/{name}``), named by its drafter name (the run's name for
   a run with one drafter, ``{run}-{key}`` for each entry of ``drafters``);
-- ``untrained``: a trained drafter's twin exactly as training starts it (in-process only; its kind builds it), named
-  ``untrained`` when the run trains one drafter and ``untrained:{drafter}`` when it trains several;
+- ``untrained``: a trained drafter's twin exactly as training starts it (in-process only): its kind builds it from
+  scratch (same shape and seed), or, for a warm start, it is the ``drafter.init`` folder the trained folder records
+  (its ``folder``); named ``untrained`` when the run trains one drafter and ``untrained:{drafter}`` when it trains
+  several;
 - ``ngram`` (prompt lookup at the chain width: in-process ``bench.num_draft_steps`` drafts, under SGLang its NGRAM at
   ``sglang.speculative_num_draft_tokens``), ``ngram_default`` (SGLang's NGRAM at its own defaults);
 - ``drafter``: a reference drafter folder (any tool's, any kind aerie reads: ``kind_of_folder``), named as
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aerie.drafter_kinds import kind_of_folder
-from aerie.drafter_kinds.folders import read_folder_config
+from aerie.drafter_kinds.folders import read_folder_config, warm_start_of
 from aerie.drafter_kinds.kind import DrafterKind
 
 TRAINED, UNTRAINED, NGRAM, NGRAM_DEFAULT, DRAFTER = "trained", "untrained", "ngram", "ngram_default", "drafter"
@@ -116,7 +118,8 @@ def bench_methods(
             add(drafter_method(ref, DRAFTER, Path(folders[ref]), num_draft_steps))
         elif ref == UNTRAINED:
             for d in trained:
-                add(Method(untrained_name(d.name, len(trained)), UNTRAINED, d.kind, d.draft_tokens, None, d.name))
+                start = warm_start_of(d.folder, base=Path.cwd()) if d.folder is not None else None
+                add(Method(untrained_name(d.name, len(trained)), UNTRAINED, d.kind, d.draft_tokens, start, d.name))
         elif ref == NGRAM:
             add(Method(NGRAM, NGRAM, None, ngram_draft_tokens))
         elif ref == NGRAM_DEFAULT and ngram_default_draft_tokens is not None:

@@ -133,7 +133,8 @@ class _Loaded:
 
 def load_methods(target, target_path, methods: Mapping[str, Method], device: torch.device) -> _Loaded:
     """Every method's proposer: a drafter folder (trained or reference) through its kind's torch side, an untrained
-    twin by its trained drafter's kind (``untrained_like``), prompt lookup as it is."""
+    twin as its trained drafter's training started (its start folder, else ``untrained_like``), prompt lookup as
+    it is."""
     proposers: dict[str, Any] = {}
     drafters: dict[str, tuple[Any, Any]] = {}  # trained drafter -> (its kind's torch side, the loaded drafter)
     for name, m in methods.items():
@@ -145,7 +146,12 @@ def load_methods(target, target_path, methods: Mapping[str, Method], device: tor
                 drafters[name] = (side, drafter)
         elif m.role == UNTRAINED:
             side, trained = drafters[m.twin_of]
-            proposers[name] = side.proposer(side.untrained_like(trained, target), target)
+            # a warm start's twin is its start folder; from scratch, the kind's fresh init of the same shape
+            if m.folder is not None:
+                twin = side.load_for_bench(target, target_path, m.folder, device)
+            else:
+                twin = side.untrained_like(trained, target)
+            proposers[name] = side.proposer(twin, target)
         elif m.role == NGRAM:
             proposers[name] = NgramProposer()  # drafts up to num_draft_steps, as a chain drafter: the same width
         else:

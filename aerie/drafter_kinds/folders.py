@@ -146,6 +146,21 @@ def read_folder_config(folder: Path) -> dict[str, Any]:
         raise DrafterFolderError(folder, [f"config.json is not JSON: {e}"]) from None
 
 
+def warm_start_of(folder: Path, base: Path | None = None) -> Path | None:
+    """The folder an aerie-trained drafter's training started from (its config.json's ``aerie`` block:
+    ``train_config.init``, or ``init`` in an export of the start itself, when no epoch beat it), found as training
+    found it (``resolve_drafter_folder`` from ``base``); None for a drafter trained from scratch or written by another
+    tool. FileNotFoundError, naming both folders, when the start is recorded but no longer there."""
+    aerie = read_folder_config(Path(folder)).get("aerie") or {}
+    init = (aerie.get("train_config") or {}).get("init") or aerie.get("init")
+    if not init:
+        return None
+    try:
+        return resolve_drafter_folder(init, base=base)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{folder} was warm-started from drafter.init {init!r}, which is gone: {e}") from e
+
+
 def read_tensor_index(folder: Path, canonical: Callable[[str], str]) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """(every stored tensor by its ``canonical`` name, the files' metadata); a name stored twice is refused."""
     tensors: dict[str, StoredTensor] = {}
