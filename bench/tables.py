@@ -18,6 +18,8 @@ the block's data lives:
   and ``gpu_check`` (bench/results/batch_packing.json, packing_seeds.json, gpu_check.json);
 - ``warm_start/STUDY``: bench/results/warm_start/STUDY/seed-N.json (bench/warm_start.py run), its own table
   function;
+- ``dflash_vs_eagle3`` and ``dflash_vs_eagle3_rehearsal``: bench/results/NAME/seed-N.json (bench/dflash_vs_eagle3.py
+  run, on the demo target and with ``--target rehearsal``), one table function for both;
 - ``shared_key``: bench/results/shared_key.json (bench/shared_key.py): books per folder on a shared key, and the
   batch path at size.
 A block in RESULTS.md whose data is gone is an error; data with no block is listed (place its marker by hand
@@ -424,10 +426,9 @@ def generators() -> dict[str, Callable[[], str]]:
         gens["drafter_kinds"] = lambda: _bench_module("drafter_kinds").kinds_table(RESULTS_DIR / "drafter_kinds")
     for study in sorted(p for p in (RESULTS_DIR / "warm_start").glob("*") if any(p.glob("seed-*.json"))):
         gens[f"warm_start/{study.name}"] = lambda d=study: _bench_module("warm_start").warm_start_table(d)
-    if any((RESULTS_DIR / "dflash_vs_eagle3").glob("seed-*.json")):
-        gens["dflash_vs_eagle3"] = lambda: _bench_module("dflash_vs_eagle3").dflash_table(
-            RESULTS_DIR / "dflash_vs_eagle3"
-        )
+    for name in ("dflash_vs_eagle3", "dflash_vs_eagle3_rehearsal"):  # the demo target, the Kimi rehearsal target
+        if any((RESULTS_DIR / name).glob("seed-*.json")):
+            gens[name] = lambda d=RESULTS_DIR / name: _bench_module("dflash_vs_eagle3").dflash_table(d)
     if (RESULTS_DIR / "batch_packing.json").exists():
         gens["batch_packing"] = lambda: _bench_module("batch_packing").table()
     if (RESULTS_DIR / "packing_seeds.json").exists():
