@@ -481,7 +481,7 @@ def announce(run: TrainingRun, plan: BatchPlan, estimate: TrainingMemory) -> Non
         f"{'packed' if cfg.packing else 'padded'} batches ({w['padded_per_real_token']:.2f} padded per real token)"
         + (f", {run.dist.world} processes" if run.dist.world > 1 else "")
     )
-    run.log(estimate.describe() + " (estimate: aerie.drafter_kinds.eagle3.memory)")
+    run.log(estimate.describe() + f" (estimate: the {run.kind.name} kind's training_memory)")
 
 
 def evaluate_untrained(
@@ -697,7 +697,7 @@ def run_result(run: TrainingRun, plan: BatchPlan, estimate: TrainingMemory, prog
         "attention_kernel": run.kernel,
         "windows": plan.windows,
         "memory": {
-            "estimated_peak_bytes": estimate.total,  # per process (aerie.drafter_kinds.eagle3.memory)
+            "estimated_peak_bytes": estimate.total,  # per process (the drafter kind's training_memory)
             "estimated_parts": estimate.parts,
             # what torch allocated at most on this process's GPU (None on the CPU)
             "measured_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

@@ -15,9 +15,9 @@ says what to set. The jobs and what each counts, per GPU (the job's fullest GPU)
   outside it: SGLang's ``chunked_prefill_size`` tokens, or one longest sequence (``tokens.max_seq_len``), which
   runs alone, at most ``batch_tokens``. Checked too: the static share holds the weights,
   the copy and the KV of one longest sequence (``tokens.max_seq_len``).
-- ``drafter`` (training): :func:`aerie.drafter_kinds.eagle3.memory.estimate_training_memory` (parameters, gradients,
-AdamW
-  state, frozen embeddings, the largest batch the settings allow and its activations), a replica per GPU.
+- ``drafter`` (training): the drafter kind's ``training_memory`` (EAGLE-3:
+  :func:`aerie.drafter_kinds.eagle3.memory.estimate_training_memory`; DFlash: its shape's): parameters, gradients,
+  AdamW state, frozen embeddings, the largest batch the settings allow and its activations, a replica per GPU.
 - ``bench``. ``inprocess``: the target placed as aerie.target_model.placement places it (one GPU, or spread over the
   job's GPUs with device_map; refused when it cannot fit them, naming ``bench.backend: sglang``) + the trained and
   the untrained drafter + the target's KV cache for one prompt (the longest of the plan's first prompts) and
