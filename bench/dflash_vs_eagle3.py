@@ -53,19 +53,18 @@ OUT = REPO / "bench" / "results" / "dflash_vs_eagle3"
 STUDY = "shifted"
 KINDS = ("eagle3", "dflash")
 EAGLE3 = {k: v for k, v in warm_start.PUBLISH.items() if k != "seed"}  # the demo's recipe on the general set
+
+
+def dflash_recipe(eagle3: dict[str, Any], num_anchors: int) -> dict[str, Any]:
+    """DFlash beside an EAGLE-3 recipe: 2 layers, a block of 4 (3 drafts: the chain's width), ``num_anchors`` blocks
+    per sequence, and the EAGLE-3 recipe's epochs, rate, batches and held-out share."""
+    same = ("epochs", "learning_rate", "max_seq_len", "batch_size", "eval_fraction")
+    return dict(kind="dflash", num_layers=2, block_size=4, num_anchors=num_anchors, **{k: eagle3[k] for k in same})
+
+
 # DFlash at the demo target's scale: 2 layers (the target has 8; EAGLE-3 has 1), a block of 4 (3 drafts, EAGLE-3's
 # width), 64 anchors per sequence, the same epochs, rate and batches as EAGLE-3; its layers are the capture's.
-DFLASH = dict(
-    kind="dflash",
-    num_layers=2,
-    block_size=4,
-    num_anchors=64,
-    epochs=EAGLE3["epochs"],
-    learning_rate=EAGLE3["learning_rate"],
-    max_seq_len=EAGLE3["max_seq_len"],
-    batch_size=EAGLE3["batch_size"],
-    eval_fraction=EAGLE3["eval_fraction"],
-)
+DFLASH = dflash_recipe(EAGLE3, num_anchors=64)
 BENCH = dict(max_new_tokens=64, num_draft_steps=3, repeats=1, warmup=1, max_prompts=16)
 
 # The rehearsal target (8 layers of width 128, MLA, MoE, Kimi's 163,840-id vocabulary): EAGLE-3 is drafter_kinds'
@@ -78,17 +77,7 @@ EAGLE3_REHEARSAL = {**drafter_kinds.RECIPE, "attention": "mla"}
 # position several times over), so 16 blocks of 3 drafts cover an answer about once; and each drafted slot is
 # projected on all 163,840 ids (DFlash has no draft vocab), which makes anchors the cost of its training on a CPU. The
 # same epochs, rate, batches and held-out share as the EAGLE-3 recipe.
-DFLASH_REHEARSAL = dict(
-    kind="dflash",
-    num_layers=2,
-    block_size=4,
-    num_anchors=16,
-    epochs=EAGLE3_REHEARSAL["epochs"],
-    learning_rate=EAGLE3_REHEARSAL["learning_rate"],
-    max_seq_len=EAGLE3_REHEARSAL["max_seq_len"],
-    batch_size=EAGLE3_REHEARSAL["batch_size"],
-    eval_fraction=EAGLE3_REHEARSAL["eval_fraction"],
-)
+DFLASH_REHEARSAL = dflash_recipe(EAGLE3_REHEARSAL, num_anchors=16)
 BENCH_REHEARSAL = {**drafter_kinds.BENCH}  # every one of the 24 bench prompts, as drafter_kinds benches them
 TARGETS = ("demo", "rehearsal")
 
