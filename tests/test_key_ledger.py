@@ -288,18 +288,21 @@ def test_a_run_killed_and_restarted_beside_another_books_its_lost_requests_and_n
         books = {folder.name: books_of(folder) for folder in (killed, other)}
         # read while the account can still be read live: the jobs' last recorded reading may predate the billing
         # of the kill's abandoned generations (pending there), as the books above would without the live account
-        lost = {folder.name: spend_story([shard_of(folder)]).billed["chat"].lost for folder in (killed, other)}
+        beyond = {folder.name: spend_story([shard_of(folder)]).billed["chat"] for folder in (killed, other)}
     assert all(proc.returncode == 0 for proc in (restarted, second)), logs
     assert stats["outcomes"].get("client-gone", 0) >= 5, stats["outcomes"]  # the kill left requests to be billed
     own = billed_per_folder(tmp_path / "requests.jsonl", [killed, other])
     assert sum(own.values()) == pytest.approx(stats["charged_usd"])
     for name in books:
         assert books[name] == pytest.approx(own[name], abs=per / 2), (books, own)
-    # one may have died before it was sent, and the books split the unjournaled spend between billed retries and lost
-    # requests by their expected costs (to a fraction of a request, as the totals above)
-    # (how many were in flight at the kill is the scheduler's: the intents log says, and the lost must cover them)
-    assert lost["killed"] >= (left - 1.5) * per, (left, lost)
-    assert lost["other"] == 0, lost
+    # The kill's requests are in the killed folder's books beyond its journals, and none in the other's. How that spend
+    # splits between lost requests and billed retries (the restarted run's timed-out answers) is the books' estimate by
+    # expected costs, not a count: a CI run booked 4 of 20 lost and the rest as retries, totals exact (checked above).
+    # One may have died before it was sent; how many were in flight at the kill is the scheduler's (the intents log).
+    mine, theirs = beyond["killed"], beyond["other"]
+    assert left >= 1 and mine.lost > 0, (left, mine)
+    assert mine.lost + mine.retries + mine.pending >= (left - 1.5) * per, (left, mine)
+    assert theirs.lost == 0, theirs
     # Each run's budget held, give or take the answers billed after its last reading (the other run may have ended
     # before the killed one came back: a run that ended before another opened does not count against it).
     for name in books:
